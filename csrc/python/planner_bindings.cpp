@@ -1,0 +1,666 @@
+// pybind11 bindings of the planner (torch_monarch._C.planner).
+//
+// The bindings mirror the C++ API one to one (same names, same fields, methods stay
+// methods); torch_monarch/planner.py adds the Pythonic layer on top (strings for enums,
+// keyword pins, file paths). Planner exceptions become Python exceptions with the very
+// same message: ValidationError / FormatError / InfeasibleError derive from ValueError,
+// any other PlannerError from RuntimeError.
+#include <pybind11/operators.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <pybind11/stl_bind.h>
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/cluster.h"
+#include "monarch/planner/dtype.h"
+#include "monarch/planner/errors.h"
+#include "monarch/planner/model_graph.h"
+#include "monarch/planner/plan.h"
+#include "monarch/planner/report.h"
+#include "monarch/planner/schedule.h"
+#include "monarch/planner/search.h"
+#include "monarch/planner/training_config.h"
+
+// Lists whose elements users edit in place (plan.layers[3].stage = 2) are bound as opaque
+// list types holding the C++ vector, so item access returns a reference, not a copy.
+PYBIND11_MAKE_OPAQUE(std::vector<monarch::planner::Layer>)
+PYBIND11_MAKE_OPAQUE(std::vector<monarch::planner::LayerPlacement>)
+PYBIND11_MAKE_OPAQUE(std::vector<monarch::planner::Alternative>)
+
+namespace py = pybind11;
+
+namespace monarch::python {
+namespace {
+
+using namespace monarch::planner;
+
+// ---------------------------------------------------------------------------------------
+// Small helpers
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+template <class T>
+std::string opt(const std::optional<T>& v) {
+  if (!v) return "None";
+  std::ostringstream os;
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (*v ? "True" : "False");
+  } else if constexpr (std::is_enum_v<T>) {
+    os << to_string(*v);
+  } else {
+    os << *v;
+  }
+  return os.str();
+}
+
+const char* pybool(bool b) { return b ? "True" : "False"; }
+
+// T(**kwargs): default-construct, then assign each keyword as an attribute, so unknown
+// names raise AttributeError and values go through the normal field setters.
+template <class T, class Cls>
+void add_kwargs_init(Cls& cls) {
+  cls.def(py::init([](const py::kwargs& kwargs) {
+            py::object obj = py::cast(T{});
+            for (const auto& item : kwargs) py::setattr(obj, item.first, item.second);
+            return obj.cast<T>();
+          }),
+          "Default values, overridden by keyword arguments naming fields.");
+}
+
+template <class T, class Cls>
+void add_copy(Cls& cls) {
+  cls.def("__copy__", [](const T& self) { return T(self); });
+  cls.def("__deepcopy__", [](const T& self, const py::object&) { return T(self); }, py::arg("memo"));
+}
+
+// str(enum) gives the name used in JSON and on the command line ("1f1b", "bf16"), and
+// Enum.from_string(name, field) parses it, raising ValueError that names `field`.
+template <class E, class FromString>
+void finish_enum(py::enum_<E>& e, FromString from_string, const char* default_field) {
+  e.attr("__str__") = py::cpp_function([](E v) { return to_string(v); }, py::name("__str__"),
+                                       py::is_method(e));
+  e.def_static(
+      "from_string",
+      [from_string](const std::string& name, const std::string& field) {
+        return from_string(name, field);
+      },
+      py::arg("name"), py::arg("field") = default_field,
+      "Parses the name used in JSON and on the command line.");
+}
+
+// ---------------------------------------------------------------------------------------
+// Exceptions
+
+py::handle g_planner_error;
+py::handle g_validation_error;
+py::handle g_format_error;
+py::handle g_infeasible_error;
+
+py::handle new_exception(py::module_& m, const char* name, PyObject* base, const char* doc) {
+  const std::string qualified = std::string(PyModule_GetName(m.ptr())) + "." + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base, nullptr);
+  if (!type) throw py::error_already_set();
+  m.add_object(name, py::handle(type));  // add_object takes its own reference; ours is kept
+  return py::handle(type);
+}
+
+void set_error(py::handle type, const char* message, const std::string* field = nullptr) {
+  py::object exc = type(message);
+  if (field) exc.attr("field") = *field;
+  PyErr_SetObject(type.ptr(), exc.ptr());
+}
+
+void bind_exceptions(py::module_& m) {
+  g_planner_error = new_exception(m, "PlannerError", PyExc_RuntimeError,
+                                  "Base of the planner's errors that are not ValueErrors.");
+  g_validation_error = new_exception(
+      m, "ValidationError", PyExc_ValueError,
+      "A value is malformed or inconsistent; `field` is its dotted path (e.g. 'mesh.tp').");
+  g_format_error = new_exception(m, "FormatError", PyExc_ValueError,
+                                 "Plan JSON could not be parsed or has an unknown version.");
+  g_infeasible_error = new_exception(m, "InfeasibleError", PyExc_ValueError,
+                                     "No layout satisfies the constraints.");
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ValidationError& e) {
+      set_error(g_validation_error, e.what(), &e.field());
+    } catch (const FormatError& e) {
+      set_error(g_format_error, e.what());
+    } catch (const InfeasibleError& e) {
+      set_error(g_infeasible_error, e.what());
+    } catch (const PlannerError& e) {
+      set_error(g_planner_error, e.what());
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Enums
+
+void bind_enums(py::module_& m) {
+  py::enum_<DType> dtype(m, "DType", "Numeric formats: fp32, tf32, bf16, fp16, fp8.");
+  dtype.value("fp32", DType::fp32)
+      .value("tf32", DType::tf32)
+      .value("bf16", DType::bf16)
+      .value("fp16", DType::fp16)
+      .value("fp8", DType::fp8);
+  finish_enum(dtype, [](const std::string& n, const std::string& f) { return dtype_from_string(n, f); },
+              "dtype");
+
+  py::enum_<LayerKind> kind(m, "LayerKind");
+  kind.value("embedding", LayerKind::embedding)
+      .value("attention", LayerKind::attention)
+      .value("mlp", LayerKind::mlp)
+      .value("norm", LayerKind::norm)
+      .value("block", LayerKind::block)
+      .value("head", LayerKind::head)
+      .value("other", LayerKind::other);
+  finish_enum(kind, [](const std::string& n, const std::string& f) { return layer_kind_from_string(n, f); },
+              "kind");
+
+  py::enum_<TpPattern> tp(m, "TpPattern", "How a layer splits over the tp axis (Megatron-LM).");
+  tp.value("replicated", TpPattern::replicated)
+      .value("column_row", TpPattern::column_row)
+      .value("heads", TpPattern::heads)
+      .value("block", TpPattern::block)
+      .value("vocab", TpPattern::vocab);
+  finish_enum(tp, [](const std::string& n, const std::string& f) { return tp_pattern_from_string(n, f); },
+              "tp");
+
+  py::enum_<ScheduleKind> schedule(m, "ScheduleKind", "Pipeline schedules.");
+  schedule.value("none", ScheduleKind::none)
+      .value("gpipe", ScheduleKind::gpipe)
+      .value("one_f_one_b", ScheduleKind::one_f_one_b)
+      .value("interleaved_1f1b", ScheduleKind::interleaved_1f1b)
+      .value("zero_bubble_h1", ScheduleKind::zero_bubble_h1);
+  finish_enum(schedule, [](const std::string& n, const std::string& f) { return schedule_from_string(n, f); },
+              "schedule");
+
+  py::enum_<Recompute> recompute(m, "Recompute", "Activation recomputation (Korthikanti et al. 2022).");
+  recompute.value("none", Recompute::none)
+      .value("selective", Recompute::selective)
+      .value("full", Recompute::full);
+  finish_enum(recompute, [](const std::string& n, const std::string& f) { return recompute_from_string(n, f); },
+              "recompute");
+
+  py::enum_<ActionType> action(m, "ActionType", "What one entry of a pipeline rank's program does.");
+  action.value("forward", ActionType::forward)
+      .value("backward", ActionType::backward)
+      .value("backward_input", ActionType::backward_input)
+      .value("backward_weight", ActionType::backward_weight)
+      .value("send_activation", ActionType::send_activation)
+      .value("recv_activation", ActionType::recv_activation)
+      .value("send_gradient", ActionType::send_gradient)
+      .value("recv_gradient", ActionType::recv_gradient);
+  finish_enum(action, [](const std::string& n, const std::string& f) { return action_type_from_string(n, f); },
+              "type");
+
+  m.def("bytes_of", &bytes_of, py::arg("dtype"), "Bytes per element of a tensor stored in `dtype`.");
+}
+
+// ---------------------------------------------------------------------------------------
+// Model graph
+
+void bind_model_graph(py::module_& m) {
+  py::class_<TpDims> dims(m, "TpDims", "What tp must divide for a layer to be split (0: no constraint).");
+  add_kwargs_init<TpDims>(dims);
+  add_copy<TpDims>(dims);
+  dims.def_readwrite("heads", &TpDims::heads)
+      .def_readwrite("kv_heads", &TpDims::kv_heads)
+      .def_readwrite("ffn", &TpDims::ffn)
+      .def_readwrite("vocab", &TpDims::vocab)
+      .def("__repr__", [](const TpDims& d) {
+        return "TpDims(heads=" + std::to_string(d.heads) + ", kv_heads=" + std::to_string(d.kv_heads) +
+               ", ffn=" + std::to_string(d.ffn) + ", vocab=" + std::to_string(d.vocab) + ")";
+      });
+
+  py::class_<ActivationBytes> act(m, "ActivationBytes",
+                                  "Activation bytes one sample keeps for backward (Korthikanti et al. 2022).");
+  add_kwargs_init<ActivationBytes>(act);
+  add_copy<ActivationBytes>(act);
+  act.def_readwrite("replicated", &ActivationBytes::replicated)
+      .def_readwrite("tp_sharded", &ActivationBytes::tp_sharded)
+      .def_readwrite("attention_scores", &ActivationBytes::attention_scores)
+      .def_readwrite("layer_input", &ActivationBytes::layer_input)
+      .def("total", &ActivationBytes::total)
+      .def("__repr__", [](const ActivationBytes& a) {
+        return "ActivationBytes(replicated=" + num(a.replicated) + ", tp_sharded=" + num(a.tp_sharded) +
+               ", attention_scores=" + num(a.attention_scores) + ", layer_input=" + num(a.layer_input) + ")";
+      });
+
+  py::class_<Layer> layer(m, "Layer", "One layer as the planner sees it.");
+  add_kwargs_init<Layer>(layer);
+  add_copy<Layer>(layer);
+  layer.def_readwrite("name", &Layer::name)
+      .def_readwrite("kind", &Layer::kind)
+      .def_readwrite("params", &Layer::params)
+      .def_readwrite("param_dtype", &Layer::param_dtype)
+      .def_readwrite("forward_flops_per_sample", &Layer::forward_flops_per_sample)
+      .def_readwrite("attention_flops_per_sample", &Layer::attention_flops_per_sample)
+      .def_readwrite("activations", &Layer::activations)
+      .def_readwrite("output_bytes_per_sample", &Layer::output_bytes_per_sample)
+      .def_readwrite("tp", &Layer::tp)
+      .def_readwrite("tp_dims", &Layer::tp_dims)
+      .def_readwrite("recomputable", &Layer::recomputable)
+      .def("__repr__", [](const Layer& l) {
+        return "<Layer " + quoted(l.name) + " " + to_string(l.kind) + " params=" + std::to_string(l.params) +
+               " tp=" + to_string(l.tp) + ">";
+      });
+  py::bind_vector<std::vector<Layer>>(m, "LayerList");
+  py::implicitly_convertible<py::list, std::vector<Layer>>();
+  py::implicitly_convertible<py::tuple, std::vector<Layer>>();
+
+  py::class_<TransformerConfig> tc(m, "TransformerConfig",
+                                   "Hyperparameters of a decoder-only transformer. "
+                                   "TransformerConfig(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)");
+  add_kwargs_init<TransformerConfig>(tc);
+  add_copy<TransformerConfig>(tc);
+  tc.def_readwrite("name", &TransformerConfig::name)
+      .def_readwrite("layers", &TransformerConfig::layers)
+      .def_readwrite("hidden", &TransformerConfig::hidden)
+      .def_readwrite("heads", &TransformerConfig::heads)
+      .def_readwrite("kv_heads", &TransformerConfig::kv_heads)
+      .def_readwrite("ffn", &TransformerConfig::ffn)
+      .def_readwrite("gated_mlp", &TransformerConfig::gated_mlp)
+      .def_readwrite("seq", &TransformerConfig::seq)
+      .def_readwrite("vocab", &TransformerConfig::vocab)
+      .def_readwrite("tied_embeddings", &TransformerConfig::tied_embeddings)
+      .def_readwrite("dtype", &TransformerConfig::dtype)
+      .def(py::self == py::self)
+      .def("__repr__", [](const TransformerConfig& c) {
+        std::ostringstream os;
+        os << "TransformerConfig(name=" << quoted(c.name) << ", layers=" << c.layers << ", hidden=" << c.hidden
+           << ", heads=" << c.heads << ", kv_heads=" << c.kv_heads << ", ffn=" << c.ffn
+           << ", gated_mlp=" << pybool(c.gated_mlp) << ", seq=" << c.seq << ", vocab=" << c.vocab
+           << ", tied_embeddings=" << pybool(c.tied_embeddings) << ", dtype=" << to_string(c.dtype) << ")";
+        return os.str();
+      });
+
+  py::class_<ModelGraph> graph(m, "ModelGraph",
+                               "A model as the planner sees it: layers in execution order, extra "
+                               "data-flow edges, tied weight groups.");
+  add_kwargs_init<ModelGraph>(graph);
+  add_copy<ModelGraph>(graph);
+  graph.def_readwrite("name", &ModelGraph::name)
+      .def_readwrite("layers", &ModelGraph::layers)
+      .def_readwrite("edges", &ModelGraph::edges)
+      .def_readwrite("tied_groups", &ModelGraph::tied_groups)
+      .def_readwrite("transformer", &ModelGraph::transformer)
+      .def("total_params", &ModelGraph::total_params)
+      .def("seq_len", &ModelGraph::seq_len)
+      .def("can_cut_before", &ModelGraph::can_cut_before, py::arg("index"))
+      .def("__len__", [](const ModelGraph& g) { return g.layers.size(); })
+      .def("__repr__", [](const ModelGraph& g) {
+        return "<ModelGraph " + quoted(g.name) + ": " + std::to_string(g.layers.size()) + " layers, " +
+               std::to_string(g.total_params()) + " params>";
+      });
+
+  m.def("build_transformer", &build_transformer, py::arg("config"),
+        "Layer list of a decoder transformer: embedding, blocks, final norm, LM head.");
+}
+
+// ---------------------------------------------------------------------------------------
+// Cluster and training configuration
+
+void bind_cluster_training(py::module_& m) {
+  py::class_<Cluster> cluster(m, "Cluster", "Identical nodes of identical devices, two link levels.");
+  add_kwargs_init<Cluster>(cluster);
+  add_copy<Cluster>(cluster);
+  cluster.def_readwrite("name", &Cluster::name)
+      .def_readwrite("nodes", &Cluster::nodes)
+      .def_readwrite("devices_per_node", &Cluster::devices_per_node)
+      .def_readwrite("device_memory_bytes", &Cluster::device_memory_bytes)
+      .def_readwrite("memory_reserved_bytes", &Cluster::memory_reserved_bytes)
+      .def_readwrite("peak_flops_fp32", &Cluster::peak_flops_fp32)
+      .def_readwrite("peak_flops_tf32", &Cluster::peak_flops_tf32)
+      .def_readwrite("peak_flops_bf16", &Cluster::peak_flops_bf16)
+      .def_readwrite("peak_flops_fp8", &Cluster::peak_flops_fp8)
+      .def_readwrite("matmul_efficiency", &Cluster::matmul_efficiency)
+      .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
+      .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)
+      .def_readwrite("intra_node_latency_s", &Cluster::intra_node_latency_s)
+      .def_readwrite("inter_node_bytes_per_s", &Cluster::inter_node_bytes_per_s)
+      .def_readwrite("inter_node_latency_s", &Cluster::inter_node_latency_s)
+      .def("world_size", &Cluster::world_size)
+      .def("peak_flops", &Cluster::peak_flops, py::arg("dtype"))
+      .def("usable_memory_bytes", &Cluster::usable_memory_bytes)
+      .def(py::self == py::self)
+      .def("__repr__", [](const Cluster& c) {
+        return "<Cluster " + quoted(c.name) + ": " + std::to_string(c.nodes) + " nodes x " +
+               std::to_string(c.devices_per_node) + " devices, " + format_bytes(c.device_memory_bytes) +
+               " per device>";
+      });
+
+  m.def("cluster_preset", &cluster_preset, py::arg("name"), py::arg("devices"),
+        "A known cluster (see cluster_preset_names()) with `devices` devices in total.");
+  m.def("cluster_preset_names", &cluster_preset_names);
+
+  py::class_<TrainingConfig> training(m, "TrainingConfig",
+                                      "What is trained and which techniques the search may use.");
+  add_kwargs_init<TrainingConfig>(training);
+  add_copy<TrainingConfig>(training);
+  training.def_readwrite("global_batch", &TrainingConfig::global_batch)
+      .def_readwrite("compute_dtype", &TrainingConfig::compute_dtype)
+      .def_readwrite("param_bytes", &TrainingConfig::param_bytes)
+      .def_readwrite("grad_bytes", &TrainingConfig::grad_bytes)
+      .def_readwrite("optimizer_bytes", &TrainingConfig::optimizer_bytes)
+      .def_readwrite("activation_bytes", &TrainingConfig::activation_bytes)
+      .def_readwrite("allow_tensor_parallel", &TrainingConfig::allow_tensor_parallel)
+      .def_readwrite("allow_pipeline_parallel", &TrainingConfig::allow_pipeline_parallel)
+      .def_readwrite("allow_zero", &TrainingConfig::allow_zero)
+      .def_readwrite("allow_recompute", &TrainingConfig::allow_recompute)
+      .def_readwrite("allow_sequence_parallel", &TrainingConfig::allow_sequence_parallel)
+      .def_readwrite("schedules", &TrainingConfig::schedules,
+                     "A copy: assign a new list to change it (appending to the copy has no effect).")
+      .def_readwrite("max_micro_batch_size", &TrainingConfig::max_micro_batch_size)
+      .def_readwrite("dp_bucket_bytes", &TrainingConfig::dp_bucket_bytes)
+      .def(py::self == py::self)
+      .def("__repr__", [](const TrainingConfig& t) {
+        return "<TrainingConfig global_batch=" + std::to_string(t.global_batch) +
+               " compute_dtype=" + to_string(t.compute_dtype) + ">";
+      });
+
+  py::class_<Pins> pins(m, "Pins", "Choices a user fixes; None means searched.");
+  add_kwargs_init<Pins>(pins);
+  add_copy<Pins>(pins);
+  pins.def_readwrite("tp", &Pins::tp)
+      .def_readwrite("pp", &Pins::pp)
+      .def_readwrite("dp", &Pins::dp)
+      .def_readwrite("zero_stage", &Pins::zero_stage)
+      .def_readwrite("micro_batch_size", &Pins::micro_batch_size)
+      .def_readwrite("virtual_stages", &Pins::virtual_stages)
+      .def_readwrite("schedule", &Pins::schedule)
+      .def_readwrite("recompute", &Pins::recompute)
+      .def_readwrite("sequence_parallel", &Pins::sequence_parallel)
+      .def("all_layout_pinned", &Pins::all_layout_pinned)
+      .def("__repr__", [](const Pins& p) {
+        return "Pins(tp=" + opt(p.tp) + ", pp=" + opt(p.pp) + ", dp=" + opt(p.dp) +
+               ", zero_stage=" + opt(p.zero_stage) + ", micro_batch_size=" + opt(p.micro_batch_size) +
+               ", virtual_stages=" + opt(p.virtual_stages) + ", schedule=" + opt(p.schedule) +
+               ", recompute=" + opt(p.recompute) + ", sequence_parallel=" + opt(p.sequence_parallel) + ")";
+      });
+
+  m.def("validate", py::overload_cast<const Cluster&>(&validate), py::arg("cluster"));
+  m.def("validate", py::overload_cast<const TrainingConfig&>(&validate), py::arg("training"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Plan
+
+void bind_plan(py::module_& m) {
+  m.attr("PLAN_FORMAT_VERSION") = kPlanFormatVersion;
+
+  py::class_<Mesh> mesh(m, "Mesh", "Device mesh: pp x dp x tp, axis order outermost first.");
+  add_kwargs_init<Mesh>(mesh);
+  add_copy<Mesh>(mesh);
+  mesh.def_readwrite("pp", &Mesh::pp)
+      .def_readwrite("dp", &Mesh::dp)
+      .def_readwrite("tp", &Mesh::tp)
+      .def_readwrite("order", &Mesh::order)
+      .def("world_size", &Mesh::world_size)
+      .def(py::self == py::self)
+      .def("__repr__", [](const Mesh& x) {
+        return "Mesh(pp=" + std::to_string(x.pp) + ", dp=" + std::to_string(x.dp) +
+               ", tp=" + std::to_string(x.tp) + ")";
+      });
+
+  py::class_<LayerPlacement> lp(m, "LayerPlacement", "Where one layer goes: stage, tp split, sharding unit.");
+  add_kwargs_init<LayerPlacement>(lp);
+  add_copy<LayerPlacement>(lp);
+  lp.def_readwrite("name", &LayerPlacement::name)
+      .def_readwrite("kind", &LayerPlacement::kind)
+      .def_readwrite("params", &LayerPlacement::params)
+      .def_readwrite("stage", &LayerPlacement::stage)
+      .def_readwrite("tp", &LayerPlacement::tp)
+      .def_readwrite("tp_dims", &LayerPlacement::tp_dims)
+      .def_readwrite("sharding_unit", &LayerPlacement::sharding_unit)
+      .def(py::self == py::self)
+      .def("__repr__", [](const LayerPlacement& l) {
+        return "<LayerPlacement " + quoted(l.name) + " stage=" + std::to_string(l.stage) +
+               " tp=" + to_string(l.tp) + (l.sharding_unit ? " sharding_unit" : "") + ">";
+      });
+  py::bind_vector<std::vector<LayerPlacement>>(m, "LayerPlacementList");
+  py::implicitly_convertible<py::list, std::vector<LayerPlacement>>();
+  py::implicitly_convertible<py::tuple, std::vector<LayerPlacement>>();
+
+  py::class_<MemoryBreakdown> mem(m, "MemoryBreakdown", "Bytes on the most loaded rank.");
+  add_kwargs_init<MemoryBreakdown>(mem);
+  add_copy<MemoryBreakdown>(mem);
+  mem.def_readwrite("params", &MemoryBreakdown::params)
+      .def_readwrite("grads", &MemoryBreakdown::grads)
+      .def_readwrite("optimizer", &MemoryBreakdown::optimizer)
+      .def_readwrite("activations", &MemoryBreakdown::activations)
+      .def_readwrite("buffers", &MemoryBreakdown::buffers)
+      .def("total", &MemoryBreakdown::total)
+      .def(py::self == py::self)
+      .def("__repr__", [](const MemoryBreakdown& b) {
+        return "MemoryBreakdown(params=" + num(b.params) + ", grads=" + num(b.grads) +
+               ", optimizer=" + num(b.optimizer) + ", activations=" + num(b.activations) +
+               ", buffers=" + num(b.buffers) + ")";
+      });
+
+  py::class_<TimeBreakdown> time(m, "TimeBreakdown", "Seconds per optimizer step.");
+  add_kwargs_init<TimeBreakdown>(time);
+  add_copy<TimeBreakdown>(time);
+  time.def_readwrite("compute", &TimeBreakdown::compute)
+      .def_readwrite("recompute", &TimeBreakdown::recompute)
+      .def_readwrite("tp_comm", &TimeBreakdown::tp_comm)
+      .def_readwrite("dp_comm", &TimeBreakdown::dp_comm)
+      .def_readwrite("pp_comm", &TimeBreakdown::pp_comm)
+      .def_readwrite("bubble", &TimeBreakdown::bubble)
+      .def_readwrite("optimizer", &TimeBreakdown::optimizer)
+      .def_readwrite("total", &TimeBreakdown::total)
+      .def(py::self == py::self)
+      .def("__repr__", [](const TimeBreakdown& t) {
+        return "TimeBreakdown(compute=" + num(t.compute) + ", recompute=" + num(t.recompute) +
+               ", tp_comm=" + num(t.tp_comm) + ", dp_comm=" + num(t.dp_comm) + ", pp_comm=" + num(t.pp_comm) +
+               ", bubble=" + num(t.bubble) + ", optimizer=" + num(t.optimizer) + ", total=" + num(t.total) + ")";
+      });
+
+  py::class_<Prediction> pred(m, "Prediction", "What the cost model expects of a layout.");
+  add_kwargs_init<Prediction>(pred);
+  add_copy<Prediction>(pred);
+  pred.def_readwrite("step_time_s", &Prediction::step_time_s)
+      .def_readwrite("time", &Prediction::time)
+      .def_readwrite("memory", &Prediction::memory)
+      .def_readwrite("memory_bytes_per_device", &Prediction::memory_bytes_per_device)
+      .def_readwrite("tokens_per_s", &Prediction::tokens_per_s)
+      .def_readwrite("tflops_per_device", &Prediction::tflops_per_device)
+      .def_readwrite("mfu", &Prediction::mfu)
+      .def_readwrite("bubble_fraction", &Prediction::bubble_fraction)
+      .def(py::self == py::self)
+      .def("__repr__", [](const Prediction& p) {
+        return "<Prediction step=" + format_seconds(p.step_time_s) + ", " + num(p.tflops_per_device) +
+               " TFLOP/s per device, mfu=" + num(p.mfu) + ", " + format_bytes(p.memory_bytes_per_device) +
+               " per device>";
+      });
+
+  py::class_<Alternative> alt(m, "Alternative", "A layout the search considered and did not pick, and why.");
+  add_kwargs_init<Alternative>(alt);
+  add_copy<Alternative>(alt);
+  alt.def_readwrite("summary", &Alternative::summary)
+      .def_readwrite("step_time_s", &Alternative::step_time_s)
+      .def_readwrite("memory_bytes_per_device", &Alternative::memory_bytes_per_device)
+      .def_readwrite("reason", &Alternative::reason)
+      .def(py::self == py::self)
+      .def("__repr__", [](const Alternative& a) { return "<Alternative " + a.summary + ": " + a.reason + ">"; });
+  py::bind_vector<std::vector<Alternative>>(m, "AlternativeList");
+  py::implicitly_convertible<py::list, std::vector<Alternative>>();
+  py::implicitly_convertible<py::tuple, std::vector<Alternative>>();
+
+  py::class_<Plan> plan(m, "Plan",
+                        "The contract between planner and runtime: mesh, sharding, stages, micro-batches, "
+                        "schedule, recompute, buckets, and the cost model's prediction.");
+  add_kwargs_init<Plan>(plan);
+  add_copy<Plan>(plan);
+  plan.def_readwrite("version", &Plan::version)
+      .def_readwrite("model_name", &Plan::model_name)
+      .def_readwrite("model_params", &Plan::model_params)
+      .def_readwrite("transformer", &Plan::transformer)
+      .def_readwrite("cluster", &Plan::cluster)
+      .def_readwrite("training", &Plan::training)
+      .def_readwrite("mesh", &Plan::mesh)
+      .def_readwrite("zero_stage", &Plan::zero_stage)
+      .def_readwrite("micro_batch_size", &Plan::micro_batch_size)
+      .def_readwrite("num_micro_batches", &Plan::num_micro_batches)
+      .def_readwrite("schedule", &Plan::schedule)
+      .def_readwrite("virtual_stages", &Plan::virtual_stages)
+      .def_readwrite("recompute", &Plan::recompute)
+      .def_readwrite("sequence_parallel", &Plan::sequence_parallel)
+      .def_readwrite("dp_bucket_bytes", &Plan::dp_bucket_bytes)
+      .def_readwrite("layers", &Plan::layers)
+      .def_readwrite("prediction", &Plan::prediction)
+      .def_readwrite("alternatives", &Plan::alternatives)
+      .def("num_stages", &Plan::num_stages)
+      .def("summary", &Plan::summary, "One line: mesh, zero, micro-batch size, schedule, recompute.")
+      .def(
+          "to_json", [](const Plan& p, int indent) { return to_json(p, indent); }, py::arg("indent") = 2,
+          "Versioned JSON; parses back to an equal Plan and re-serializes to identical text.")
+      .def_static("from_json", &plan_from_json, py::arg("text"),
+                  "Parses plan JSON. FormatError (a ValueError) for unparsable text or an unknown version.")
+      .def(py::self == py::self)
+      .def("__repr__", [](const Plan& p) { return "<Plan " + quoted(p.model_name) + ": " + p.summary() + ">"; })
+      .def(py::pickle([](const Plan& p) { return to_json(p, 2); },
+                      [](const std::string& text) { return plan_from_json(text); }));
+
+  m.def("to_json", &to_json, py::arg("plan"), py::arg("indent") = 2);
+  m.def("plan_from_json", &plan_from_json, py::arg("text"));
+  m.def("load_plan", &load_plan, py::arg("path"));
+  m.def("save_plan", &save_plan, py::arg("plan"), py::arg("path"));
+  m.def("validate", py::overload_cast<const Plan&>(&validate), py::arg("plan"),
+        "Checks a plan on its own; ValidationError names the offending field.");
+  m.def("validate", py::overload_cast<const Plan&, const ModelGraph&>(&validate), py::arg("plan"),
+        py::arg("graph"), "Also checks the plan was made for `graph`.");
+
+  m.def("format_report", &format_report, py::arg("plan"), "Multi-line human-readable summary of a plan.");
+  m.def("format_bytes", &format_bytes, py::arg("bytes"));
+  m.def("format_seconds", &format_seconds, py::arg("seconds"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Search
+
+void bind_search(py::module_& m) {
+  py::class_<SearchOptions> options(m, "SearchOptions");
+  add_kwargs_init<SearchOptions>(options);
+  add_copy<SearchOptions>(options);
+  options.def_readwrite("pins", &SearchOptions::pins)
+      .def_readwrite("alternatives", &SearchOptions::alternatives)
+      .def("__repr__", [](const SearchOptions& o) {
+        return "<SearchOptions alternatives=" + std::to_string(o.alternatives) + ">";
+      });
+
+  m.def("search", &search, py::arg("graph"), py::arg("cluster"), py::arg("training"),
+        py::arg("options") = SearchOptions{}, py::call_guard<py::gil_scoped_release>(),
+        "The fastest layout that fits memory. InfeasibleError when nothing fits, "
+        "ValidationError when a pin is impossible (both ValueErrors).");
+  m.def("evaluate_layout", &evaluate_layout, py::arg("graph"), py::arg("cluster"), py::arg("training"),
+        py::arg("pins"), py::arg("allow_over_memory") = false, py::call_guard<py::gil_scoped_release>(),
+        "Scores one fully pinned layout.");
+}
+
+// ---------------------------------------------------------------------------------------
+// Schedules
+
+void bind_schedule(py::module_& m) {
+  py::class_<Action> action(m, "Action", "One entry of a pipeline rank's program.");
+  action.def(py::init([](ActionType type, int64_t micro_batch, int64_t stage, int64_t peer) {
+                 return Action{type, micro_batch, stage, peer};
+               }),
+               py::arg("type"), py::arg("micro_batch"), py::arg("stage"), py::arg("peer") = -1);
+  add_copy<Action>(action);
+  action.def_readwrite("type", &Action::type)
+      .def_readwrite("micro_batch", &Action::micro_batch)
+      .def_readwrite("stage", &Action::stage)
+      .def_readwrite("peer", &Action::peer)
+      .def(py::self == py::self)
+      .def("__repr__", [](const Action& a) {
+        return "Action(" + to_string(a.type) + ", micro_batch=" + std::to_string(a.micro_batch) +
+               ", stage=" + std::to_string(a.stage) + ", peer=" + std::to_string(a.peer) + ")";
+      });
+
+  py::class_<Schedule> schedule(m, "Schedule", "Per-rank ordered action lists of a pipeline schedule.");
+  add_kwargs_init<Schedule>(schedule);
+  add_copy<Schedule>(schedule);
+  schedule.def_readwrite("kind", &Schedule::kind)
+      .def_readwrite("ranks", &Schedule::ranks)
+      .def_readwrite("virtual_stages", &Schedule::virtual_stages)
+      .def_readwrite("micro_batches", &Schedule::micro_batches)
+      .def_readwrite("per_rank", &Schedule::per_rank,
+                     "A copy: assign a new list of lists to change it.")
+      .def("num_stages", &Schedule::num_stages)
+      .def("rank_of_stage", &Schedule::rank_of_stage, py::arg("stage"))
+      .def("__repr__", [](const Schedule& s) {
+        return "<Schedule " + to_string(s.kind) + " ranks=" + std::to_string(s.ranks) +
+               " virtual_stages=" + std::to_string(s.virtual_stages) +
+               " micro_batches=" + std::to_string(s.micro_batches) + ">";
+      });
+
+  py::class_<StageCosts> costs(m, "StageCosts", "Durations of one micro-batch's work on one virtual stage.");
+  costs.def(py::init([](double forward_s, double backward_input_s, double backward_weight_s, double p2p_s) {
+              return StageCosts{forward_s, backward_input_s, backward_weight_s, p2p_s};
+            }),
+            py::arg("forward_s") = 1.0, py::arg("backward_input_s") = 1.0, py::arg("backward_weight_s") = 1.0,
+            py::arg("p2p_s") = 0.0);
+  add_copy<StageCosts>(costs);
+  costs.def_readwrite("forward_s", &StageCosts::forward_s)
+      .def_readwrite("backward_input_s", &StageCosts::backward_input_s)
+      .def_readwrite("backward_weight_s", &StageCosts::backward_weight_s)
+      .def_readwrite("p2p_s", &StageCosts::p2p_s)
+      .def("__repr__", [](const StageCosts& c) {
+        return "StageCosts(forward_s=" + num(c.forward_s) + ", backward_input_s=" + num(c.backward_input_s) +
+               ", backward_weight_s=" + num(c.backward_weight_s) + ", p2p_s=" + num(c.p2p_s) + ")";
+      });
+
+  py::class_<SimulationResult> sim(m, "SimulationResult", "Timeline of a simulated schedule.");
+  add_kwargs_init<SimulationResult>(sim);
+  add_copy<SimulationResult>(sim);
+  sim.def_readwrite("makespan_s", &SimulationResult::makespan_s)
+      .def_readwrite("busy_s", &SimulationResult::busy_s)
+      .def_readwrite("idle_s", &SimulationResult::idle_s)
+      .def_readwrite("bubble_fraction", &SimulationResult::bubble_fraction)
+      .def_readwrite("peak_in_flight", &SimulationResult::peak_in_flight)
+      .def("__repr__", [](const SimulationResult& r) {
+        return "<SimulationResult makespan_s=" + num(r.makespan_s) + " bubble_fraction=" + num(r.bubble_fraction) +
+               ">";
+      });
+
+  m.def("make_schedule", &make_schedule, py::arg("kind"), py::arg("ranks"), py::arg("micro_batches"),
+        py::arg("virtual_stages") = 1, "Builds the per-rank action lists of a pipeline schedule.");
+  m.def("check_schedule", &check_schedule, py::arg("schedule"),
+        "Checks a schedule without running it; ValidationError names the first broken action.");
+  m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"), py::call_guard<py::gil_scoped_release>(),
+        "Runs the action lists on a timeline; `costs` has one StageCosts per virtual stage (or one for all).");
+  m.def(
+      "simulate",
+      [](const Schedule& schedule, const StageCosts& costs) { return simulate(schedule, {costs}); },
+      py::arg("schedule"), py::arg("costs"), py::call_guard<py::gil_scoped_release>());
+  m.def("closed_form_bubble_fraction", &closed_form_bubble_fraction, py::arg("kind"), py::arg("ranks"),
+        py::arg("micro_batches"), py::arg("virtual_stages") = 1);
+}
+
+}  // namespace
+
+void bind_planner(py::module_& m) {
+  bind_exceptions(m);
+  bind_enums(m);
+  bind_model_graph(m);
+  bind_cluster_training(m);
+  bind_plan(m);
+  bind_search(m);
+  bind_schedule(m);
+}
+
+}  // namespace monarch::python

@@ -1,0 +1,44 @@
+#pragma once
+// The machines a plan runs on: identical nodes of identical devices, two link levels.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/dtype.h"
+
+namespace monarch::planner {
+
+struct Cluster {
+  std::string name = "custom";
+  int64_t nodes = 1;
+  int64_t devices_per_node = 1;
+  double device_memory_bytes = 0;
+  double memory_reserved_bytes = 0;  // kept back for the framework/allocator (CUDA context, fragmentation)
+  double peak_flops_fp32 = 0;        // per device, dense
+  double peak_flops_tf32 = 0;
+  double peak_flops_bf16 = 0;        // also used for fp16
+  double peak_flops_fp8 = 0;
+  double matmul_efficiency = 0.75;   // share of peak large GEMMs reach
+  double hbm_bytes_per_s = 0;        // device memory bandwidth (memory-bound kernels)
+  // Effective (achieved bus) bandwidth per device and per-message latency of each level.
+  double intra_node_bytes_per_s = 0;
+  double intra_node_latency_s = 0;
+  double inter_node_bytes_per_s = 0;  // per device: the node's NIC bandwidth / devices_per_node
+  double inter_node_latency_s = 0;
+
+  int64_t world_size() const { return nodes * devices_per_node; }
+  double peak_flops(DType dtype) const;
+  double usable_memory_bytes() const { return device_memory_bytes - memory_reserved_bytes; }
+  bool operator==(const Cluster& o) const;
+};
+
+// Known presets: a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu. `devices` is the total
+// device count; nodes = ceil(devices / devices_per_node) and devices must fill whole nodes
+// unless it is smaller than one node. Throws ValidationError("cluster", ...) if unknown.
+Cluster cluster_preset(const std::string& name, int64_t devices);
+std::vector<std::string> cluster_preset_names();
+
+// Throws ValidationError naming the field if a value is out of range.
+void validate(const Cluster& cluster);
+
+}  // namespace monarch::planner

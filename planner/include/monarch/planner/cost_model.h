@@ -1,0 +1,127 @@
+#pragma once
+// The cost model: time and memory of a layout. Every formula is in docs/cost_model.md with
+// its source; the paper-form functions below exist so tests can check the published
+// worked examples directly.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "monarch/planner/plan.h"
+#include "monarch/planner/schedule.h"
+
+namespace monarch::planner {
+
+// ---- Published closed forms --------------------------------------------------------------
+
+// Narayanan et al. 2021 (SC'21), Sec. 5.1: FLOPs per iteration of a GPT model with
+// activation recomputation, F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+double narayanan_flops_per_iteration(double batch, double seq, double layers, double hidden,
+                                     double vocab);
+
+// ZeRO (Rajbhandari et al. 2020), Fig. 1: model-state bytes per device for `params`
+// parameters on `dp` data-parallel ranks: (2 + 2 + K) Psi replicated, divided as
+// stage 1: optimizer (K), stage 2: + gradients, stage 3: + parameters.
+struct ModelStateBytes {
+  double params = 0, grads = 0, optimizer = 0;
+  double total() const { return params + grads + optimizer; }
+};
+ModelStateBytes zero_model_state_bytes(double params, int64_t dp, int64_t stage,
+                                       double param_bytes = 2, double grad_bytes = 2,
+                                       double optimizer_bytes = 12);
+
+// Korthikanti et al. 2022, Table 2: activation bytes of one transformer layer for micro-batch
+// b: none: sbh(34 + 5as/h); tp t: sbh(10 + 24/t + 5as/(ht)); tp + sequence parallel:
+// sbh/t (34 + 5as/h); + selective recompute: 34 sbh/t; full recompute: 2sbh (/t with sp).
+double korthikanti_layer_activation_bytes(double seq, double micro_batch, double hidden,
+                                          double heads, int64_t tp, bool sequence_parallel,
+                                          Recompute recompute);
+
+// ---- Graph-level quantities ---------------------------------------------------------------
+
+// Model FLOPs per step (Korthikanti et al.'s "model FLOPs"): 3 x forward (forward + 2x for
+// backward), no recomputation. Used for MFU.
+double model_flops_per_step(const ModelGraph& graph, int64_t global_batch);
+// FLOPs as Narayanan et al. count them: recomputable layers 4 x forward, the rest 3 x, the
+// same for every plan so plans compare fairly. Used for tflops_per_device.
+double narayanan_flops_per_step(const ModelGraph& graph, int64_t global_batch);
+
+// Activation bytes one layer keeps for backward for one micro-batch on one tp rank.
+double layer_activation_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
+                              bool sequence_parallel, Recompute recompute);
+// Bytes the most demanding layer needs live at once while it is being recomputed.
+double layer_recompute_workspace_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
+                                       bool sequence_parallel);
+// Parameters of the layer held by one tp rank.
+double layer_params_per_tp_rank(const Layer& layer, int64_t tp);
+
+// ---- One layout -----------------------------------------------------------------------------
+
+// What the cost model needs about one layer on one rank, per micro-batch.
+struct LayerCost {
+  double forward_s = 0;    // compute + memory-bound time + exposed tp collectives
+  double backward_s = 0;   // same for backward, including recomputation
+  double recompute_s = 0;  // part of backward_s
+  double backward_compute_s = 0;  // backward_s without recompute and tp collectives
+  double tp_comm_s = 0;    // exposed tp collectives, forward + backward + recompute
+  double params = 0;       // on one tp rank
+  double activation_bytes = 0;  // kept per micro-batch
+  double workspace_bytes = 0;   // live while recomputing
+};
+
+// The layout being scored (what a Plan says, before stages are known).
+struct Layout {
+  int64_t pp = 1, dp = 1, tp = 1;
+  int64_t zero_stage = 0;
+  int64_t micro_batch_size = 1;
+  int64_t num_micro_batches = 1;
+  ScheduleKind schedule = ScheduleKind::none;
+  int64_t virtual_stages = 1;
+  Recompute recompute = Recompute::none;
+  bool sequence_parallel = false;
+};
+
+std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
+                                   const TrainingConfig& training, const Layout& layout);
+
+// Memory and per-micro-batch time of one virtual stage made of layers [first, last].
+struct StageEstimate {
+  StageCosts costs;            // per micro-batch, for the schedule simulation
+  double compute_s = 0;        // forward + backward compute of one micro-batch (no tp comm)
+  double recompute_s = 0;
+  double tp_comm_s = 0;
+  double zero_comm_exposed_s = 0;  // ZeRO-2/3 per-micro-batch exposed collectives
+  ModelStateBytes state;       // params, grads, optimizer after ZeRO division
+  double activation_bytes_per_micro_batch = 0;
+  double workspace_bytes = 0;
+  double params = 0;           // on one tp rank, before ZeRO division
+};
+
+// Caches generated schedules and simulations: the search evaluates many layouts that share
+// the same (schedule, pp, m, v) and the same stage costs.
+class SimulationCache {
+ public:
+  const Schedule& schedule(ScheduleKind kind, int64_t pp, int64_t m, int64_t v);
+  const SimulationResult& simulate(const Schedule& schedule, const std::vector<StageCosts>& costs);
+
+ private:
+  std::map<std::tuple<int, int64_t, int64_t, int64_t>, std::unique_ptr<Schedule>> schedules_;
+  std::map<std::pair<const Schedule*, std::vector<double>>, SimulationResult> results_;
+};
+
+// Fills plan.prediction from the plan's layout and layer stages. The plan must be valid
+// for the graph (validate(plan, graph)).
+Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache = nullptr);
+
+// Per-stage estimate (also used by the stage partitioner).
+StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,
+                             const Cluster& cluster, const TrainingConfig& training,
+                             const Layout& layout, int64_t first, int64_t last);
+
+// Activations in flight on pipeline rank `rank` for the schedule before simulating it
+// (1F1B / ZB-H1: min(p - r, m); GPipe: m; interleaved: Megatron's warm-up count + 1 spread
+// over the v chunks; no pipeline: 1). Used to bound memory while choosing boundaries.
+double estimated_in_flight(const Layout& layout, int64_t rank);
+
+}  // namespace monarch::planner

@@ -1,0 +1,102 @@
+#pragma once
+// Model-graph IR: what the planner knows about a model, with no torch in sight.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/dtype.h"
+
+namespace monarch::planner {
+
+enum class LayerKind { embedding, attention, mlp, norm, block, head, other };
+std::string to_string(LayerKind kind);
+LayerKind layer_kind_from_string(const std::string& name, const std::string& field = "kind");
+
+// How a layer can be split over the `tp` axis (Megatron-LM, Shoeybi et al. 2019).
+enum class TpPattern {
+  replicated,   // not split: every tp rank holds the whole layer (norms, small layers)
+  column_row,   // MLP: first linear(s) column-parallel, last row-parallel
+  heads,        // attention: q/k/v column-parallel by head, output row-parallel
+  block,        // transformer block: attention by heads + MLP column/row
+  vocab,        // embedding / output head split along the vocabulary
+};
+std::string to_string(TpPattern pattern);
+TpPattern tp_pattern_from_string(const std::string& name, const std::string& field = "tp");
+
+// What tp must divide for the layer to be split: 0 means "no constraint".
+struct TpDims {
+  int64_t heads = 0;     // attention heads (query heads)
+  int64_t kv_heads = 0;  // key/value heads (grouped-query attention); == heads for MHA
+  int64_t ffn = 0;       // MLP inner width
+  int64_t vocab = 0;     // vocabulary size (embedding / head)
+};
+
+// Activation bytes one sample keeps alive for backward, split by how they shrink under
+// tensor / sequence parallelism and recomputation (Korthikanti et al. 2022, Sec. 4).
+struct ActivationBytes {
+  double replicated = 0;       // e.g. layer-norm inputs, dropout masks: /tp only with sequence parallel
+  double tp_sharded = 0;       // inside column/row-parallel regions: /tp
+  double attention_scores = 0; // softmax/dropout over the s x s scores: /tp, dropped by selective recompute
+  double layer_input = 0;      // what full recompute keeps (the layer's input): /tp with sequence parallel
+  double total() const { return replicated + tp_sharded + attention_scores; }
+};
+
+struct Layer {
+  std::string name;
+  LayerKind kind = LayerKind::other;
+  int64_t params = 0;                     // parameter count (elements)
+  DType param_dtype = DType::bf16;        // dtype the model computes in
+  double forward_flops_per_sample = 0;    // one forward pass, one sample (multiply-add = 2)
+  double attention_flops_per_sample = 0;  // the s^2 part (QK^T, AV): what selective recompute redoes
+  ActivationBytes activations;            // kept for backward, per sample
+  double output_bytes_per_sample = 0;     // what crosses a stage boundary after this layer
+  TpPattern tp = TpPattern::replicated;
+  TpDims tp_dims;
+  bool recomputable = true;  // false for the loss head (Narayanan et al. do not recompute it)
+};
+
+// Hyperparameters of a decoder-only transformer (GPT-3, Llama...).
+struct TransformerConfig {
+  std::string name = "transformer";
+  int64_t layers = 0;
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;      // 0 -> heads (multi-head attention)
+  int64_t ffn = 0;           // 0 -> 4 * hidden
+  bool gated_mlp = false;    // SwiGLU-style: gate and up projections, then down
+  int64_t seq = 0;
+  int64_t vocab = 0;
+  bool tied_embeddings = false;
+  DType dtype = DType::bf16;
+  bool operator==(const TransformerConfig& o) const;
+};
+
+// A model as the planner sees it: layers in execution order (a chain unless `edges` says
+// otherwise) plus groups of layers that share one weight.
+struct ModelGraph {
+  std::string name;
+  std::vector<Layer> layers;
+  // Extra data-flow edges (from, to) for non-chain graphs, as layer indices; the chain
+  // i -> i+1 is implied. Pipeline cuts are only legal where no edge crosses the cut.
+  std::vector<std::pair<int, int>> edges;
+  // Layers whose weights are one tensor (e.g. embedding and output head). The shared
+  // parameters are counted once in `total_params()`.
+  std::vector<std::vector<int>> tied_groups;
+  // Set when built from hyperparameters; lets plans record and re-check the model.
+  std::optional<TransformerConfig> transformer;
+
+  int64_t total_params() const;
+  // Sequence length the per-sample numbers were built for (0 if unknown).
+  int64_t seq_len() const { return transformer ? transformer->seq : 0; }
+  // True when a pipeline stage may start at layer `index` (no edge jumps over it).
+  bool can_cut_before(int index) const;
+};
+
+// Builds the layer list of a decoder transformer: embedding, `layers` blocks, final norm,
+// LM head. FLOPs follow Narayanan et al. 2021 (24 s h^2 + 4 s^2 h per block forward, plus
+// 2 s h V for the logits), generalized for grouped KV heads and gated MLPs.
+// Throws ValidationError naming the bad hyperparameter.
+ModelGraph build_transformer(const TransformerConfig& config);
+
+}  // namespace monarch::planner

@@ -1,0 +1,120 @@
+#pragma once
+// The Plan: the contract between the planner and the runtime. Everything the runtime does
+// (mesh, sharding, stages, micro-batches, schedule, recompute, buckets) is read from here.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/cluster.h"
+#include "monarch/planner/model_graph.h"
+#include "monarch/planner/training_config.h"
+
+namespace monarch::planner {
+
+inline constexpr int64_t kPlanFormatVersion = 1;
+
+struct Mesh {
+  int64_t pp = 1, dp = 1, tp = 1;
+  // Axis names from outermost to innermost; rank = ((pp_i * dp) + dp_i) * tp + tp_i for the
+  // default order {"pp", "dp", "tp"} (tp innermost so tp groups stay inside a node).
+  std::vector<std::string> order = {"pp", "dp", "tp"};
+  int64_t world_size() const { return pp * dp * tp; }
+  bool operator==(const Mesh& o) const { return pp == o.pp && dp == o.dp && tp == o.tp && order == o.order; }
+};
+
+// One layer's placement.
+struct LayerPlacement {
+  std::string name;
+  LayerKind kind = LayerKind::other;
+  int64_t params = 0;
+  int64_t stage = 0;  // virtual pipeline stage in [0, pp * virtual_stages)
+  TpPattern tp = TpPattern::replicated;
+  TpDims tp_dims;
+  bool sharding_unit = false;  // FSDP/ZeRO-3 gathers and frees this layer as one unit
+  bool operator==(const LayerPlacement& o) const;
+};
+
+struct MemoryBreakdown {  // bytes on the most loaded rank
+  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
+  double total() const { return params + grads + optimizer + activations + buffers; }
+  bool operator==(const MemoryBreakdown& o) const;
+};
+
+struct TimeBreakdown {  // seconds per optimizer step
+  double compute = 0;       // forward + backward + recompute on the bottleneck stage
+  double recompute = 0;     // part of `compute` spent recomputing
+  double tp_comm = 0;       // exposed tensor-parallel collectives
+  double dp_comm = 0;       // exposed data-parallel / ZeRO collectives
+  double pp_comm = 0;       // exposed pipeline send/recv
+  double bubble = 0;        // pipeline idle time
+  double optimizer = 0;     // optimizer step
+  double total = 0;         // = step_time_s
+  bool operator==(const TimeBreakdown& o) const;
+};
+
+struct Prediction {
+  double step_time_s = 0;
+  TimeBreakdown time;
+  MemoryBreakdown memory;            // on the most loaded rank
+  double memory_bytes_per_device = 0;  // = memory.total()
+  double tokens_per_s = 0;
+  double tflops_per_device = 0;  // Narayanan et al. F (with recompute) / (step time * devices)
+  double mfu = 0;                // model FLOPs (no recompute) / (step time * devices * peak)
+  double bubble_fraction = 0;    // from simulating the schedule
+  bool operator==(const Prediction& o) const;
+};
+
+// A layout the search considered and did not pick, and why.
+struct Alternative {
+  std::string summary;  // e.g. "pp=12 dp=4 tp=8 zero=1 mbs=1 1f1b recompute=full"
+  double step_time_s = 0;
+  double memory_bytes_per_device = 0;
+  std::string reason;   // e.g. "1.21x slower: bubble 9.1 s vs 2.3 s"
+  bool operator==(const Alternative& o) const;
+};
+
+struct Plan {
+  int64_t version = kPlanFormatVersion;
+  // What the plan was made for: the runtime refuses a plan for another model or world.
+  std::string model_name;
+  int64_t model_params = 0;
+  std::optional<TransformerConfig> transformer;
+  Cluster cluster;
+  TrainingConfig training;
+  // The layout.
+  Mesh mesh;
+  int64_t zero_stage = 0;  // 0: replicated (DDP), 1: optimizer state, 2: + grads, 3: + params (FSDP)
+  int64_t micro_batch_size = 1;
+  int64_t num_micro_batches = 1;
+  ScheduleKind schedule = ScheduleKind::none;
+  int64_t virtual_stages = 1;
+  Recompute recompute = Recompute::none;
+  bool sequence_parallel = false;
+  double dp_bucket_bytes = 25.0 * 1024 * 1024;
+  std::vector<LayerPlacement> layers;
+  // What the cost model expects.
+  Prediction prediction;
+  std::vector<Alternative> alternatives;
+
+  int64_t num_stages() const { return mesh.pp * virtual_stages; }
+  std::string summary() const;  // one line: mesh, zero, mbs, schedule, recompute
+  bool operator==(const Plan& o) const;
+};
+
+// JSON (docs/plan_format.md). to_json output parses back to an equal Plan and re-serializes
+// to identical text. from_json throws FormatError for unparsable text or an unknown
+// version, ValidationError naming the field path for a bad value.
+std::string to_json(const Plan& plan, int indent = 2);
+Plan plan_from_json(const std::string& text);
+Plan load_plan(const std::string& path);
+void save_plan(const Plan& plan, const std::string& path);
+
+// Consistency checks of a plan on its own: world = pp*dp*tp, batch = mbs * m * dp, stages
+// contiguous and in range, tp divides every split layer's heads / kv heads / ffn / vocab,
+// schedule constraints. Throws ValidationError with the field path.
+void validate(const Plan& plan);
+// Also checks the plan was made for `graph` (same layer names and parameter counts).
+void validate(const Plan& plan, const ModelGraph& graph);
+
+}  // namespace monarch::planner

@@ -1,0 +1,82 @@
+#pragma once
+// Pipeline schedules as data: per-rank ordered action lists that the runtime executes and
+// the cost model simulates. See docs/architecture.md ("Schedules are data").
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/training_config.h"
+
+namespace monarch::planner {
+
+enum class ActionType {
+  forward,          // F: forward of micro-batch on a stage
+  backward,         // B: full backward (input and weight gradients) of micro-batch
+  backward_input,   // Bi: gradient w.r.t. the stage input only (zero-bubble split)
+  backward_weight,  // W: gradient w.r.t. the weights (zero-bubble split)
+  send_activation,  // to the next stage, after F
+  recv_activation,  // from the previous stage, before F
+  send_gradient,    // to the previous stage, after B / Bi
+  recv_gradient,    // from the next stage, before B / Bi
+};
+std::string to_string(ActionType type);
+ActionType action_type_from_string(const std::string& name, const std::string& field = "type");
+
+struct Action {
+  ActionType type;
+  int64_t micro_batch;
+  int64_t stage;  // virtual stage index in [0, ranks * virtual_stages)
+  int64_t peer;   // peer rank for send/recv, -1 otherwise
+  bool operator==(const Action& o) const {
+    return type == o.type && micro_batch == o.micro_batch && stage == o.stage && peer == o.peer;
+  }
+};
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::one_f_one_b;
+  int64_t ranks = 1;           // pipeline ranks (pp)
+  int64_t virtual_stages = 1;  // stages per rank (v); stage s lives on rank s % ranks
+  int64_t micro_batches = 1;
+  std::vector<std::vector<Action>> per_rank;  // per_rank[r] is rank r's program
+  int64_t num_stages() const { return ranks * virtual_stages; }
+  int64_t rank_of_stage(int64_t stage) const { return stage % ranks; }
+};
+
+// Builds the action lists. Throws ValidationError naming the field when the combination
+// is impossible (e.g. interleaved with micro_batches % ranks != 0).
+Schedule make_schedule(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
+                       int64_t virtual_stages = 1);
+
+// Checks a schedule without running it: every (micro-batch, stage) has exactly one
+// forward and one backward (or Bi + W) on the stage's rank, every recv has a matching
+// send, sends precede compute dependencies, and a simulation with blocking receives
+// finishes (no deadlock). Throws ValidationError naming the first broken action.
+void check_schedule(const Schedule& schedule);
+
+// Durations of one micro-batch's work on one virtual stage.
+struct StageCosts {
+  double forward_s = 1;
+  double backward_input_s = 1;   // backward = backward_input + backward_weight
+  double backward_weight_s = 1;
+  double p2p_s = 0;              // activation / gradient transfer between adjacent stages
+};
+
+struct SimulationResult {
+  double makespan_s = 0;             // time until the last rank finishes
+  std::vector<double> busy_s;        // per rank compute time
+  std::vector<double> idle_s;        // per rank waiting time within the makespan
+  double bubble_fraction = 0;        // mean over ranks of idle / makespan
+  std::vector<int64_t> peak_in_flight;  // per rank: max micro-batches whose activations are alive
+};
+
+// Runs the action lists on a timeline: each rank executes its list in order; a compute
+// action starts when the rank is free and its inputs have arrived. `costs` has one entry
+// per virtual stage (or one entry used for all). Throws if the schedule deadlocks.
+SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs);
+
+// Closed forms, used by tests and docs: 1F1B / GPipe bubble (p-1)/(m+p-1) with
+// F and B uniform, interleaved divides the bubble time by v (Narayanan et al. 2021).
+double closed_form_bubble_fraction(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
+                                   int64_t virtual_stages = 1);
+
+}  // namespace monarch::planner

@@ -1,0 +1,53 @@
+#pragma once
+// What is being trained and which techniques the search may use.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/dtype.h"
+
+namespace monarch::planner {
+
+enum class ScheduleKind { none, gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1 };
+std::string to_string(ScheduleKind kind);
+ScheduleKind schedule_from_string(const std::string& name, const std::string& field = "schedule");
+
+// Activation recomputation (Korthikanti et al. 2022): none, selective (attention core
+// only), full (each layer recomputed from its input during backward).
+enum class Recompute { none, selective, full };
+std::string to_string(Recompute r);
+Recompute recompute_from_string(const std::string& name, const std::string& field = "recompute");
+
+// Choices a user fixes; unset ones are searched.
+struct Pins {
+  std::optional<int64_t> tp, pp, dp, zero_stage, micro_batch_size, virtual_stages;
+  std::optional<ScheduleKind> schedule;
+  std::optional<Recompute> recompute;
+  std::optional<bool> sequence_parallel;
+  bool all_layout_pinned() const { return tp && pp && dp && zero_stage && micro_batch_size && schedule; }
+};
+
+struct TrainingConfig {
+  int64_t global_batch = 0;  // samples (sequences) per optimizer step
+  DType compute_dtype = DType::bf16;
+  double param_bytes = 2;       // per parameter as the model holds it (ZeRO's Psi: 2 for fp16/bf16)
+  double grad_bytes = 2;        // per parameter gradient
+  double optimizer_bytes = 12;  // ZeRO's K: fp32 master copy + Adam m and v = 12
+  double activation_bytes = 2;  // bytes per activation element (Korthikanti assume 2)
+  bool allow_tensor_parallel = true;
+  bool allow_pipeline_parallel = true;
+  bool allow_zero = true;
+  bool allow_recompute = true;
+  bool allow_sequence_parallel = true;
+  std::vector<ScheduleKind> schedules = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
+                                         ScheduleKind::interleaved_1f1b,
+                                         ScheduleKind::zero_bubble_h1};
+  int64_t max_micro_batch_size = 64;
+  double dp_bucket_bytes = 25.0 * 1024 * 1024;  // DDP's default bucket_cap_mb = 25
+  bool operator==(const TrainingConfig& o) const;
+};
+
+void validate(const TrainingConfig& config);
+
+}  // namespace monarch::planner

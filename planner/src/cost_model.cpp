@@ -1,0 +1,479 @@
+// Cost model. The formulas and their sources are written out in docs/cost_model.md; each
+// function here names the section it implements.
+#include "monarch/planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "monarch/planner/collectives.h"
+#include "monarch/planner/errors.h"
+
+namespace monarch::planner {
+
+// ---- Published closed forms --------------------------------------------------------------
+
+double narayanan_flops_per_iteration(double B, double s, double l, double h, double V) {
+  return 96.0 * B * s * l * h * h * (1.0 + s / (6.0 * h) + V / (16.0 * l * h));
+}
+
+ModelStateBytes zero_model_state_bytes(double params, int64_t dp, int64_t stage,
+                                       double param_bytes, double grad_bytes,
+                                       double optimizer_bytes) {
+  const double n = static_cast<double>(std::max<int64_t>(dp, 1));
+  ModelStateBytes m;
+  m.params = params * param_bytes / (stage >= 3 ? n : 1.0);
+  m.grads = params * grad_bytes / (stage >= 2 ? n : 1.0);
+  m.optimizer = params * optimizer_bytes / (stage >= 1 ? n : 1.0);
+  return m;
+}
+
+double korthikanti_layer_activation_bytes(double s, double b, double h, double a, int64_t tp,
+                                          bool sp, Recompute recompute) {
+  const double t = static_cast<double>(tp);
+  const double sbh = s * b * h;
+  switch (recompute) {
+    case Recompute::full: return 2.0 * sbh / (sp ? t : 1.0);
+    case Recompute::selective: return sbh * (sp ? 34.0 / t : 10.0 + 24.0 / t);
+    case Recompute::none:
+      return sp ? sbh / t * (34.0 + 5.0 * a * s / h)
+                : sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+  }
+  return 0;
+}
+
+// ---- Graph-level quantities ---------------------------------------------------------------
+
+double model_flops_per_step(const ModelGraph& graph, int64_t global_batch) {
+  double forward = 0;
+  for (const auto& l : graph.layers) forward += l.forward_flops_per_sample;
+  return 3.0 * forward * static_cast<double>(global_batch);
+}
+
+double narayanan_flops_per_step(const ModelGraph& graph, int64_t global_batch) {
+  double total = 0;
+  for (const auto& l : graph.layers) {
+    total += (l.recomputable ? 4.0 : 3.0) * l.forward_flops_per_sample;
+  }
+  return total * static_cast<double>(global_batch);
+}
+
+namespace {
+
+bool is_split(const Layer& layer) { return layer.tp != TpPattern::replicated; }
+
+double split_divisor(const Layer& layer, int64_t tp) {
+  return is_split(layer) ? static_cast<double>(tp) : 1.0;
+}
+
+// Korthikanti et al. 2022 Sec. 4.2.2: sequence parallelism splits the regions tensor
+// parallelism leaves replicated (norms, dropout) along the sequence.
+double replicated_divisor(int64_t tp, bool sp) { return sp ? static_cast<double>(tp) : 1.0; }
+
+// Tensor-parallel all-reduces per forward and per backward pass (Shoeybi et al. 2019,
+// Fig. 4: f/g operators; a block has two in each direction). With sequence parallelism
+// each all-reduce becomes an all-gather + reduce-scatter of the same total volume.
+std::pair<int, int> tp_all_reduces(const Layer& layer) {
+  switch (layer.tp) {
+    case TpPattern::block: return {2, 2};
+    case TpPattern::heads:
+    case TpPattern::column_row: return {1, 1};
+    case TpPattern::vocab:
+      // Embedding: all-reduce of the partial lookups in forward. Head: the input's gradient
+      // in backward (the vocab-parallel cross entropy adds only per-token scalars).
+      return layer.kind == LayerKind::embedding ? std::pair{1, 0} : std::pair{0, 1};
+    case TpPattern::replicated: return {0, 0};
+  }
+  return {0, 0};
+}
+
+double tp_message_bytes(const Layer& layer, int64_t micro_batch) {
+  return static_cast<double>(micro_batch) *
+         std::max(layer.output_bytes_per_sample, layer.activations.layer_input);
+}
+
+}  // namespace
+
+double layer_activation_bytes(const Layer& layer, int64_t micro_batch, int64_t tp, bool sp,
+                              Recompute recompute) {
+  const auto& a = layer.activations;
+  const double t = split_divisor(layer, tp);
+  const double r = replicated_divisor(tp, sp);
+  double bytes = 0;
+  if (!layer.recomputable || recompute == Recompute::none) {
+    bytes = a.replicated / r + a.tp_sharded / t + a.attention_scores / t;
+  } else if (recompute == Recompute::selective) {
+    bytes = a.replicated / r + a.tp_sharded / t;
+  } else {
+    bytes = a.layer_input / r;
+  }
+  return bytes * static_cast<double>(micro_batch);
+}
+
+double layer_recompute_workspace_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
+                                       bool sp) {
+  return layer_activation_bytes(layer, micro_batch, tp, sp, Recompute::none);
+}
+
+double layer_params_per_tp_rank(const Layer& layer, int64_t tp) {
+  return static_cast<double>(layer.params) / split_divisor(layer, tp);
+}
+
+std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
+                                   const TrainingConfig& training, const Layout& layout) {
+  const double flops_per_s = cluster.peak_flops(training.compute_dtype) * cluster.matmul_efficiency;
+  const Link tp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::tp);
+  const int64_t b = layout.micro_batch_size;
+  // Layers built for one activation width; a config that stores wider activations scales.
+  std::vector<LayerCost> costs;
+  costs.reserve(graph.layers.size());
+  for (const auto& layer : graph.layers) {
+    const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
+    const double t = split_divisor(layer, layout.tp);
+    // Forward: matmuls at the achievable fraction of peak; everything else (norms,
+    // softmax, dropout, activations functions) is memory-bound: the bytes it keeps are
+    // written once and read once.
+    const double stored = act_scale *
+        layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none);
+    const double forward_compute =
+        layer.forward_flops_per_sample * b / t / flops_per_s + 2.0 * stored / cluster.hbm_bytes_per_s;
+    // Backward: twice the forward (gradients w.r.t. inputs and weights), Narayanan et al.
+    const double backward_compute = 2.0 * forward_compute;
+    double recompute = 0;
+    if (layer.recomputable && layout.recompute == Recompute::full) {
+      recompute = forward_compute;
+    } else if (layer.recomputable && layout.recompute == Recompute::selective) {
+      const double scores = act_scale * layer.activations.attention_scores * b / t;
+      recompute = layer.attention_flops_per_sample * b / t / flops_per_s +
+                  2.0 * scores / cluster.hbm_bytes_per_s;
+    }
+    const auto [fwd_ar, bwd_ar] = tp_all_reduces(layer);
+    const double ar = collective_seconds(Collective::all_reduce,
+                                         act_scale * tp_message_bytes(layer, b), tp_link);
+    const double fwd_tp = is_split(layer) ? fwd_ar * ar : 0.0;
+    const double bwd_tp = is_split(layer) ? bwd_ar * ar : 0.0;
+    const double recompute_tp = (recompute > 0 && layout.recompute == Recompute::full) ? fwd_tp : 0.0;
+
+    LayerCost c;
+    c.forward_s = forward_compute + fwd_tp;
+    c.recompute_s = recompute;
+    c.backward_s = backward_compute + recompute + bwd_tp + recompute_tp;
+    c.backward_compute_s = backward_compute;
+    c.tp_comm_s = fwd_tp + bwd_tp + recompute_tp;
+    c.params = layer_params_per_tp_rank(layer, layout.tp);
+    c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
+                                                            layout.sequence_parallel, layout.recompute);
+    c.workspace_bytes = (layout.recompute == Recompute::full && layer.recomputable) ? stored : 0.0;
+    costs.push_back(c);
+  }
+  return costs;
+}
+
+namespace {
+
+// Parameters held by a stage, counting a tied weight once when its layers share the stage.
+double stage_params(const ModelGraph& graph, const std::vector<LayerCost>& costs, int64_t first,
+                    int64_t last) {
+  double params = 0;
+  for (int64_t i = first; i <= last; ++i) params += costs[i].params;
+  for (const auto& group : graph.tied_groups) {
+    int inside = 0;
+    for (int idx : group) inside += (idx >= first && idx <= last) ? 1 : 0;
+    if (inside > 1) params -= (inside - 1) * costs[group.front()].params;
+  }
+  return params;
+}
+
+}  // namespace
+
+StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,
+                             const Cluster& cluster, const TrainingConfig& training,
+                             const Layout& layout, int64_t first, int64_t last) {
+  StageEstimate e;
+  double forward = 0, backward = 0, tp_comm = 0, recompute = 0, largest_layer = 0;
+  double backward_compute = 0;
+  for (int64_t i = first; i <= last; ++i) {
+    const auto& c = costs[i];
+    forward += c.forward_s;
+    backward += c.backward_s;
+    tp_comm += c.tp_comm_s;
+    recompute += c.recompute_s;
+    backward_compute += c.backward_compute_s;
+    e.activation_bytes_per_micro_batch += c.activation_bytes;
+    e.workspace_bytes = std::max(e.workspace_bytes, c.workspace_bytes);
+    largest_layer = std::max(largest_layer, c.params);
+  }
+  e.params = stage_params(graph, costs, first, last);
+  e.state = zero_model_state_bytes(e.params, layout.dp, layout.zero_stage, training.param_bytes,
+                                   training.grad_bytes, training.optimizer_bytes);
+  e.compute_s = forward + backward - tp_comm;
+  e.recompute_s = recompute;
+  e.tp_comm_s = tp_comm;
+
+  // ZeRO-2 reduce-scatters gradients after every micro-batch's backward; ZeRO-3 also
+  // all-gathers parameters before forward and again before backward (FSDP with
+  // reshard_after_forward). Both overlap with the stage's compute except the first
+  // gather / last reduce (Zhao et al. 2023, PyTorch FSDP, Sec. 3.3 prefetching).
+  const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
+  double exposed_forward = 0, exposed_backward = 0;
+  if (layout.dp > 1 && layout.zero_stage >= 2) {
+    const double grads = e.params * training.grad_bytes;
+    const double rs = collective_seconds(Collective::reduce_scatter, grads, dp_link);
+    const double last_rs = collective_seconds(
+        Collective::reduce_scatter, std::min(grads, largest_layer * training.grad_bytes), dp_link);
+    double ag_b = 0;
+    if (layout.zero_stage >= 3) {
+      const double weights = e.params * training.param_bytes;
+      const double ag = collective_seconds(Collective::all_gather, weights, dp_link);
+      const double first_ag = collective_seconds(
+          Collective::all_gather, std::min(weights, largest_layer * training.param_bytes), dp_link);
+      exposed_forward = std::max(first_ag, ag - forward);
+      ag_b = ag;
+    }
+    exposed_backward = std::max(last_rs, ag_b + rs - backward);
+  }
+  e.zero_comm_exposed_s = exposed_forward + exposed_backward;
+
+  // Pipeline p2p: the stage's output; with sequence parallelism each tp rank sends its
+  // sequence shard (Narayanan et al. 2021 Sec. 4.1 scatter/gather does the same).
+  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
+  const double act_scale = training.activation_bytes / bytes_of(graph.layers[last].param_dtype);
+  const double p2p_bytes = act_scale * graph.layers[last].output_bytes_per_sample *
+                           layout.micro_batch_size / (layout.sequence_parallel ? layout.tp : 1);
+  Link p2p = pp_link;
+  p2p.ranks = 2;
+  e.costs.p2p_s = layout.pp > 1 ? collective_seconds(Collective::send_recv, p2p_bytes, p2p) : 0.0;
+
+  // Zero-bubble split: W is the weight-gradient half of the backward matmuls; everything
+  // else (input gradients, recompute, tp collectives) is on the critical path in B.
+  const double weight_grad = backward_compute / 2.0;
+  e.costs.forward_s = forward + exposed_forward;
+  e.costs.backward_weight_s = weight_grad + exposed_backward;
+  e.costs.backward_input_s = backward - weight_grad;
+  return e;
+}
+
+double estimated_in_flight(const Layout& layout, int64_t rank) {
+  const double m = static_cast<double>(layout.num_micro_batches);
+  const double p = static_cast<double>(layout.pp);
+  const double r = static_cast<double>(rank);
+  switch (layout.schedule) {
+    case ScheduleKind::none: return 1;
+    case ScheduleKind::gpipe: return m;
+    case ScheduleKind::one_f_one_b:
+    case ScheduleKind::zero_bubble_h1: return std::min(p - r, m);
+    case ScheduleKind::interleaved_1f1b: {
+      // Megatron-LM's warm-up: (p - r - 1) * 2 + (v - 1) * p forwards, then one more;
+      // they are spread over the rank's v chunks.
+      const double v = static_cast<double>(layout.virtual_stages);
+      const double warmup = std::min((p - r - 1) * 2 + (v - 1) * p, m * v);
+      return std::min(warmup + 1, m * v) / v;
+    }
+  }
+  return m;
+}
+
+// ---- Simulation cache ---------------------------------------------------------------------
+
+const Schedule& SimulationCache::schedule(ScheduleKind kind, int64_t pp, int64_t m, int64_t v) {
+  auto key = std::make_tuple(static_cast<int>(kind), pp, m, v);
+  auto it = schedules_.find(key);
+  if (it == schedules_.end()) {
+    it = schedules_.emplace(key, std::make_unique<Schedule>(make_schedule(kind, pp, m, v))).first;
+  }
+  return *it->second;
+}
+
+const SimulationResult& SimulationCache::simulate(const Schedule& schedule,
+                                                  const std::vector<StageCosts>& costs) {
+  std::vector<double> key;
+  key.reserve(costs.size() * 4);
+  for (const auto& c : costs) {
+    key.insert(key.end(), {c.forward_s, c.backward_input_s, c.backward_weight_s, c.p2p_s});
+  }
+  auto full_key = std::make_pair(&schedule, std::move(key));
+  auto it = results_.find(full_key);
+  if (it == results_.end()) {
+    it = results_.emplace(std::move(full_key), monarch::planner::simulate(schedule, costs)).first;
+  }
+  return it->second;
+}
+
+// ---- Prediction ---------------------------------------------------------------------------
+
+namespace {
+
+Layout layout_of(const Plan& plan) {
+  Layout l;
+  l.pp = plan.mesh.pp;
+  l.dp = plan.mesh.dp;
+  l.tp = plan.mesh.tp;
+  l.zero_stage = plan.zero_stage;
+  l.micro_batch_size = plan.micro_batch_size;
+  l.num_micro_batches = plan.num_micro_batches;
+  l.schedule = plan.schedule;
+  l.virtual_stages = plan.virtual_stages;
+  l.recompute = plan.recompute;
+  l.sequence_parallel = plan.sequence_parallel;
+  return l;
+}
+
+// Per pipeline rank: what it holds and what it does.
+struct RankLoad {
+  ModelStateBytes state;
+  double params = 0;
+  double activations_per_micro_batch = 0;  // summed over the rank's chunks
+  double workspace = 0;
+  double largest_gathered = 0;             // ZeRO-3 gather buffer
+  double compute_s = 0, recompute_s = 0, tp_comm_s = 0, zero_exposed_s = 0;
+  double backward_s = 0;                   // one micro-batch, all chunks
+  double p2p_bytes = 0;
+  bool holds_tied_copy = false;            // shares a tied weight with another stage
+};
+
+}  // namespace
+
+Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache) {
+  SimulationCache local;
+  SimulationCache& sims = cache ? *cache : local;
+  const Cluster& cluster = plan.cluster;
+  const TrainingConfig& training = plan.training;
+  const Layout layout = layout_of(plan);
+  const auto costs = layer_costs(graph, cluster, training, layout);
+  const int64_t stages = plan.num_stages();
+
+  // Stage boundaries from the plan.
+  std::vector<int64_t> first(stages, -1), last(stages, -1);
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const int64_t s = plan.layers[i].stage;
+    if (first[s] < 0) first[s] = static_cast<int64_t>(i);
+    last[s] = static_cast<int64_t>(i);
+  }
+  std::vector<int64_t> stage_of_layer(plan.layers.size());
+  for (size_t i = 0; i < plan.layers.size(); ++i) stage_of_layer[i] = plan.layers[i].stage;
+
+  std::vector<StageCosts> stage_costs(stages), stage_costs_no_p2p(stages);
+  std::vector<RankLoad> ranks(layout.pp);
+  for (int64_t s = 0; s < stages; ++s) {
+    const StageEstimate e = estimate_stage(graph, costs, cluster, training, layout, first[s], last[s]);
+    stage_costs[s] = e.costs;
+    stage_costs_no_p2p[s] = e.costs;
+    stage_costs_no_p2p[s].p2p_s = 0;
+    RankLoad& r = ranks[s % layout.pp];
+    r.params += e.params;
+    r.state.params += e.state.params;
+    r.state.grads += e.state.grads;
+    r.state.optimizer += e.state.optimizer;
+    r.activations_per_micro_batch += e.activation_bytes_per_micro_batch;
+    r.workspace = std::max(r.workspace, e.workspace_bytes);
+    for (int64_t i = first[s]; i <= last[s]; ++i) {
+      r.largest_gathered = std::max(r.largest_gathered, costs[i].params);
+    }
+    r.compute_s += e.compute_s;
+    r.recompute_s += e.recompute_s;
+    r.tp_comm_s += e.tp_comm_s;
+    r.zero_exposed_s += e.zero_comm_exposed_s;
+    r.backward_s += e.costs.backward_input_s + e.costs.backward_weight_s;
+    const double act_scale = training.activation_bytes / bytes_of(graph.layers[last[s]].param_dtype);
+    r.p2p_bytes = std::max(r.p2p_bytes, act_scale * graph.layers[last[s]].output_bytes_per_sample *
+                                            layout.micro_batch_size);
+  }
+  for (const auto& group : graph.tied_groups) {
+    std::set<int64_t> stages_of_group;
+    for (int idx : group) stages_of_group.insert(stage_of_layer[idx]);
+    if (stages_of_group.size() > 1) {
+      for (int64_t s : stages_of_group) ranks[s % layout.pp].holds_tied_copy = true;
+    }
+  }
+
+  const Schedule& schedule = sims.schedule(plan.schedule, layout.pp, layout.num_micro_batches,
+                                           layout.virtual_stages);
+  const SimulationResult& sim = sims.simulate(schedule, stage_costs);
+  const SimulationResult& sim_no_p2p = sims.simulate(schedule, stage_costs_no_p2p);
+
+  // Data-parallel gradient reduction at the end of the step (ZeRO 0/1), overlapped with the
+  // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
+  // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
+  const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
+  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
+  Prediction p;
+  double worst_end = 0, worst_optimizer = 0;
+  for (int64_t r = 0; r < layout.pp; ++r) {
+    const RankLoad& load = ranks[r];
+    const double grads = load.params * training.grad_bytes;
+    double end = 0;
+    if (layout.dp > 1) {
+      const double bucket = std::min(grads, training.dp_bucket_bytes);
+      if (layout.zero_stage <= 1) {
+        const Collective c = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
+        const double reduce = collective_seconds(c, grads, dp_link);
+        const double last_micro_batch_backward = load.backward_s;
+        end += std::max(collective_seconds(c, bucket, dp_link), reduce - last_micro_batch_backward);
+      }
+      if (layout.zero_stage == 1 || layout.zero_stage == 2) {
+        end += collective_seconds(Collective::all_gather, load.params * training.param_bytes, dp_link);
+      }
+    }
+    if (load.holds_tied_copy) {
+      // Megatron-LM all-reduces the tied embedding's gradient between first and last stage.
+      Link tied = pp_link;
+      tied.ranks = 2;
+      end += collective_seconds(Collective::all_reduce,
+                                costs.front().params * training.grad_bytes, tied);
+    }
+    worst_end = std::max(worst_end, end);
+    // Optimizer step: memory-bound; reads gradients and optimizer state, writes state and
+    // parameters.
+    const double local = load.params / (layout.zero_stage >= 1 ? layout.dp : 1);
+    const double bytes = local * (2 * training.optimizer_bytes + training.grad_bytes + training.param_bytes);
+    worst_optimizer = std::max(worst_optimizer, bytes / cluster.hbm_bytes_per_s);
+
+    // Memory of this rank.
+    MemoryBreakdown mem;
+    mem.params = load.state.params;
+    mem.grads = load.state.grads;
+    mem.optimizer = load.state.optimizer;
+    const double in_flight = static_cast<double>(sim.peak_in_flight[r]) / layout.virtual_stages;
+    mem.activations = load.activations_per_micro_batch * in_flight + load.workspace;
+    double buffers = 0;
+    if (layout.dp > 1 && layout.zero_stage >= 3) {
+      buffers += 2 * load.largest_gathered * training.param_bytes;  // current + prefetched unit
+    } else if (layout.dp > 1) {
+      buffers += 2 * std::min(grads, training.dp_bucket_bytes);  // bucket being filled + in flight
+    }
+    if (layout.pp > 1) buffers += 2 * load.p2p_bytes;  // activation and gradient buffers
+    mem.buffers = buffers;
+    if (mem.total() > p.memory.total()) p.memory = mem;
+  }
+
+  // Breakdown on the busiest rank.
+  int64_t busiest = 0;
+  for (int64_t r = 1; r < layout.pp; ++r) {
+    if (sim.busy_s[r] > sim.busy_s[busiest]) busiest = r;
+  }
+  const double m = static_cast<double>(layout.num_micro_batches);
+  const RankLoad& b = ranks[busiest];
+  TimeBreakdown& t = p.time;
+  t.compute = m * b.compute_s;
+  t.recompute = m * b.recompute_s;
+  t.tp_comm = m * b.tp_comm_s;
+  t.pp_comm = std::max(0.0, sim.makespan_s - sim_no_p2p.makespan_s);
+  t.bubble = std::max(0.0, sim_no_p2p.makespan_s - sim.busy_s[busiest]);
+  t.dp_comm = m * b.zero_exposed_s + worst_end;
+  t.optimizer = worst_optimizer;
+  t.total = sim.makespan_s + worst_end + worst_optimizer;
+
+  p.step_time_s = t.total;
+  p.memory_bytes_per_device = p.memory.total();
+  p.bubble_fraction = sim_no_p2p.bubble_fraction;
+  const double devices = static_cast<double>(layout.pp * layout.dp * layout.tp);
+  const double seq = static_cast<double>(std::max<int64_t>(graph.seq_len(), 1));
+  p.tokens_per_s = training.global_batch * seq / t.total;
+  p.tflops_per_device =
+      narayanan_flops_per_step(graph, training.global_batch) / (t.total * devices) / 1e12;
+  p.mfu = model_flops_per_step(graph, training.global_batch) /
+          (t.total * devices * cluster.peak_flops(training.compute_dtype));
+  return p;
+}
+
+}  // namespace monarch::planner

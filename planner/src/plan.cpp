@@ -1,0 +1,96 @@
+// Field-wise equality of the plan's value types, and the one-line plan summary.
+#include "monarch/planner/plan.h"
+
+#include <string>
+
+namespace monarch::planner {
+
+bool TransformerConfig::operator==(const TransformerConfig& o) const {
+  return name == o.name && layers == o.layers && hidden == o.hidden && heads == o.heads &&
+         kv_heads == o.kv_heads && ffn == o.ffn && gated_mlp == o.gated_mlp && seq == o.seq &&
+         vocab == o.vocab && tied_embeddings == o.tied_embeddings && dtype == o.dtype;
+}
+
+bool Cluster::operator==(const Cluster& o) const {
+  return name == o.name && nodes == o.nodes && devices_per_node == o.devices_per_node &&
+         device_memory_bytes == o.device_memory_bytes &&
+         memory_reserved_bytes == o.memory_reserved_bytes &&
+         peak_flops_fp32 == o.peak_flops_fp32 && peak_flops_tf32 == o.peak_flops_tf32 &&
+         peak_flops_bf16 == o.peak_flops_bf16 && peak_flops_fp8 == o.peak_flops_fp8 &&
+         matmul_efficiency == o.matmul_efficiency && hbm_bytes_per_s == o.hbm_bytes_per_s &&
+         intra_node_bytes_per_s == o.intra_node_bytes_per_s &&
+         intra_node_latency_s == o.intra_node_latency_s &&
+         inter_node_bytes_per_s == o.inter_node_bytes_per_s &&
+         inter_node_latency_s == o.inter_node_latency_s;
+}
+
+bool TrainingConfig::operator==(const TrainingConfig& o) const {
+  return global_batch == o.global_batch && compute_dtype == o.compute_dtype &&
+         param_bytes == o.param_bytes && grad_bytes == o.grad_bytes &&
+         optimizer_bytes == o.optimizer_bytes && activation_bytes == o.activation_bytes &&
+         allow_tensor_parallel == o.allow_tensor_parallel &&
+         allow_pipeline_parallel == o.allow_pipeline_parallel && allow_zero == o.allow_zero &&
+         allow_recompute == o.allow_recompute &&
+         allow_sequence_parallel == o.allow_sequence_parallel && schedules == o.schedules &&
+         max_micro_batch_size == o.max_micro_batch_size && dp_bucket_bytes == o.dp_bucket_bytes;
+}
+
+namespace {
+bool same_tp_dims(const TpDims& a, const TpDims& b) {
+  return a.heads == b.heads && a.kv_heads == b.kv_heads && a.ffn == b.ffn && a.vocab == b.vocab;
+}
+}  // namespace
+
+bool LayerPlacement::operator==(const LayerPlacement& o) const {
+  return name == o.name && kind == o.kind && params == o.params && stage == o.stage &&
+         tp == o.tp && same_tp_dims(tp_dims, o.tp_dims) && sharding_unit == o.sharding_unit;
+}
+
+bool MemoryBreakdown::operator==(const MemoryBreakdown& o) const {
+  return params == o.params && grads == o.grads && optimizer == o.optimizer &&
+         activations == o.activations && buffers == o.buffers;
+}
+
+bool TimeBreakdown::operator==(const TimeBreakdown& o) const {
+  return compute == o.compute && recompute == o.recompute && tp_comm == o.tp_comm &&
+         dp_comm == o.dp_comm && pp_comm == o.pp_comm && bubble == o.bubble &&
+         optimizer == o.optimizer && total == o.total;
+}
+
+bool Prediction::operator==(const Prediction& o) const {
+  return step_time_s == o.step_time_s && time == o.time && memory == o.memory &&
+         memory_bytes_per_device == o.memory_bytes_per_device &&
+         tokens_per_s == o.tokens_per_s && tflops_per_device == o.tflops_per_device &&
+         mfu == o.mfu && bubble_fraction == o.bubble_fraction;
+}
+
+bool Alternative::operator==(const Alternative& o) const {
+  return summary == o.summary && step_time_s == o.step_time_s &&
+         memory_bytes_per_device == o.memory_bytes_per_device && reason == o.reason;
+}
+
+bool Plan::operator==(const Plan& o) const {
+  return version == o.version && model_name == o.model_name && model_params == o.model_params &&
+         transformer == o.transformer && cluster == o.cluster && training == o.training &&
+         mesh == o.mesh && zero_stage == o.zero_stage && micro_batch_size == o.micro_batch_size &&
+         num_micro_batches == o.num_micro_batches && schedule == o.schedule &&
+         virtual_stages == o.virtual_stages && recompute == o.recompute &&
+         sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
+         layers == o.layers && prediction == o.prediction && alternatives == o.alternatives;
+}
+
+// "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"
+std::string Plan::summary() const {
+  std::string s = "pp=" + std::to_string(mesh.pp) + " dp=" + std::to_string(mesh.dp) +
+                  " tp=" + std::to_string(mesh.tp) + " zero=" + std::to_string(zero_stage) +
+                  " mbs=" + std::to_string(micro_batch_size) +
+                  " m=" + std::to_string(num_micro_batches) + " " + to_string(schedule);
+  if (schedule == ScheduleKind::interleaved_1f1b || virtual_stages != 1) {
+    s += " v=" + std::to_string(virtual_stages);
+  }
+  s += " recompute=" + to_string(recompute);
+  s += sequence_parallel ? " sp=on" : " sp=off";
+  return s;
+}
+
+}  // namespace monarch::planner

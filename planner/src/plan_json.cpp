@@ -1,0 +1,539 @@
+// Plan <-> JSON (docs/plan_format.md). Writing keeps a fixed key order (ordered_json) so
+// plans diff well; reading is strict: every field required (except model.transformer),
+// unknown keys refused, types checked, and errors name the field path.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "monarch/planner/errors.h"
+#include "monarch/planner/plan.h"
+
+namespace monarch::planner {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// ---------------------------------------------------------------- writing
+
+Json transformer_to_json(const TransformerConfig& t) {
+  Json j;
+  j["layers"] = t.layers;
+  j["hidden"] = t.hidden;
+  j["heads"] = t.heads;
+  j["kv_heads"] = t.kv_heads;
+  j["ffn"] = t.ffn;
+  j["gated_mlp"] = t.gated_mlp;
+  j["seq"] = t.seq;
+  j["vocab"] = t.vocab;
+  j["tied_embeddings"] = t.tied_embeddings;
+  j["dtype"] = to_string(t.dtype);
+  j["name"] = t.name;
+  return j;
+}
+
+Json model_to_json(const Plan& p) {
+  Json j;
+  j["name"] = p.model_name;
+  j["params"] = p.model_params;
+  if (p.transformer) j["transformer"] = transformer_to_json(*p.transformer);
+  return j;
+}
+
+Json cluster_to_json(const Cluster& c) {
+  Json j;
+  j["name"] = c.name;
+  j["nodes"] = c.nodes;
+  j["devices_per_node"] = c.devices_per_node;
+  j["device_memory_bytes"] = c.device_memory_bytes;
+  j["memory_reserved_bytes"] = c.memory_reserved_bytes;
+  j["peak_flops_fp32"] = c.peak_flops_fp32;
+  j["peak_flops_tf32"] = c.peak_flops_tf32;
+  j["peak_flops_bf16"] = c.peak_flops_bf16;
+  j["peak_flops_fp8"] = c.peak_flops_fp8;
+  j["matmul_efficiency"] = c.matmul_efficiency;
+  j["hbm_bytes_per_s"] = c.hbm_bytes_per_s;
+  j["intra_node_bytes_per_s"] = c.intra_node_bytes_per_s;
+  j["intra_node_latency_s"] = c.intra_node_latency_s;
+  j["inter_node_bytes_per_s"] = c.inter_node_bytes_per_s;
+  j["inter_node_latency_s"] = c.inter_node_latency_s;
+  return j;
+}
+
+Json training_to_json(const TrainingConfig& t) {
+  Json j;
+  j["global_batch"] = t.global_batch;
+  j["compute_dtype"] = to_string(t.compute_dtype);
+  j["param_bytes"] = t.param_bytes;
+  j["grad_bytes"] = t.grad_bytes;
+  j["optimizer_bytes"] = t.optimizer_bytes;
+  j["activation_bytes"] = t.activation_bytes;
+  j["allow_tensor_parallel"] = t.allow_tensor_parallel;
+  j["allow_pipeline_parallel"] = t.allow_pipeline_parallel;
+  j["allow_zero"] = t.allow_zero;
+  j["allow_recompute"] = t.allow_recompute;
+  j["allow_sequence_parallel"] = t.allow_sequence_parallel;
+  Json schedules = Json::array();
+  for (ScheduleKind s : t.schedules) schedules.push_back(to_string(s));
+  j["schedules"] = schedules;
+  j["max_micro_batch_size"] = t.max_micro_batch_size;
+  j["dp_bucket_bytes"] = t.dp_bucket_bytes;
+  return j;
+}
+
+Json mesh_to_json(const Mesh& m) {
+  Json j;
+  j["pp"] = m.pp;
+  j["dp"] = m.dp;
+  j["tp"] = m.tp;
+  j["order"] = m.order;
+  return j;
+}
+
+Json layer_to_json(const LayerPlacement& l) {
+  Json j;
+  j["name"] = l.name;
+  j["kind"] = to_string(l.kind);
+  j["params"] = l.params;
+  j["stage"] = l.stage;
+  j["tp"] = to_string(l.tp);
+  Json dims;
+  dims["heads"] = l.tp_dims.heads;
+  dims["kv_heads"] = l.tp_dims.kv_heads;
+  dims["ffn"] = l.tp_dims.ffn;
+  dims["vocab"] = l.tp_dims.vocab;
+  j["tp_dims"] = dims;
+  j["sharding_unit"] = l.sharding_unit;
+  return j;
+}
+
+Json prediction_to_json(const Prediction& p) {
+  Json j;
+  j["step_time_s"] = p.step_time_s;
+  j["tflops_per_device"] = p.tflops_per_device;
+  j["mfu"] = p.mfu;
+  j["memory_bytes_per_device"] = p.memory_bytes_per_device;
+  j["tokens_per_s"] = p.tokens_per_s;
+  j["bubble_fraction"] = p.bubble_fraction;
+  Json mem;
+  mem["params"] = p.memory.params;
+  mem["grads"] = p.memory.grads;
+  mem["optimizer"] = p.memory.optimizer;
+  mem["activations"] = p.memory.activations;
+  mem["buffers"] = p.memory.buffers;
+  j["memory"] = mem;
+  Json time;
+  time["compute"] = p.time.compute;
+  time["recompute"] = p.time.recompute;
+  time["tp_comm"] = p.time.tp_comm;
+  time["dp_comm"] = p.time.dp_comm;
+  time["pp_comm"] = p.time.pp_comm;
+  time["bubble"] = p.time.bubble;
+  time["optimizer"] = p.time.optimizer;
+  time["total"] = p.time.total;
+  j["time"] = time;
+  return j;
+}
+
+Json alternative_to_json(const Alternative& a) {
+  Json j;
+  j["summary"] = a.summary;
+  j["step_time_s"] = a.step_time_s;
+  j["memory_bytes_per_device"] = a.memory_bytes_per_device;
+  j["reason"] = a.reason;
+  return j;
+}
+
+Json plan_to_json_value(const Plan& p) {
+  Json j;
+  j["version"] = p.version;
+  j["model"] = model_to_json(p);
+  j["cluster"] = cluster_to_json(p.cluster);
+  j["training"] = training_to_json(p.training);
+  j["mesh"] = mesh_to_json(p.mesh);
+  j["zero_stage"] = p.zero_stage;
+  j["micro_batch_size"] = p.micro_batch_size;
+  j["num_micro_batches"] = p.num_micro_batches;
+  j["schedule"] = to_string(p.schedule);
+  j["virtual_stages"] = p.virtual_stages;
+  j["recompute"] = to_string(p.recompute);
+  j["sequence_parallel"] = p.sequence_parallel;
+  j["dp_bucket_bytes"] = p.dp_bucket_bytes;
+  Json layers = Json::array();
+  for (const auto& l : p.layers) layers.push_back(layer_to_json(l));
+  j["layers"] = layers;
+  j["prediction"] = prediction_to_json(p.prediction);
+  Json alternatives = Json::array();
+  for (const auto& a : p.alternatives) alternatives.push_back(alternative_to_json(a));
+  j["alternatives"] = alternatives;
+  return j;
+}
+
+// ---------------------------------------------------------------- reading
+
+std::string type_name(const Json& j) {
+  switch (j.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::boolean: return "boolean";
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned: return "integer";
+    case Json::value_t::number_float: return "number";
+    case Json::value_t::string: return "string";
+    case Json::value_t::array: return "array";
+    case Json::value_t::object: return "object";
+    default: return "unknown";
+  }
+}
+
+[[noreturn]] void wrong_type(const Json& j, const char* expected, const std::string& path) {
+  std::string got = type_name(j);
+  if (j.is_number_float()) got += " " + j.dump();  // "expected integer, got number 2.5"
+  throw ValidationError(path, std::string("expected ") + expected + ", got " + got);
+}
+
+int64_t as_integer(const Json& j, const std::string& path) {
+  if (j.is_number_unsigned()) {
+    if (j.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      throw ValidationError(path, j.dump() + " is out of range for a 64-bit integer");
+    }
+    return static_cast<int64_t>(j.get<uint64_t>());
+  }
+  if (!j.is_number_integer()) wrong_type(j, "integer", path);
+  return j.get<int64_t>();
+}
+
+// Integers are accepted where a real number is expected (hand-written "bytes": 1000).
+double as_number(const Json& j, const std::string& path) {
+  if (!j.is_number()) wrong_type(j, "number", path);
+  return j.get<double>();
+}
+
+bool as_bool(const Json& j, const std::string& path) {
+  if (!j.is_boolean()) wrong_type(j, "boolean", path);
+  return j.get<bool>();
+}
+
+std::string as_string(const Json& j, const std::string& path) {
+  if (!j.is_string()) wrong_type(j, "string", path);
+  return j.get<std::string>();
+}
+
+const Json& as_array(const Json& j, const std::string& path) {
+  if (!j.is_array()) wrong_type(j, "array", path);
+  return j;
+}
+
+std::string join(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+std::string element(const std::string& path, size_t i) {
+  return path + "[" + std::to_string(i) + "]";
+}
+
+// One JSON object being read: checks it is an object with no unknown keys, and reads
+// its fields with their full paths in error messages.
+class Fields {
+ public:
+  Fields(const Json& j, std::string path, std::initializer_list<const char*> allowed)
+      : j_(j), path_(std::move(path)) {
+    if (!j_.is_object()) wrong_type(j_, "object", path_.empty() ? "plan" : path_);
+    for (const auto& item : j_.items()) {
+      bool known = false;
+      for (const char* key : allowed) known = known || item.key() == key;
+      if (!known) throw ValidationError(join(path_, item.key()), "unknown field");
+    }
+  }
+
+  std::string path(const char* key) const { return join(path_, key); }
+  bool has(const char* key) const { return j_.contains(key); }
+  const Json& at(const char* key) const {
+    if (!has(key)) throw ValidationError(path(key), "missing required field");
+    return j_.at(key);
+  }
+
+  int64_t integer(const char* key) const { return as_integer(at(key), path(key)); }
+  double number(const char* key) const { return as_number(at(key), path(key)); }
+  bool boolean(const char* key) const { return as_bool(at(key), path(key)); }
+  std::string string(const char* key) const { return as_string(at(key), path(key)); }
+  const Json& array(const char* key) const { return as_array(at(key), path(key)); }
+  Fields object(const char* key, std::initializer_list<const char*> allowed) const {
+    return Fields(at(key), path(key), allowed);
+  }
+
+ private:
+  const Json& j_;
+  std::string path_;
+};
+
+TransformerConfig transformer_from_json(const Fields& f) {
+  TransformerConfig t;
+  t.layers = f.integer("layers");
+  t.hidden = f.integer("hidden");
+  t.heads = f.integer("heads");
+  t.kv_heads = f.integer("kv_heads");
+  t.ffn = f.integer("ffn");
+  t.gated_mlp = f.boolean("gated_mlp");
+  t.seq = f.integer("seq");
+  t.vocab = f.integer("vocab");
+  t.tied_embeddings = f.boolean("tied_embeddings");
+  t.dtype = dtype_from_string(f.string("dtype"), f.path("dtype"));
+  t.name = f.string("name");
+  return t;
+}
+
+void model_from_json(const Fields& f, Plan& p) {
+  p.model_name = f.string("name");
+  p.model_params = f.integer("params");
+  if (f.has("transformer")) {
+    p.transformer = transformer_from_json(
+        f.object("transformer", {"layers", "hidden", "heads", "kv_heads", "ffn", "gated_mlp",
+                                 "seq", "vocab", "tied_embeddings", "dtype", "name"}));
+  }
+}
+
+Cluster cluster_from_json(const Fields& f) {
+  Cluster c;
+  c.name = f.string("name");
+  c.nodes = f.integer("nodes");
+  c.devices_per_node = f.integer("devices_per_node");
+  c.device_memory_bytes = f.number("device_memory_bytes");
+  c.memory_reserved_bytes = f.number("memory_reserved_bytes");
+  c.peak_flops_fp32 = f.number("peak_flops_fp32");
+  c.peak_flops_tf32 = f.number("peak_flops_tf32");
+  c.peak_flops_bf16 = f.number("peak_flops_bf16");
+  c.peak_flops_fp8 = f.number("peak_flops_fp8");
+  c.matmul_efficiency = f.number("matmul_efficiency");
+  c.hbm_bytes_per_s = f.number("hbm_bytes_per_s");
+  c.intra_node_bytes_per_s = f.number("intra_node_bytes_per_s");
+  c.intra_node_latency_s = f.number("intra_node_latency_s");
+  c.inter_node_bytes_per_s = f.number("inter_node_bytes_per_s");
+  c.inter_node_latency_s = f.number("inter_node_latency_s");
+  return c;
+}
+
+TrainingConfig training_from_json(const Fields& f) {
+  TrainingConfig t;
+  t.global_batch = f.integer("global_batch");
+  t.compute_dtype = dtype_from_string(f.string("compute_dtype"), f.path("compute_dtype"));
+  t.param_bytes = f.number("param_bytes");
+  t.grad_bytes = f.number("grad_bytes");
+  t.optimizer_bytes = f.number("optimizer_bytes");
+  t.activation_bytes = f.number("activation_bytes");
+  t.allow_tensor_parallel = f.boolean("allow_tensor_parallel");
+  t.allow_pipeline_parallel = f.boolean("allow_pipeline_parallel");
+  t.allow_zero = f.boolean("allow_zero");
+  t.allow_recompute = f.boolean("allow_recompute");
+  t.allow_sequence_parallel = f.boolean("allow_sequence_parallel");
+  const Json& schedules = f.array("schedules");
+  t.schedules.clear();
+  for (size_t i = 0; i < schedules.size(); ++i) {
+    const std::string path = element(f.path("schedules"), i);
+    t.schedules.push_back(schedule_from_string(as_string(schedules[i], path), path));
+  }
+  t.max_micro_batch_size = f.integer("max_micro_batch_size");
+  t.dp_bucket_bytes = f.number("dp_bucket_bytes");
+  return t;
+}
+
+Mesh mesh_from_json(const Fields& f) {
+  Mesh m;
+  m.pp = f.integer("pp");
+  m.dp = f.integer("dp");
+  m.tp = f.integer("tp");
+  const Json& order = f.array("order");
+  m.order.clear();
+  for (size_t i = 0; i < order.size(); ++i) {
+    m.order.push_back(as_string(order[i], element(f.path("order"), i)));
+  }
+  return m;
+}
+
+LayerPlacement layer_from_json(const Fields& f) {
+  LayerPlacement l;
+  l.name = f.string("name");
+  l.kind = layer_kind_from_string(f.string("kind"), f.path("kind"));
+  l.params = f.integer("params");
+  l.stage = f.integer("stage");
+  l.tp = tp_pattern_from_string(f.string("tp"), f.path("tp"));
+  const Fields dims = f.object("tp_dims", {"heads", "kv_heads", "ffn", "vocab"});
+  l.tp_dims.heads = dims.integer("heads");
+  l.tp_dims.kv_heads = dims.integer("kv_heads");
+  l.tp_dims.ffn = dims.integer("ffn");
+  l.tp_dims.vocab = dims.integer("vocab");
+  l.sharding_unit = f.boolean("sharding_unit");
+  return l;
+}
+
+Prediction prediction_from_json(const Fields& f) {
+  Prediction p;
+  p.step_time_s = f.number("step_time_s");
+  p.tflops_per_device = f.number("tflops_per_device");
+  p.mfu = f.number("mfu");
+  p.memory_bytes_per_device = f.number("memory_bytes_per_device");
+  p.tokens_per_s = f.number("tokens_per_s");
+  p.bubble_fraction = f.number("bubble_fraction");
+  const Fields mem =
+      f.object("memory", {"params", "grads", "optimizer", "activations", "buffers"});
+  p.memory.params = mem.number("params");
+  p.memory.grads = mem.number("grads");
+  p.memory.optimizer = mem.number("optimizer");
+  p.memory.activations = mem.number("activations");
+  p.memory.buffers = mem.number("buffers");
+  const Fields time = f.object("time", {"compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
+                                        "bubble", "optimizer", "total"});
+  p.time.compute = time.number("compute");
+  p.time.recompute = time.number("recompute");
+  p.time.tp_comm = time.number("tp_comm");
+  p.time.dp_comm = time.number("dp_comm");
+  p.time.pp_comm = time.number("pp_comm");
+  p.time.bubble = time.number("bubble");
+  p.time.optimizer = time.number("optimizer");
+  p.time.total = time.number("total");
+  return p;
+}
+
+Alternative alternative_from_json(const Fields& f) {
+  Alternative a;
+  a.summary = f.string("summary");
+  a.step_time_s = f.number("step_time_s");
+  a.memory_bytes_per_device = f.number("memory_bytes_per_device");
+  a.reason = f.string("reason");
+  return a;
+}
+
+// The version is checked before anything else: a future format may differ everywhere.
+int64_t check_version(const Json& root) {
+  const std::string supported =
+      "(this build reads version " + std::to_string(kPlanFormatVersion) + ")";
+  if (!root.contains("version")) {
+    throw FormatError("version: missing required field " + supported);
+  }
+  const Json& v = root.at("version");
+  if (!v.is_number_integer()) {
+    throw FormatError("version: expected integer, got " + type_name(v) + " " + supported);
+  }
+  if (v.get<int64_t>() != kPlanFormatVersion) {
+    throw FormatError("version: plan format version " + v.dump() + " is not supported " +
+                      supported);
+  }
+  return kPlanFormatVersion;
+}
+
+Json parse_text(const std::string& text) {
+  try {
+    return Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    // e.what(): "[json.exception.parse_error.101] parse error at line 1, column 2: ..."
+    std::string detail = e.what();
+    const std::string marker = "parse error at ";
+    const size_t at = detail.find(marker);
+    if (at != std::string::npos) detail = detail.substr(at + marker.size());
+    throw FormatError("plan JSON: parse error at byte " + std::to_string(e.byte) + ": " + detail);
+  }
+}
+
+Plan plan_from_value(const Json& root) {
+  if (!root.is_object()) {
+    throw FormatError("plan JSON: expected an object at the top level, got " + type_name(root));
+  }
+  Plan p;
+  p.version = check_version(root);
+  const Fields f(root, "",
+                 {"version", "model", "cluster", "training", "mesh", "zero_stage",
+                  "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
+                  "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "prediction",
+                  "alternatives"});
+  model_from_json(f.object("model", {"name", "params", "transformer"}), p);
+  p.cluster = cluster_from_json(f.object(
+      "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
+                  "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
+                  "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
+                  "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "inter_node_latency_s"}));
+  p.training = training_from_json(f.object(
+      "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",
+                   "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
+                   "allow_pipeline_parallel", "allow_zero", "allow_recompute",
+                   "allow_sequence_parallel", "schedules", "max_micro_batch_size",
+                   "dp_bucket_bytes"}));
+  p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "order"}));
+  p.zero_stage = f.integer("zero_stage");
+  p.micro_batch_size = f.integer("micro_batch_size");
+  p.num_micro_batches = f.integer("num_micro_batches");
+  p.schedule = schedule_from_string(f.string("schedule"), f.path("schedule"));
+  p.virtual_stages = f.integer("virtual_stages");
+  p.recompute = recompute_from_string(f.string("recompute"), f.path("recompute"));
+  p.sequence_parallel = f.boolean("sequence_parallel");
+  p.dp_bucket_bytes = f.number("dp_bucket_bytes");
+  const Json& layers = f.array("layers");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    p.layers.push_back(layer_from_json(Fields(
+        layers[i], element("layers", i),
+        {"name", "kind", "params", "stage", "tp", "tp_dims", "sharding_unit"})));
+  }
+  p.prediction = prediction_from_json(f.object(
+      "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",
+                     "tokens_per_s", "bubble_fraction", "memory", "time"}));
+  const Json& alternatives = f.array("alternatives");
+  for (size_t i = 0; i < alternatives.size(); ++i) {
+    p.alternatives.push_back(alternative_from_json(
+        Fields(alternatives[i], element("alternatives", i),
+               {"summary", "step_time_s", "memory_bytes_per_device", "reason"})));
+  }
+  return p;
+}
+
+struct FileCloser {
+  void operator()(std::FILE* f) const { std::fclose(f); }
+};
+using File = std::unique_ptr<std::FILE, FileCloser>;
+
+}  // namespace
+
+std::string to_json(const Plan& plan, int indent) {
+  try {
+    return plan_to_json_value(plan).dump(indent);
+  } catch (const Json::type_error& e) {  // a string that is not valid UTF-8
+    throw FormatError(std::string("plan JSON: cannot write plan: ") + e.what());
+  }
+}
+
+Plan plan_from_json(const std::string& text) {
+  Plan plan = plan_from_value(parse_text(text));
+  validate(plan);
+  return plan;
+}
+
+Plan load_plan(const std::string& path) {
+  errno = 0;
+  File f(std::fopen(path.c_str(), "rb"));
+  if (!f) throw FormatError("cannot read plan file '" + path + "': " + std::strerror(errno));
+  std::string text;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f.get())) > 0) text.append(buf, n);
+  if (std::ferror(f.get())) {  // e.g. the path is a directory
+    throw FormatError("cannot read plan file '" + path + "': " + std::strerror(errno));
+  }
+  return plan_from_json(text);
+}
+
+void save_plan(const Plan& plan, const std::string& path) {
+  const std::string text = to_json(plan) + "\n";
+  errno = 0;
+  File f(std::fopen(path.c_str(), "wb"));
+  if (!f) throw PlannerError("cannot write plan file '" + path + "': " + std::strerror(errno));
+  const bool written = std::fwrite(text.data(), 1, text.size(), f.get()) == text.size();
+  const bool closed = std::fclose(f.release()) == 0;  // flush errors show up here
+  if (!written || !closed) {
+    throw PlannerError("cannot write plan file '" + path + "': " + std::strerror(errno));
+  }
+}
+
+}  // namespace monarch::planner

@@ -1,0 +1,223 @@
+// Consistency checks of a Plan (docs/plan_format.md, "Validation rules"). Each rule throws
+// ValidationError naming the field path, with the numbers that broke it.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/errors.h"
+#include "monarch/planner/plan.h"
+
+namespace monarch::planner {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+std::string layer_path(size_t i) { return "layers[" + std::to_string(i) + "]"; }
+
+void require_at_least(int64_t value, int64_t min, const std::string& field) {
+  if (value < min) throw ValidationError(field, "must be >= " + str(min) + ", got " + str(value));
+}
+
+// a * b, or -1 if it overflows int64 (inputs are already known to be >= 1).
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r = 0;
+  return __builtin_mul_overflow(a, b, &r) ? -1 : r;
+}
+
+void check_version(const Plan& p) {
+  if (p.version != kPlanFormatVersion) {
+    throw ValidationError("version", "plan format version " + str(p.version) +
+                                         " is not supported (this build reads version " +
+                                         str(kPlanFormatVersion) + ")");
+  }
+}
+
+void check_mesh(const Plan& p) {
+  const Mesh& m = p.mesh;
+  require_at_least(m.pp, 1, "mesh.pp");
+  require_at_least(m.dp, 1, "mesh.dp");
+  require_at_least(m.tp, 1, "mesh.tp");
+  std::vector<std::string> sorted = m.order;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted != std::vector<std::string>{"dp", "pp", "tp"}) {
+    std::string got;
+    for (const auto& a : m.order) got += (got.empty() ? "\"" : ", \"") + a + "\"";
+    throw ValidationError("mesh.order",
+                          "must be a permutation of \"pp\", \"dp\", \"tp\", got [" + got + "]");
+  }
+  const int64_t world = checked_mul(checked_mul(m.pp, m.dp), m.tp);
+  if (world != p.cluster.world_size()) {
+    const std::string product = world < 0 ? "overflows" : "= " + str(world);
+    throw ValidationError("mesh", "pp*dp*tp " + product +
+                                      " does not equal the cluster's world size " +
+                                      str(p.cluster.world_size()) + " (" + str(p.cluster.nodes) +
+                                      " nodes x " + str(p.cluster.devices_per_node) +
+                                      " devices)");
+  }
+}
+
+void check_batch(const Plan& p) {
+  if (p.zero_stage < 0 || p.zero_stage > 3) {
+    throw ValidationError("zero_stage", "must be 0, 1, 2 or 3, got " + str(p.zero_stage));
+  }
+  require_at_least(p.micro_batch_size, 1, "micro_batch_size");
+  require_at_least(p.num_micro_batches, 1, "num_micro_batches");
+  const int64_t batch =
+      checked_mul(checked_mul(p.micro_batch_size, p.num_micro_batches), p.mesh.dp);
+  if (batch != p.training.global_batch) {
+    throw ValidationError(
+        "num_micro_batches",
+        "micro_batch_size * num_micro_batches * dp = " + str(p.micro_batch_size) + " * " +
+            str(p.num_micro_batches) + " * " + str(p.mesh.dp) + " = " +
+            (batch < 0 ? std::string("overflow") : str(batch)) +
+            " does not equal training.global_batch = " + str(p.training.global_batch));
+  }
+}
+
+void check_schedule(const Plan& p) {
+  const std::string name = "'" + to_string(p.schedule) + "'";
+  if (p.mesh.pp == 1 && p.schedule != ScheduleKind::none) {
+    throw ValidationError("schedule", "pp=1 needs schedule 'none', got " + name);
+  }
+  if (p.mesh.pp > 1 && p.schedule == ScheduleKind::none) {
+    throw ValidationError("schedule",
+                          "pp=" + str(p.mesh.pp) + " needs a pipeline schedule, got 'none'");
+  }
+  require_at_least(p.virtual_stages, 1, "virtual_stages");
+  const bool interleaved = p.schedule == ScheduleKind::interleaved_1f1b;
+  if (!interleaved && p.virtual_stages != 1) {
+    throw ValidationError("virtual_stages", str(p.virtual_stages) +
+                                                " needs schedule 'interleaved_1f1b', got " + name);
+  }
+  if (interleaved && p.virtual_stages < 2) {
+    throw ValidationError("virtual_stages",
+                          "interleaved_1f1b needs virtual_stages >= 2, got " +
+                              str(p.virtual_stages));
+  }
+  if (interleaved && p.num_micro_batches % p.mesh.pp != 0) {
+    throw ValidationError("num_micro_batches",
+                          "interleaved_1f1b needs a multiple of pp=" + str(p.mesh.pp) + ", got " +
+                              str(p.num_micro_batches));
+  }
+}
+
+void check_options(const Plan& p) {
+  if (p.sequence_parallel && p.mesh.tp <= 1) {
+    throw ValidationError("sequence_parallel", "needs tp > 1, got tp=" + str(p.mesh.tp));
+  }
+  if (!(p.dp_bucket_bytes > 0) || !std::isfinite(p.dp_bucket_bytes)) {
+    throw ValidationError("dp_bucket_bytes",
+                          "must be a positive number of bytes, got " +
+                              std::to_string(p.dp_bucket_bytes));
+  }
+  require_at_least(p.model_params, 0, "model.params");
+}
+
+// tp must divide `value` (0 = no constraint); `what` is "heads", `owner` names the layer.
+void check_divides(int64_t tp, int64_t value, const std::string& what, const std::string& owner) {
+  if (value > 0 && value % tp != 0) {
+    throw ValidationError("mesh.tp", str(tp) + " does not divide " + what + "=" + str(value) +
+                                         " (" + owner + ")");
+  }
+}
+
+void check_layer(const Plan& p, size_t i) {
+  const LayerPlacement& l = p.layers[i];
+  const std::string path = layer_path(i);
+  require_at_least(l.params, 0, path + ".params");
+  require_at_least(l.tp_dims.heads, 0, path + ".tp_dims.heads");
+  require_at_least(l.tp_dims.kv_heads, 0, path + ".tp_dims.kv_heads");
+  require_at_least(l.tp_dims.ffn, 0, path + ".tp_dims.ffn");
+  require_at_least(l.tp_dims.vocab, 0, path + ".tp_dims.vocab");
+  if (l.tp == TpPattern::replicated) return;
+  const std::string owner = "layer '" + l.name + "'";
+  check_divides(p.mesh.tp, l.tp_dims.heads, "heads", owner);
+  check_divides(p.mesh.tp, l.tp_dims.kv_heads, "kv_heads", owner);
+  check_divides(p.mesh.tp, l.tp_dims.ffn, "ffn", owner);
+  check_divides(p.mesh.tp, l.tp_dims.vocab, "vocab", owner);
+}
+
+// Stages are in range, non-decreasing along the layer list, and none is empty.
+void check_stages(const Plan& p) {
+  if (p.layers.empty()) throw ValidationError("layers", "a plan needs at least one layer");
+  const int64_t stages = checked_mul(p.mesh.pp, p.virtual_stages);
+  if (stages < 0 || stages > static_cast<int64_t>(p.layers.size())) {
+    throw ValidationError("layers", "pp=" + str(p.mesh.pp) + " x virtual_stages=" +
+                                        str(p.virtual_stages) + " stages need at least as many "
+                                        "layers, the plan has " +
+                                        std::to_string(p.layers.size()));
+  }
+  std::vector<bool> used(static_cast<size_t>(stages), false);
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    const int64_t s = p.layers[i].stage;
+    if (s < 0 || s >= stages) {
+      throw ValidationError(layer_path(i) + ".stage",
+                            str(s) + " is outside [0, " + str(stages) + ") (pp=" +
+                                str(p.mesh.pp) + " x virtual_stages=" + str(p.virtual_stages) +
+                                ")");
+    }
+    if (i > 0 && s < p.layers[i - 1].stage) {
+      throw ValidationError(layer_path(i) + ".stage",
+                            str(s) + " comes after stage " + str(p.layers[i - 1].stage) +
+                                " (stages must be non-decreasing along the layer list)");
+    }
+    used[static_cast<size_t>(s)] = true;
+  }
+  for (int64_t s = 0; s < stages; ++s) {
+    if (!used[static_cast<size_t>(s)]) {
+      throw ValidationError("layers", "stage " + str(s) + " has no layer");
+    }
+  }
+}
+
+void check_transformer(const Plan& p) {
+  if (!p.transformer) return;
+  const TransformerConfig& t = *p.transformer;
+  const std::string owner = "transformer '" + t.name + "'";
+  check_divides(p.mesh.tp, t.heads, "heads", owner);
+  check_divides(p.mesh.tp, t.kv_heads > 0 ? t.kv_heads : t.heads, "kv_heads", owner);
+}
+
+}  // namespace
+
+void validate(const Plan& plan) {
+  check_version(plan);
+  validate(plan.cluster);
+  validate(plan.training);
+  check_mesh(plan);
+  check_batch(plan);
+  check_schedule(plan);
+  check_options(plan);
+  check_stages(plan);
+  for (size_t i = 0; i < plan.layers.size(); ++i) check_layer(plan, i);
+  check_transformer(plan);
+}
+
+void validate(const Plan& plan, const ModelGraph& graph) {
+  validate(plan);
+  if (plan.layers.size() != graph.layers.size()) {
+    throw ValidationError("layers", "plan has " + std::to_string(plan.layers.size()) +
+                                        " layers, the model has " +
+                                        std::to_string(graph.layers.size()));
+  }
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlacement& mine = plan.layers[i];
+    const Layer& theirs = graph.layers[i];
+    if (mine.name != theirs.name) {
+      throw ValidationError(layer_path(i) + ".name",
+                            "plan has '" + mine.name + "', the model has '" + theirs.name + "'");
+    }
+    if (mine.params != theirs.params) {
+      throw ValidationError(layer_path(i) + ".params", "plan has " + str(mine.params) +
+                                                           ", the model has " +
+                                                           str(theirs.params) + " (layer '" +
+                                                           mine.name + "')");
+    }
+  }
+  if (plan.model_params != graph.total_params()) {
+    throw ValidationError("model.params", "plan has " + str(plan.model_params) +
+                                              ", the model has " + str(graph.total_params()));
+  }
+}
+
+}  // namespace monarch::planner

@@ -1,0 +1,520 @@
+// Hybrid-parallel search. See docs/cost_model.md ("Search") for the space and the pruning.
+#include "monarch/planner/search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include "monarch/planner/cost_model.h"
+#include "monarch/planner/errors.h"
+#include "monarch/planner/report.h"
+#include "monarch/planner/stage_partition.h"
+
+namespace monarch::planner {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d * d <= n; ++d) {
+    if (n % d == 0) {
+      out.push_back(d);
+      if (d != n / d) out.push_back(n / d);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Why tp cannot split this model, or "" if it can.
+std::string tp_conflict(const ModelGraph& graph, int64_t tp) {
+  if (tp == 1) return "";
+  for (const auto& layer : graph.layers) {
+    if (layer.tp == TpPattern::replicated) continue;
+    const std::pair<const char*, int64_t> dims[] = {{"heads", layer.tp_dims.heads},
+                                                     {"kv_heads", layer.tp_dims.kv_heads},
+                                                     {"ffn", layer.tp_dims.ffn},
+                                                     {"vocab", layer.tp_dims.vocab}};
+    for (const auto& [what, value] : dims) {
+      if (value > 0 && value % tp != 0) {
+        return std::to_string(tp) + " does not divide " + what + "=" + std::to_string(value) +
+               " (layer '" + layer.name + "')";
+      }
+    }
+  }
+  return "";
+}
+
+int64_t max_stages(const ModelGraph& graph) {
+  int64_t cuts = 1;
+  for (int i = 1; i < static_cast<int>(graph.layers.size()); ++i) cuts += graph.can_cut_before(i) ? 1 : 0;
+  return cuts;
+}
+
+void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
+                const Pins& pins) {
+  const int64_t world = cluster.world_size();
+  auto fail = [](const char* field, const std::string& msg) { throw ValidationError(field, msg); };
+  if (pins.tp) {
+    if (*pins.tp < 1 || world % *pins.tp != 0) {
+      fail("pins.tp", std::to_string(*pins.tp) + " does not divide the world size " + std::to_string(world));
+    }
+    const std::string conflict = tp_conflict(graph, *pins.tp);
+    if (!conflict.empty()) fail("pins.tp", conflict);
+  }
+  if (pins.pp) {
+    if (*pins.pp < 1 || world % *pins.pp != 0) {
+      fail("pins.pp", std::to_string(*pins.pp) + " does not divide the world size " + std::to_string(world));
+    }
+    if (*pins.pp > max_stages(graph)) {
+      fail("pins.pp", std::to_string(*pins.pp) + " stages but the model can be cut into at most " +
+                          std::to_string(max_stages(graph)));
+    }
+  }
+  if (pins.dp) {
+    if (*pins.dp < 1 || world % *pins.dp != 0) {
+      fail("pins.dp", std::to_string(*pins.dp) + " does not divide the world size " + std::to_string(world));
+    }
+    if (training.global_batch % *pins.dp != 0) {
+      fail("pins.dp", "global batch " + std::to_string(training.global_batch) +
+                          " is not divisible by dp=" + std::to_string(*pins.dp));
+    }
+  }
+  const int64_t product = pins.tp.value_or(1) * pins.pp.value_or(1) * pins.dp.value_or(1);
+  if (world % product != 0 || (pins.tp && pins.pp && pins.dp && product != world)) {
+    fail("pins", "tp*pp*dp = " + std::to_string(product) + " does not match the world size " +
+                     std::to_string(world));
+  }
+  if (pins.zero_stage && (*pins.zero_stage < 0 || *pins.zero_stage > 3)) {
+    fail("pins.zero_stage", "must be 0, 1, 2 or 3, got " + std::to_string(*pins.zero_stage));
+  }
+  if (pins.micro_batch_size && *pins.micro_batch_size < 1) {
+    fail("pins.micro_batch_size", "must be >= 1, got " + std::to_string(*pins.micro_batch_size));
+  }
+  if (pins.virtual_stages && *pins.virtual_stages < 1) {
+    fail("pins.virtual_stages", "must be >= 1");
+  }
+  if (pins.schedule && pins.pp) {
+    if (*pins.pp == 1 && *pins.schedule != ScheduleKind::none) {
+      fail("pins.schedule", to_string(*pins.schedule) + " needs pp > 1 (pp=1 runs without a pipeline schedule)");
+    }
+    if (*pins.pp > 1 && *pins.schedule == ScheduleKind::none) {
+      fail("pins.schedule", "none needs pp=1, got pp=" + std::to_string(*pins.pp));
+    }
+  }
+  if (pins.sequence_parallel && *pins.sequence_parallel && pins.tp && *pins.tp == 1) {
+    fail("pins.sequence_parallel", "needs tp > 1");
+  }
+}
+
+struct Candidate {
+  Plan plan;
+  bool over_memory = false;
+  std::string key;  // deterministic tie-break
+};
+
+bool better(const Candidate& a, const Candidate& b) {
+  if (a.over_memory != b.over_memory) return !a.over_memory;
+  if (a.plan.prediction.step_time_s != b.plan.prediction.step_time_s) {
+    return a.plan.prediction.step_time_s < b.plan.prediction.step_time_s;
+  }
+  return a.key < b.key;
+}
+
+// "1.21x slower: bubble 9.1 s vs 2.3 s" -- the component that grew the most.
+std::string why_slower(const Prediction& loser, const Prediction& winner) {
+  const std::pair<const char*, double TimeBreakdown::*> parts[] = {
+      {"compute", &TimeBreakdown::compute},   {"tp comm", &TimeBreakdown::tp_comm},
+      {"dp comm", &TimeBreakdown::dp_comm},   {"pp comm", &TimeBreakdown::pp_comm},
+      {"bubble", &TimeBreakdown::bubble},     {"optimizer", &TimeBreakdown::optimizer}};
+  const char* worst = "step";
+  double grew = -kInf, lose_v = 0, win_v = 0;
+  for (const auto& [name, field] : parts) {
+    const double d = loser.time.*field - winner.time.*field;
+    if (d > grew) {
+      grew = d;
+      worst = name;
+      lose_v = loser.time.*field;
+      win_v = winner.time.*field;
+    }
+  }
+  std::ostringstream out;
+  out.precision(3);
+  out << loser.step_time_s / winner.step_time_s << "x slower: " << worst << " "
+      << format_seconds(lose_v) << " vs " << format_seconds(win_v);
+  if (std::string(worst) == "compute" && loser.time.recompute > winner.time.recompute) {
+    out << " (recompute " << format_seconds(loser.time.recompute) << ")";
+  }
+  return out.str();
+}
+
+class Searcher {
+ public:
+  Searcher(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
+           const SearchOptions& options, bool allow_over_memory)
+      : graph_(graph), cluster_(cluster), training_(training), pins_(options.pins),
+        options_(options), allow_over_memory_(allow_over_memory) {}
+
+  Plan run() {
+    validate(cluster_);
+    validate(training_);
+    check_pins(graph_, cluster_, training_, pins_);
+    const int64_t world = cluster_.world_size();
+    for (int64_t tp : divisors(world)) {
+      if (pins_.tp ? tp != *pins_.tp : !tp_allowed(tp)) continue;
+      for (int64_t pp : divisors(world / tp)) {
+        if (pins_.pp ? pp != *pins_.pp : !pp_allowed(pp)) continue;
+        const int64_t dp = world / (tp * pp);
+        if (pins_.dp && dp != *pins_.dp) continue;
+        if (training_.global_batch % dp != 0) {
+          note_rejection("global batch " + std::to_string(training_.global_batch) +
+                         " is not divisible by dp=" + std::to_string(dp));
+          continue;
+        }
+        meshes_.push_back({pp, dp, tp});
+      }
+    }
+    for (const auto& [pp, dp, tp] : meshes_) search_mesh(pp, dp, tp);
+    if (best_per_mesh_.empty()) {
+      // Nothing fits: score the over-memory layouts too, to report the smallest need (and
+      // to return the least bad one when the caller allows it).
+      scoring_over_memory_ = true;
+      for (const auto& [pp, dp, tp] : meshes_) search_mesh(pp, dp, tp);
+    }
+    return finish();
+  }
+
+ private:
+  bool tp_allowed(int64_t tp) {
+    if (tp > 1 && !training_.allow_tensor_parallel) return false;
+    // Tensor parallelism stays inside a node (its collectives are on the critical path).
+    if (tp > cluster_.devices_per_node || cluster_.devices_per_node % tp != 0) return false;
+    const std::string conflict = tp_conflict(graph_, tp);
+    if (!conflict.empty()) {
+      note_rejection("tp=" + conflict);
+      return false;
+    }
+    return true;
+  }
+
+  bool pp_allowed(int64_t pp) {
+    if (pp > 1 && !training_.allow_pipeline_parallel) return false;
+    return pp <= max_stages(graph_);
+  }
+
+  void search_mesh(int64_t pp, int64_t dp, int64_t tp) {
+    const int64_t per_replica = training_.global_batch / dp;
+    for (int64_t mbs : divisors(per_replica)) {
+      if (pins_.micro_batch_size ? mbs != *pins_.micro_batch_size
+                                 : mbs > training_.max_micro_batch_size) {
+        continue;
+      }
+      const int64_t m = per_replica / mbs;
+      for (const auto& [schedule, v] : schedules_for(pp, m)) {
+        for (Recompute rc : recompute_options()) {
+          for (bool sp : sequence_parallel_options(tp)) {
+            for (int64_t zero : zero_options(dp)) {
+              Layout l;
+              l.pp = pp; l.dp = dp; l.tp = tp;
+              l.zero_stage = zero;
+              l.micro_batch_size = mbs;
+              l.num_micro_batches = m;
+              l.schedule = schedule;
+              l.virtual_stages = v;
+              l.recompute = rc;
+              l.sequence_parallel = sp;
+              consider(l);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  std::vector<std::pair<ScheduleKind, int64_t>> schedules_for(int64_t pp, int64_t m) {
+    std::vector<std::pair<ScheduleKind, int64_t>> out;
+    if (pp == 1) {
+      if (!pins_.schedule || *pins_.schedule == ScheduleKind::none) out.push_back({ScheduleKind::none, 1});
+      return out;
+    }
+    const int64_t stages = max_stages(graph_);
+    for (ScheduleKind kind : training_.schedules) {
+      if (pins_.schedule && kind != *pins_.schedule) continue;
+      if (kind == ScheduleKind::none) continue;
+      if (kind == ScheduleKind::interleaved_1f1b) {
+        if (m % pp != 0) continue;
+        for (int64_t v : {2, 3, 4, 6, 8}) {
+          if (pins_.virtual_stages && v != *pins_.virtual_stages) continue;
+          if (pp * v <= stages) out.push_back({kind, v});
+        }
+      } else if (!pins_.virtual_stages || *pins_.virtual_stages == 1) {
+        out.push_back({kind, 1});
+      }
+    }
+    if (pins_.schedule && *pins_.schedule != ScheduleKind::none && out.empty() && pp > 1) {
+      note_rejection(to_string(*pins_.schedule) + " impossible with pp=" + std::to_string(pp) +
+                     " and " + std::to_string(m) + " micro-batches");
+    }
+    return out;
+  }
+
+  std::vector<Recompute> recompute_options() {
+    if (pins_.recompute) return {*pins_.recompute};
+    if (!training_.allow_recompute) return {Recompute::none};
+    return {Recompute::none, Recompute::selective, Recompute::full};
+  }
+
+  std::vector<bool> sequence_parallel_options(int64_t tp) {
+    if (pins_.sequence_parallel) return {*pins_.sequence_parallel};
+    // Same communication volume as plain tp (all-gather + reduce-scatter = all-reduce) and
+    // less memory (Korthikanti et al. 2022 Sec. 4.2.2), so it is on whenever tp > 1.
+    if (tp > 1 && training_.allow_sequence_parallel) return {true};
+    return {false};
+  }
+
+  std::vector<int64_t> zero_options(int64_t dp) {
+    if (pins_.zero_stage) return {*pins_.zero_stage};
+    if (dp == 1 || !training_.allow_zero) return {0};
+    return {0, 1, 2, 3};
+  }
+
+  const std::vector<LayerCost>& costs_for(const Layout& l) {
+    // Layer costs depend on the tp group only (its link is the innermost axis).
+    const auto key = std::make_tuple(l.tp, l.sequence_parallel, static_cast<int>(l.recompute),
+                                     l.micro_batch_size);
+    auto it = cost_cache_.find(key);
+    if (it == cost_cache_.end()) it = cost_cache_.emplace(key, layer_costs(graph_, cluster_, training_, l)).first;
+    return it->second;
+  }
+
+  // A step cannot be faster than perfectly balanced stages plus the schedule's minimum
+  // bubble, with no data-parallel communication: with heterogeneous stages 1F1B / GPipe need
+  // at least sum(F_s + B_s) + (m - 1) max(F_s + B_s) >= work + (m - 1) work / pp, and
+  // interleaving divides the fill/drain part by v. ZB-H1 can hide its bubble: no bound.
+  static double lower_bound_s(const Layout& l, const std::vector<LayerCost>& costs) {
+    double work = 0;
+    for (const auto& c : costs) work += c.forward_s + c.backward_s;
+    const double per_rank = work / l.pp;
+    const double m = static_cast<double>(l.num_micro_batches);
+    switch (l.schedule) {
+      case ScheduleKind::gpipe:
+      case ScheduleKind::one_f_one_b: return work + (m - 1) * per_rank;
+      case ScheduleKind::interleaved_1f1b:
+        return m * per_rank + (l.pp - 1) * per_rank / static_cast<double>(l.virtual_stages);
+      default: return m * per_rank;
+    }
+  }
+
+  // Skip a layout that can neither beat its mesh's best nor enter the top alternatives.
+  double prune_threshold(const std::tuple<int64_t, int64_t, int64_t>& mesh) const {
+    const auto it = best_per_mesh_.find(mesh);
+    if (it == best_per_mesh_.end() || it->second.over_memory) return kInf;
+    std::vector<double> times;
+    for (const auto& [_, c] : best_per_mesh_) {
+      if (!c.over_memory) times.push_back(c.plan.prediction.step_time_s);
+    }
+    const size_t keep = static_cast<size_t>(options_.alternatives) + 1;
+    double threshold = it->second.plan.prediction.step_time_s;
+    if (times.size() >= keep) {
+      std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
+      threshold = std::min(threshold, times[keep - 1]);
+    }
+    return threshold;
+  }
+
+  // Model state of the most loaded rank is at least the average over pipeline ranks.
+  double state_lower_bound_bytes(const Layout& l, const std::vector<LayerCost>& costs) const {
+    double params = 0;
+    for (const auto& c : costs) params += c.params;
+    return zero_model_state_bytes(params / l.pp, l.dp, l.zero_stage, training_.param_bytes,
+                                  training_.grad_bytes, training_.optimizer_bytes).total();
+  }
+
+  void consider(const Layout& l) {
+    ++considered_;
+    const auto& costs = costs_for(l);
+    const std::tuple<int64_t, int64_t, int64_t> mesh{l.pp, l.dp, l.tp};
+    if (lower_bound_s(l, costs) * (1 - 1e-9) >= prune_threshold(mesh)) {
+      ++pruned_;
+      return;
+    }
+    const double limit = cluster_.usable_memory_bytes();
+    auto partition = partition_for(l, costs, limit);
+    bool over = false;
+    if (!partition) {
+      ++over_memory_;
+      if (!scoring_over_memory_) return;
+      if (state_lower_bound_bytes(l, costs) >= smallest_need_) return;  // cannot need less
+      // Score the time-balanced split to report how much memory it would need.
+      partition = partition_for(l, costs, kInf);
+      over = true;
+      if (!partition) return;
+    }
+    Candidate c;
+    c.plan = make_plan(l, *partition);
+    c.plan.prediction = predict(graph_, c.plan, &sims_);
+    c.over_memory = over || c.plan.prediction.memory_bytes_per_device > limit;
+    c.key = c.plan.summary();
+    ++evaluated_;
+    if (c.over_memory) {
+      if (c.plan.prediction.memory_bytes_per_device < smallest_need_) {
+        smallest_need_ = c.plan.prediction.memory_bytes_per_device;
+        smallest_need_plan_ = c.plan;
+      }
+      if (!scoring_over_memory_ || !allow_over_memory_) return;
+    }
+    auto [it, inserted] = best_per_mesh_.emplace(mesh, c);
+    if (!inserted && better(c, it->second)) it->second = std::move(c);
+  }
+
+  std::optional<Partition> partition_for(const Layout& l, const std::vector<LayerCost>& costs,
+                                         double limit) {
+    PartitionProblem p;
+    const int64_t stages = l.pp * l.virtual_stages;
+    p.stages = stages;
+    double largest_params = 0, workspace = 0, p2p = 0;
+    for (size_t i = 0; i < costs.size(); ++i) {
+      const auto& c = costs[i];
+      p.layer_time_s.push_back(c.forward_s + c.backward_s);
+      p.layer_state_bytes.push_back(
+          zero_model_state_bytes(c.params, l.dp, l.zero_stage, training_.param_bytes,
+                                 training_.grad_bytes, training_.optimizer_bytes).total());
+      p.layer_activation_bytes.push_back(c.activation_bytes);
+      p.cut_allowed.push_back(i == 0 || graph_.can_cut_before(static_cast<int>(i)));
+      largest_params = std::max(largest_params, c.params);
+      workspace = std::max(workspace, c.workspace_bytes);
+      p2p = std::max(p2p, graph_.layers[i].output_bytes_per_sample * l.micro_batch_size);
+    }
+    for (int64_t s = 0; s < stages; ++s) p.stage_in_flight.push_back(estimated_in_flight(l, s % l.pp));
+    double buffers = workspace + (l.pp > 1 ? 2 * p2p : 0.0);
+    if (l.dp > 1) {
+      buffers += l.zero_stage >= 3 ? 2 * largest_params * training_.param_bytes
+                                   : 2 * training_.dp_bucket_bytes;
+    }
+    p.stage_fixed_bytes = buffers;
+    // A rank holds v interleaved chunks: give each chunk its share of the memory.
+    p.stage_memory_limit_bytes = limit / l.virtual_stages;
+    return partition_stages(p);
+  }
+
+  Plan make_plan(const Layout& l, const Partition& partition) {
+    Plan plan;
+    plan.model_name = graph_.name;
+    plan.model_params = graph_.total_params();
+    plan.transformer = graph_.transformer;
+    plan.cluster = cluster_;
+    plan.training = training_;
+    plan.mesh.pp = l.pp;
+    plan.mesh.dp = l.dp;
+    plan.mesh.tp = l.tp;
+    plan.zero_stage = l.zero_stage;
+    plan.micro_batch_size = l.micro_batch_size;
+    plan.num_micro_batches = l.num_micro_batches;
+    plan.schedule = l.schedule;
+    plan.virtual_stages = l.virtual_stages;
+    plan.recompute = l.recompute;
+    plan.sequence_parallel = l.sequence_parallel;
+    plan.dp_bucket_bytes = training_.dp_bucket_bytes;
+    for (size_t i = 0; i < graph_.layers.size(); ++i) {
+      const Layer& layer = graph_.layers[i];
+      LayerPlacement lp;
+      lp.name = layer.name;
+      lp.kind = layer.kind;
+      lp.params = layer.params;
+      lp.stage = partition.stage_of_layer[i];
+      lp.tp = l.tp > 1 ? layer.tp : TpPattern::replicated;
+      lp.tp_dims = layer.tp_dims;
+      lp.sharding_unit = l.zero_stage == 3 && l.dp > 1 && layer.params > 0;
+      plan.layers.push_back(lp);
+    }
+    return plan;
+  }
+
+  void note_rejection(const std::string& why) {
+    if (std::find(rejections_.begin(), rejections_.end(), why) == rejections_.end()) {
+      rejections_.push_back(why);
+    }
+  }
+
+  Plan finish() {
+    std::vector<const Candidate*> ranked;
+    for (const auto& [_, c] : best_per_mesh_) ranked.push_back(&c);
+    std::sort(ranked.begin(), ranked.end(), [](const Candidate* a, const Candidate* b) { return better(*a, *b); });
+    if (ranked.empty()) throw InfeasibleError(explain_failure());
+    Plan best = ranked.front()->plan;
+    for (size_t i = 1; i < ranked.size() && static_cast<int64_t>(i) <= options_.alternatives; ++i) {
+      const Plan& alt = ranked[i]->plan;
+      Alternative a;
+      a.summary = alt.summary();
+      a.step_time_s = alt.prediction.step_time_s;
+      a.memory_bytes_per_device = alt.prediction.memory_bytes_per_device;
+      a.reason = ranked[i]->over_memory
+                     ? "needs " + format_bytes(a.memory_bytes_per_device) + " per device"
+                     : why_slower(alt.prediction, best.prediction);
+      best.alternatives.push_back(a);
+    }
+    return best;
+  }
+
+  std::string explain_failure() const {
+    std::ostringstream out;
+    if (smallest_need_ < kInf) {
+      const Plan& p = smallest_need_plan_;
+      const MemoryBreakdown& m = p.prediction.memory;
+      out << "no layout fits in " << format_bytes(cluster_.usable_memory_bytes())
+          << " usable memory per device (" << cluster_.name << ": "
+          << format_bytes(cluster_.device_memory_bytes) << " minus "
+          << format_bytes(cluster_.memory_reserved_bytes) << " reserved); the smallest need found is "
+          << format_bytes(m.total()) << " with " << p.summary() << " (params "
+          << format_bytes(m.params) << ", grads " << format_bytes(m.grads) << ", optimizer "
+          << format_bytes(m.optimizer) << ", activations " << format_bytes(m.activations)
+          << ", buffers " << format_bytes(m.buffers) << ")";
+    } else {
+      out << "no layout satisfies the constraints";
+      if (!pins_.tp && !pins_.pp && !pins_.dp) out << " for " << cluster_.world_size() << " devices";
+    }
+    for (const auto& r : rejections_) out << "; " << r;
+    return out.str();
+  }
+
+  const ModelGraph& graph_;
+  const Cluster& cluster_;
+  const TrainingConfig& training_;
+  const Pins pins_;
+  const SearchOptions options_;
+  const bool allow_over_memory_;
+  SimulationCache sims_;
+  std::map<std::tuple<int64_t, bool, int, int64_t>, std::vector<LayerCost>> cost_cache_;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> best_per_mesh_;
+  std::vector<std::string> rejections_;
+  double smallest_need_ = kInf;
+  Plan smallest_need_plan_;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> meshes_;
+  bool scoring_over_memory_ = false;
+  int64_t considered_ = 0, pruned_ = 0, evaluated_ = 0, over_memory_ = 0;
+};
+
+}  // namespace
+
+Plan search(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
+            const SearchOptions& options) {
+  return Searcher(graph, cluster, training, options, false).run();
+}
+
+Plan evaluate_layout(const ModelGraph& graph, const Cluster& cluster,
+                     const TrainingConfig& training, const Pins& pins, bool allow_over_memory) {
+  if (!pins.all_layout_pinned()) {
+    throw ValidationError("pins", "evaluate_layout needs tp, pp, dp, zero stage, micro-batch size "
+                                  "and schedule all pinned");
+  }
+  SearchOptions options;
+  options.pins = pins;
+  options.alternatives = 0;
+  return Searcher(graph, cluster, training, options, allow_over_memory).run();
+}
+
+}  // namespace monarch::planner

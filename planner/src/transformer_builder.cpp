@@ -1,0 +1,147 @@
+// Decoder-transformer layer list from hyperparameters.
+//
+// FLOPs: Narayanan et al. 2021 (SC'21), Sec. 5.1: a block's forward is 24 B s h^2 + 4 B s^2 h
+// (QKV 6sh^2, attention scores and values 4s^2h, output projection 2sh^2, MLP 16sh^2 for
+// ffn = 4h); the logits add 2 B s h V. Here every matmul is 2 * s * (its weight count), so
+// grouped KV heads and gated MLPs come out right and the paper's numbers are the special case.
+//
+// Activations kept for backward: Korthikanti et al. 2022, "Reducing Activation Recomputation
+// in Large Transformer Models", Sec. 4.1: sbh(34 + 5as/h) bytes per block with 16-bit
+// activations and 1-byte dropout masks, split as
+//   replicated 10sbh  (layer-norm inputs 4sbh, QKV and MLP inputs 4sbh, two dropout masks 2sbh)
+//   tp-sharded 24sbh  (Q, K, V, attention output 8sbh; MLP intermediate in and out 16sbh)
+//   attention  5as^2b (softmax output 2, its dropout mask 1, dropout output 2)
+// generalized: K and V shrink by kv_heads/heads, the MLP part scales with ffn, gated MLPs
+// keep three ffn-wide tensors (gate, up, product) instead of two.
+#include <string>
+
+#include "monarch/planner/errors.h"
+#include "monarch/planner/model_graph.h"
+
+namespace monarch::planner {
+namespace {
+
+void require_positive(int64_t value, const char* field) {
+  if (value < 1) {
+    throw ValidationError(std::string("transformer.") + field,
+                          "must be >= 1, got " + std::to_string(value));
+  }
+}
+
+TransformerConfig normalized(TransformerConfig c) {
+  require_positive(c.layers, "layers");
+  require_positive(c.hidden, "hidden");
+  require_positive(c.heads, "heads");
+  require_positive(c.seq, "seq");
+  require_positive(c.vocab, "vocab");
+  if (c.kv_heads == 0) c.kv_heads = c.heads;
+  if (c.ffn == 0) c.ffn = 4 * c.hidden;
+  require_positive(c.kv_heads, "kv_heads");
+  require_positive(c.ffn, "ffn");
+  if (c.hidden % c.heads != 0) {
+    throw ValidationError("transformer.hidden", std::to_string(c.hidden) +
+                                                    " is not a multiple of heads=" +
+                                                    std::to_string(c.heads));
+  }
+  if (c.heads % c.kv_heads != 0) {
+    throw ValidationError("transformer.kv_heads", std::to_string(c.kv_heads) +
+                                                      " does not divide heads=" +
+                                                      std::to_string(c.heads));
+  }
+  return c;
+}
+
+Layer embedding_layer(const TransformerConfig& c, double act) {
+  const double s = c.seq, h = c.hidden;
+  Layer l;
+  l.name = "embedding";
+  l.kind = LayerKind::embedding;
+  l.params = c.vocab * c.hidden;
+  l.param_dtype = c.dtype;
+  l.forward_flops_per_sample = 0;  // a lookup
+  l.activations.replicated = s * h;  // embedding-dropout mask (1 byte)
+  l.activations.layer_input = 0;
+  l.output_bytes_per_sample = act * s * h;
+  l.tp = TpPattern::vocab;
+  l.tp_dims.vocab = c.vocab;
+  return l;
+}
+
+Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
+  const double s = c.seq, h = c.hidden, a = c.heads, f = c.ffn;
+  const double kv_ratio = static_cast<double>(c.kv_heads) / c.heads;
+  const double kv_width = h * kv_ratio;
+  const double attention_weights = h * h /*q*/ + 2 * h * kv_width /*k,v*/ + h * h /*out*/;
+  const double mlp_weights = (c.gated_mlp ? 3.0 : 2.0) * h * f;
+  const double norm_weights = 2 * 2 * h;  // two layer norms, weight and bias
+  Layer l;
+  l.name = "blocks." + std::to_string(index);
+  l.kind = LayerKind::block;
+  l.params = static_cast<int64_t>(attention_weights + mlp_weights + norm_weights);
+  l.param_dtype = c.dtype;
+  const double matmul_flops = 2 * s * (attention_weights + mlp_weights) + 4 * s * s * h;
+  l.forward_flops_per_sample = matmul_flops;
+  l.attention_flops_per_sample = 4 * s * s * h;
+  l.activations.replicated = 4 * act * s * h + 2 * s * h;
+  l.activations.tp_sharded =
+      act * s * (2 * h + 2 * kv_width) + (c.gated_mlp ? 3.0 : 2.0) * act * s * f;
+  l.activations.attention_scores = (2 * act + 1) * a * s * s;
+  l.activations.layer_input = act * s * h;
+  l.output_bytes_per_sample = act * s * h;
+  l.tp = TpPattern::block;
+  l.tp_dims.heads = c.heads;
+  l.tp_dims.kv_heads = c.kv_heads;
+  l.tp_dims.ffn = c.ffn;
+  return l;
+}
+
+Layer final_norm_layer(const TransformerConfig& c, double act) {
+  Layer l;
+  l.name = "final_norm";
+  l.kind = LayerKind::norm;
+  l.params = 2 * c.hidden;
+  l.param_dtype = c.dtype;
+  l.activations.replicated = act * c.seq * c.hidden;
+  l.activations.layer_input = act * c.seq * c.hidden;
+  l.output_bytes_per_sample = act * c.seq * c.hidden;
+  return l;
+}
+
+Layer head_layer(const TransformerConfig& c, double act) {
+  const double s = c.seq, h = c.hidden, v = c.vocab;
+  Layer l;
+  l.name = "lm_head";
+  l.kind = LayerKind::head;
+  l.params = c.vocab * c.hidden;
+  l.param_dtype = c.dtype;
+  l.forward_flops_per_sample = 2 * s * h * v;
+  // Input (for the weight gradient), logits, and the fp32 softmax of the vocab-parallel
+  // cross entropy; the last two are split over tp.
+  l.activations.replicated = act * s * h;
+  l.activations.tp_sharded = act * s * v + 4 * s * v;
+  l.activations.layer_input = act * s * h;
+  l.output_bytes_per_sample = 0;  // the loss
+  l.tp = TpPattern::vocab;
+  l.tp_dims.vocab = c.vocab;
+  l.recomputable = false;  // Narayanan et al.'s F counts 3 passes for the logits, not 4
+  return l;
+}
+
+}  // namespace
+
+ModelGraph build_transformer(const TransformerConfig& config) {
+  const TransformerConfig c = normalized(config);
+  const double act = bytes_of(c.dtype);
+  ModelGraph g;
+  g.name = c.name;
+  g.transformer = c;
+  g.layers.reserve(static_cast<size_t>(c.layers) + 3);
+  g.layers.push_back(embedding_layer(c, act));
+  for (int64_t i = 0; i < c.layers; ++i) g.layers.push_back(block_layer(c, i, act));
+  g.layers.push_back(final_norm_layer(c, act));
+  g.layers.push_back(head_layer(c, act));
+  if (c.tied_embeddings) g.tied_groups.push_back({0, static_cast<int>(g.layers.size()) - 1});
+  return g;
+}
+
+}  // namespace monarch::planner

@@ -1,0 +1,244 @@
+// monarch-plan: plan, score, show and validate parallel layouts from the command line.
+// Every error is one line on stderr and a non-zero exit status.
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/cluster.h"
+#include "monarch/planner/errors.h"
+#include "monarch/planner/model_graph.h"
+#include "monarch/planner/plan.h"
+#include "monarch/planner/report.h"
+#include "monarch/planner/schedule.h"
+#include "monarch/planner/search.h"
+
+namespace mp = monarch::planner;
+
+namespace {
+
+const char* kUsage = R"(usage:
+  monarch-plan transformer --layers L --hidden H --heads A --seq S --vocab V
+                           --global-batch B --gpus N [--cluster a100-80gb] [-o plan.json]
+                           [--kv-heads K] [--ffn F] [--gated-mlp] [--tied-embeddings]
+                           [--dtype bf16] [--name NAME]
+                           [--tp T] [--pp P] [--dp D] [--zero Z] [--micro-batch M]
+                           [--schedule gpipe|1f1b|interleaved_1f1b|zb_h1] [--virtual-stages V]
+                           [--recompute none|selective|full] [--sequence-parallel on|off]
+                           [--alternatives N] [--json]
+      Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
+      scores exactly that layout) and prints a summary; -o writes the plan as JSON.
+  monarch-plan show plan.json       print the summary of a saved plan
+  monarch-plan validate plan.json   check a plan; exit 0 if valid
+  monarch-plan schedule --schedule 1f1b --pp P --micro-batches M [--virtual-stages V]
+      print each pipeline rank's action list
+  monarch-plan presets              list cluster presets
+)";
+
+// Thrown for command-line mistakes (exit status 2).
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Args {
+ public:
+  Args(int argc, char** argv, int start, const std::vector<std::string>& flags,
+       const std::vector<std::string>& switches) {
+    for (int i = start; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "-o") a = "--output";
+      if (is_in(a, switches)) {
+        values_[a] = "on";
+      } else if (is_in(a, flags)) {
+        if (i + 1 >= argc) throw UsageError(a + ": missing value");
+        values_[a] = argv[++i];
+      } else if (a.rfind("--", 0) == 0) {
+        throw UsageError("unknown option '" + a + "'");
+      } else {
+        positional_.push_back(a);
+      }
+    }
+  }
+  bool has(const std::string& f) const { return values_.count(f) > 0; }
+  std::string str(const std::string& f, const std::string& fallback = "") const {
+    auto it = values_.find(f);
+    return it == values_.end() ? fallback : it->second;
+  }
+  std::optional<int64_t> integer(const std::string& f) const {
+    auto it = values_.find(f);
+    if (it == values_.end()) return std::nullopt;
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(it->second, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != it->second.size() || it->second.empty()) {
+      throw UsageError(f + ": expected an integer, got '" + it->second + "'");
+    }
+    return v;
+  }
+  int64_t required(const std::string& f) const {
+    auto v = integer(f);
+    if (!v) throw UsageError(f + " is required");
+    return *v;
+  }
+  const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+  static bool is_in(const std::string& a, const std::vector<std::string>& list) {
+    for (const auto& x : list) if (x == a) return true;
+    return false;
+  }
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positional_;
+};
+
+bool on_off(const std::string& flag, const std::string& value) {
+  if (value == "on" || value == "true" || value == "1") return true;
+  if (value == "off" || value == "false" || value == "0") return false;
+  throw UsageError(flag + ": expected on or off, got '" + value + "'");
+}
+
+int cmd_transformer(int argc, char** argv) {
+  const Args args(argc, argv, 2,
+                  {"--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--vocab",
+                   "--dtype", "--name", "--global-batch", "--gpus", "--cluster", "--output",
+                   "--tp", "--pp", "--dp", "--zero", "--micro-batch", "--schedule",
+                   "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives"},
+                  {"--gated-mlp", "--tied-embeddings", "--json"});
+  if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
+  mp::TransformerConfig tc;
+  tc.layers = args.required("--layers");
+  tc.hidden = args.required("--hidden");
+  tc.heads = args.required("--heads");
+  tc.kv_heads = args.integer("--kv-heads").value_or(0);
+  tc.ffn = args.integer("--ffn").value_or(0);
+  tc.seq = args.required("--seq");
+  tc.vocab = args.required("--vocab");
+  tc.gated_mlp = args.has("--gated-mlp");
+  tc.tied_embeddings = args.has("--tied-embeddings");
+  tc.dtype = mp::dtype_from_string(args.str("--dtype", "bf16"), "--dtype");
+  tc.name = args.str("--name", "transformer");
+  const mp::ModelGraph graph = mp::build_transformer(tc);
+
+  const mp::Cluster cluster = mp::cluster_preset(args.str("--cluster", "a100-80gb"), args.required("--gpus"));
+  mp::TrainingConfig training;
+  training.global_batch = args.required("--global-batch");
+  training.compute_dtype = tc.dtype;
+
+  mp::Pins pins;
+  pins.tp = args.integer("--tp");
+  pins.pp = args.integer("--pp");
+  pins.dp = args.integer("--dp");
+  pins.zero_stage = args.integer("--zero");
+  pins.micro_batch_size = args.integer("--micro-batch");
+  pins.virtual_stages = args.integer("--virtual-stages");
+  if (args.has("--schedule")) pins.schedule = mp::schedule_from_string(args.str("--schedule"), "--schedule");
+  if (args.has("--recompute")) pins.recompute = mp::recompute_from_string(args.str("--recompute"), "--recompute");
+  if (args.has("--sequence-parallel")) {
+    pins.sequence_parallel = on_off("--sequence-parallel", args.str("--sequence-parallel"));
+  }
+
+  mp::Plan plan;
+  const bool scoring = pins.all_layout_pinned();
+  if (scoring) {
+    plan = mp::evaluate_layout(graph, cluster, training, pins, /*allow_over_memory=*/true);
+  } else {
+    mp::SearchOptions options;
+    options.pins = pins;
+    options.alternatives = args.integer("--alternatives").value_or(5);
+    plan = mp::search(graph, cluster, training, options);
+  }
+  if (args.has("--json")) {
+    std::cout << mp::to_json(plan) << "\n";
+  } else {
+    std::cout << (scoring ? "scoring the pinned layout\n\n" : "") << mp::format_report(plan);
+  }
+  if (args.has("--output")) {
+    mp::save_plan(plan, args.str("--output"));
+    if (!args.has("--json")) std::cout << "\nwrote " << args.str("--output") << "\n";
+  }
+  if (plan.prediction.memory_bytes_per_device > cluster.usable_memory_bytes()) {
+    std::cerr << "monarch-plan: error: the pinned layout needs "
+              << mp::format_bytes(plan.prediction.memory_bytes_per_device) << " per device, "
+              << mp::format_bytes(cluster.usable_memory_bytes()) << " usable\n";
+    return 1;
+  }
+  return 0;
+}
+
+std::string single_path(int argc, char** argv, const char* what) {
+  const Args args(argc, argv, 2, {}, {});
+  if (args.positional().size() != 1) throw UsageError(std::string(what) + " needs exactly one plan file");
+  return args.positional()[0];
+}
+
+int cmd_show(int argc, char** argv) {
+  std::cout << mp::format_report(mp::load_plan(single_path(argc, argv, "show")));
+  return 0;
+}
+
+int cmd_validate(int argc, char** argv) {
+  const std::string path = single_path(argc, argv, "validate");
+  const mp::Plan plan = mp::load_plan(path);  // parses and validates
+  std::cout << path << ": valid plan (" << plan.summary() << ")\n";
+  return 0;
+}
+
+int cmd_schedule(int argc, char** argv) {
+  const Args args(argc, argv, 2, {"--schedule", "--pp", "--micro-batches", "--virtual-stages"}, {});
+  const auto kind = mp::schedule_from_string(args.str("--schedule", "1f1b"), "--schedule");
+  const mp::Schedule s = mp::make_schedule(kind, args.required("--pp"), args.required("--micro-batches"),
+                                           args.integer("--virtual-stages").value_or(1));
+  mp::check_schedule(s);
+  const auto sim = mp::simulate(s, {mp::StageCosts{}});
+  for (size_t r = 0; r < s.per_rank.size(); ++r) {
+    std::cout << "rank " << r << ":";
+    for (const auto& a : s.per_rank[r]) {
+      if (a.type == mp::ActionType::forward) std::cout << " F" << a.micro_batch << "." << a.stage;
+      if (a.type == mp::ActionType::backward) std::cout << " B" << a.micro_batch << "." << a.stage;
+      if (a.type == mp::ActionType::backward_input) std::cout << " Bi" << a.micro_batch << "." << a.stage;
+      if (a.type == mp::ActionType::backward_weight) std::cout << " W" << a.micro_batch << "." << a.stage;
+    }
+    std::cout << "\n";
+  }
+  std::cout << "bubble fraction (F = Bi = W = 1): " << sim.bubble_fraction << "\n";
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2) throw UsageError("missing command");
+  const std::string cmd = argv[1];
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (cmd == "transformer") return cmd_transformer(argc, argv);
+  if (cmd == "show") return cmd_show(argc, argv);
+  if (cmd == "validate") return cmd_validate(argc, argv);
+  if (cmd == "schedule") return cmd_schedule(argc, argv);
+  if (cmd == "presets") {
+    for (const auto& n : mp::cluster_preset_names()) std::cout << n << "\n";
+    return 0;
+  }
+  throw UsageError("unknown command '" + cmd + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "monarch-plan: error: " << e.what() << " (see monarch-plan --help)\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "monarch-plan: error: " << e.what() << "\n";
+    return 1;
+  }
+}

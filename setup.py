@@ -1,0 +1,68 @@
+"""Builds torch_monarch._C with the project's CMake (metadata lives in pyproject.toml).
+
+    pip install --no-build-isolation .        # or -e . for an editable install
+
+The CMake build directory is build/python-<interpreter>-<platform> in the source tree and
+is reused between runs, so a rebuild only recompiles what changed. Extra CMake arguments
+can be given in the CMAKE_ARGS environment variable (e.g. CMAKE_ARGS="-G Ninja").
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name, source_dir=ROOT):
+        super().__init__(name, sources=[])
+        self.source_dir = os.path.abspath(source_dir)
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        if not isinstance(ext, CMakeExtension):
+            return super().build_extension(ext)
+        # Where setuptools expects the module (build/lib.../torch_monarch, or the source
+        # tree for --inplace / editable installs).
+        ext_path = os.path.abspath(self.get_ext_fullpath(ext.name))
+        ext_dir = os.path.dirname(ext_path)
+        os.makedirs(ext_dir, exist_ok=True)
+
+        tag = "{}{}{}-{}".format(sys.implementation.name, *sys.version_info[:2],
+                                 sysconfig.get_platform())
+        build_dir = os.path.join(ext.source_dir, "build", "python-" + tag)
+        os.makedirs(build_dir, exist_ok=True)
+
+        config = "Debug" if self.debug else "Release"
+        configure = [
+            "cmake", "-S", ext.source_dir, "-B", build_dir,
+            "-DCMAKE_BUILD_TYPE=" + config,
+            "-DMONARCH_BUILD_PYTHON=ON",
+            "-DMONARCH_BUILD_TESTS=OFF",
+            "-DMONARCH_BUILD_BENCH=OFF",
+            "-DMONARCH_BUILD_TOOLS=OFF",
+            "-DPython3_EXECUTABLE=" + sys.executable,
+            "-DMONARCH_PYTHON_OUTPUT_DIR=" + ext_dir,
+        ]
+        configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        build = ["cmake", "--build", build_dir, "--config", config, "--target", "_C",
+                 "--parallel", os.environ.get("MONARCH_BUILD_JOBS", "2")]
+
+        for cmd in (configure, build):
+            print(" ".join(shlex.quote(c) for c in cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        if not os.path.exists(ext_path):
+            raise RuntimeError(f"CMake did not produce {ext_path}")
+
+
+setup(
+    ext_modules=[CMakeExtension("torch_monarch._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)

@@ -1,0 +1,190 @@
+// Cost model against published worked examples (docs/cost_model.md).
+#include <catch2/catch.hpp>
+
+#include "monarch/planner/cost_model.h"
+#include "monarch/planner/model_graph.h"
+
+using namespace monarch::planner;
+using Catch::Matchers::WithinRel;
+
+namespace {
+
+TransformerConfig gpt3() {
+  TransformerConfig c;
+  c.name = "gpt3-175b";
+  c.layers = 96;
+  c.hidden = 12288;
+  c.heads = 96;
+  c.seq = 2048;
+  c.vocab = 51200;
+  return c;
+}
+
+const Layer& first_block(const ModelGraph& g) { return g.layers.at(1); }
+
+}  // namespace
+
+TEST_CASE("ZeRO paper, Fig. 1: 7.5B parameters on 64-way data parallelism", "[cost_model][zero]") {
+  // Rajbhandari et al. 2020: (2 + 2 + K) * Psi with K = 12, Psi = 7.5B, Nd = 64:
+  // 120 GB baseline, 31.4 GB (P_os), 16.6 GB (P_os+g), 1.9 GB (P_os+g+p).
+  const double psi = 7.5e9;
+  const double gb = 1e9;
+  CHECK(zero_model_state_bytes(psi, 64, 0).total() / gb == Approx(120.0).epsilon(1e-12));
+  CHECK(zero_model_state_bytes(psi, 64, 1).total() / gb == Approx(31.4).margin(0.05));
+  CHECK(zero_model_state_bytes(psi, 64, 2).total() / gb == Approx(16.6).margin(0.05));
+  CHECK(zero_model_state_bytes(psi, 64, 3).total() / gb == Approx(1.9).margin(0.05));
+  // Exact values behind the rounded ones.
+  CHECK(zero_model_state_bytes(psi, 64, 1).total() == Approx(psi * (4 + 12.0 / 64)));
+  CHECK(zero_model_state_bytes(psi, 64, 2).total() == Approx(psi * (2 + 14.0 / 64)));
+  CHECK(zero_model_state_bytes(psi, 64, 3).total() == Approx(psi * 16.0 / 64));
+  // Which parts are divided at each stage.
+  const auto s2 = zero_model_state_bytes(psi, 64, 2);
+  CHECK(s2.params == Approx(2 * psi));
+  CHECK(s2.grads == Approx(2 * psi / 64));
+  CHECK(s2.optimizer == Approx(12 * psi / 64));
+  // One rank: nothing to divide.
+  CHECK(zero_model_state_bytes(psi, 1, 3).total() == Approx(16 * psi));
+}
+
+TEST_CASE("Megatron FLOPs formula (Narayanan et al. 2021)", "[cost_model][flops]") {
+  // F = 96 B s l h^2 (1 + s/6h + V/16lh), checked by hand for GPT-3 175B at B = 1536:
+  // 96*1536*2048*96*12288^2 = 4.37740e18; (1 + 2048/73728 + 51200/18874368) = 1.030491...
+  const double f = narayanan_flops_per_iteration(1536, 2048, 96, 12288, 51200);
+  CHECK_THAT(f, WithinRel(4.37740e18 * (1 + 2048.0 / 73728 + 51200.0 / 18874368), 1e-5));
+  CHECK_THAT(f, WithinRel(4.5108e18, 1e-4));
+
+  // The per-layer sum of the built graph is the same formula: blocks 4 passes, logits 3.
+  for (const auto& [layers, hidden, heads, seq, vocab] :
+       std::vector<std::tuple<int, int, int, int, int>>{
+           {96, 12288, 96, 2048, 51200}, {128, 25600, 160, 2048, 51200}, {4, 256, 8, 128, 1000}}) {
+    TransformerConfig c;
+    c.layers = layers; c.hidden = hidden; c.heads = heads; c.seq = seq; c.vocab = vocab;
+    const ModelGraph g = build_transformer(c);
+    CHECK_THAT(narayanan_flops_per_step(g, 8), WithinRel(narayanan_flops_per_iteration(8, seq, layers, hidden, vocab), 1e-12));
+    // Model FLOPs (no recompute): 72 B s l h^2 (1 + s/6h) + 6 B s h V (Korthikanti et al.).
+    const double s = seq, l = layers, h = hidden, V = vocab;
+    CHECK_THAT(model_flops_per_step(g, 8), WithinRel(72.0 * 8 * s * l * h * h * (1 + s / (6 * h)) + 6.0 * 8 * s * h * V, 1e-12));
+  }
+}
+
+TEST_CASE("GPT-3 parameter count matches Narayanan et al.'s P formula", "[cost_model][params]") {
+  // P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) counts biases and learned position
+  // embeddings, which the builder leaves out (13h -> 4h per layer, no s*h): 0.1% apart.
+  TransformerConfig c = gpt3();
+  c.tied_embeddings = true;
+  const ModelGraph g = build_transformer(c);
+  const double l = 96, h = 12288, V = 51200, s = 2048;
+  const double paper = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h));
+  CHECK_THAT(static_cast<double>(g.total_params()), WithinRel(paper, 2e-3));
+  CHECK(paper / 1e9 == Approx(174.6).margin(0.1));
+}
+
+TEST_CASE("Korthikanti et al. 2022 activation formulas", "[cost_model][activations]") {
+  const ModelGraph g = build_transformer(gpt3());
+  const Layer& block = first_block(g);
+  const double s = 2048, h = 12288, a = 96;
+  for (int64_t b : {1, 4}) {
+    for (int64_t t : {1, 2, 8}) {
+      for (bool sp : {false, true}) {
+        if (sp && t == 1) continue;
+        for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+          INFO("b=" << b << " t=" << t << " sp=" << sp << " recompute=" << to_string(r));
+          CHECK_THAT(layer_activation_bytes(block, b, t, sp, r),
+                     WithinRel(korthikanti_layer_activation_bytes(s, b, h, a, t, sp, r), 1e-12));
+        }
+      }
+    }
+  }
+  // The paper's closed forms, written out (Table 2 of the paper), b = 1:
+  const double sbh = s * h;
+  CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 1, false, Recompute::none) ==
+        Approx(sbh * (34 + 5 * a * s / h)));
+  CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 8, false, Recompute::none) ==
+        Approx(sbh * (10 + 24.0 / 8 + 5 * a * s / (h * 8))));
+  CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 8, true, Recompute::none) ==
+        Approx(sbh / 8 * (34 + 5 * a * s / h)));
+  CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 8, true, Recompute::selective) ==
+        Approx(34 * sbh / 8));
+  CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 8, false, Recompute::full) == Approx(2 * sbh));
+  // By hand: 34 * 2048 * 12288 / 8 bytes with tp 8, sequence parallel, selective recompute.
+  CHECK(layer_activation_bytes(block, 1, 8, true, Recompute::selective) == 106954752.0);
+}
+
+TEST_CASE("grouped KV heads and gated MLP change activations and FLOPs as expected", "[cost_model]") {
+  TransformerConfig c;  // Llama-2 70B-like block
+  c.layers = 2; c.hidden = 8192; c.heads = 64; c.kv_heads = 8; c.ffn = 28672; c.gated_mlp = true;
+  c.seq = 4096; c.vocab = 32000;
+  const ModelGraph g = build_transformer(c);
+  const Layer& block = first_block(g);
+  const double h = 8192, kv = h / 8, f = 28672, s = 4096;
+  CHECK(block.params == static_cast<int64_t>(2 * h * h + 2 * h * kv + 3 * h * f + 4 * h));
+  CHECK(block.forward_flops_per_sample == Approx(2 * s * (2 * h * h + 2 * h * kv + 3 * h * f) + 4 * s * s * h));
+  // tp-sharded activations: Q and attention output (2sh each) + K, V (2s*kv each) + 3 gated tensors.
+  CHECK(block.activations.tp_sharded == Approx(2 * s * (2 * h + 2 * kv) + 3 * 2 * s * f));
+}
+
+TEST_CASE("layer costs: recompute adds forward work, tp divides it", "[cost_model]") {
+  const ModelGraph g = build_transformer(gpt3());
+  const Cluster cluster = cluster_preset("a100-80gb", 8);
+  TrainingConfig t;
+  t.global_batch = 8;
+  Layout l;
+  l.tp = 1;
+  const auto base = layer_costs(g, cluster, t, l);
+  l.recompute = Recompute::full;
+  const auto full = layer_costs(g, cluster, t, l);
+  l.recompute = Recompute::selective;
+  const auto selective = layer_costs(g, cluster, t, l);
+  const size_t b = 1;
+  CHECK(base[b].recompute_s == 0);
+  CHECK(full[b].recompute_s == Approx(base[b].forward_s));
+  CHECK(selective[b].recompute_s > 0);
+  CHECK(selective[b].recompute_s < 0.1 * full[b].recompute_s);  // Korthikanti: ~2.7% overhead
+  CHECK(full[b].backward_s == Approx(2 * base[b].forward_s + full[b].recompute_s));
+  // The loss head is never recomputed.
+  CHECK(full.back().recompute_s == 0);
+  l.recompute = Recompute::none;
+  l.tp = 8;
+  const auto tp8 = layer_costs(g, cluster, t, l);
+  CHECK(tp8[b].params == Approx(base[b].params / 8));
+  CHECK(tp8[b].tp_comm_s > 0);
+  CHECK(tp8[b].forward_s - tp8[b].tp_comm_s / 2 < base[b].forward_s / 7);
+}
+
+TEST_CASE("predicted memory of a pinned plan adds up", "[cost_model]") {
+  const ModelGraph g = build_transformer(gpt3());
+  Plan plan;
+  plan.model_name = g.name;
+  plan.model_params = g.total_params();
+  plan.cluster = cluster_preset("a100-80gb", 64);
+  plan.training.global_batch = 64;
+  plan.mesh = {8, 1, 8};
+  plan.micro_batch_size = 1;
+  plan.num_micro_batches = 64;
+  plan.schedule = ScheduleKind::one_f_one_b;
+  plan.recompute = Recompute::full;
+  for (size_t i = 0; i < g.layers.size(); ++i) {
+    LayerPlacement lp;
+    lp.name = g.layers[i].name;
+    lp.kind = g.layers[i].kind;
+    lp.params = g.layers[i].params;
+    lp.tp = g.layers[i].tp;
+    lp.tp_dims = g.layers[i].tp_dims;
+    lp.stage = i == 0 ? 0 : std::min<int64_t>(7, (static_cast<int64_t>(i) - 1) / 12);
+    plan.layers.push_back(lp);
+  }
+  const Prediction p = predict(g, plan);
+  CHECK(p.memory_bytes_per_device == Approx(p.memory.total()));
+  // Stage 0 (embedding + 12 blocks) holds the most: 16 bytes per parameter, tp 8.
+  const double stage0 = (g.layers[0].params + 12.0 * g.layers[1].params) / 8;
+  CHECK(p.memory.params + p.memory.grads + p.memory.optimizer == Approx(16 * stage0).epsilon(0.02));
+  // 1F1B: stage 0 keeps p = 8 micro-batches: 12 layers x 2sbh (full recompute, no sp).
+  const double kept = 8 * 12 * 2.0 * 2048 * 12288 + 8 * 2048 * 12288.0;  // + embedding dropout masks
+  CHECK(p.memory.activations >= kept);
+  CHECK(p.step_time_s == Approx(p.time.total));
+  CHECK(p.time.total == Approx(p.time.compute + p.time.tp_comm + p.time.dp_comm + p.time.pp_comm +
+                               p.time.bubble + p.time.optimizer).epsilon(0.02));
+  CHECK(p.bubble_fraction > 0);
+  CHECK(p.mfu > 0.2);
+  CHECK(p.mfu < 0.7);
+}

@@ -1,0 +1,196 @@
+"""Pythonic front end of the C++ planner (``torch_monarch._C.planner``).
+
+    from torch_monarch import planner
+    g = planner.transformer(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    p = planner.plan(g, planner.cluster("a100-80gb", 1024), planner.training(1536))
+    print(planner.report(p)); planner.save(p, "plan.json")
+
+Enum arguments accept their JSON / command-line names ("1f1b", "full", "bf16") or the
+enum values. Planner errors keep the C++ message: ValidationError, FormatError and
+InfeasibleError are ValueErrors (ValidationError has ``.field``); others RuntimeErrors.
+"""
+
+import os
+
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - only when the extension was not built
+    raise ImportError(
+        "torch_monarch._C is not built; install the package with "
+        "`pip install --no-build-isolation .` (" + str(e) + ")"
+    ) from e
+
+_P = _C.planner
+
+# The C++ types and functions, under their C++ names.
+PlannerError = _P.PlannerError
+ValidationError = _P.ValidationError
+FormatError = _P.FormatError
+InfeasibleError = _P.InfeasibleError
+
+DType = _P.DType
+LayerKind = _P.LayerKind
+TpPattern = _P.TpPattern
+ScheduleKind = _P.ScheduleKind
+Recompute = _P.Recompute
+ActionType = _P.ActionType
+
+TpDims = _P.TpDims
+ActivationBytes = _P.ActivationBytes
+Layer = _P.Layer
+TransformerConfig = _P.TransformerConfig
+ModelGraph = _P.ModelGraph
+Cluster = _P.Cluster
+TrainingConfig = _P.TrainingConfig
+Pins = _P.Pins
+SearchOptions = _P.SearchOptions
+Mesh = _P.Mesh
+LayerPlacement = _P.LayerPlacement
+MemoryBreakdown = _P.MemoryBreakdown
+TimeBreakdown = _P.TimeBreakdown
+Prediction = _P.Prediction
+Alternative = _P.Alternative
+Plan = _P.Plan
+Action = _P.Action
+Schedule = _P.Schedule
+StageCosts = _P.StageCosts
+SimulationResult = _P.SimulationResult
+
+PLAN_FORMAT_VERSION = _P.PLAN_FORMAT_VERSION
+
+build_transformer = _P.build_transformer
+cluster_preset = _P.cluster_preset
+cluster_preset_names = _P.cluster_preset_names
+search = _P.search
+evaluate_layout = _P.evaluate_layout
+validate = _P.validate
+format_report = _P.format_report
+format_bytes = _P.format_bytes
+format_seconds = _P.format_seconds
+make_schedule = _P.make_schedule
+check_schedule = _P.check_schedule
+simulate = _P.simulate
+closed_form_bubble_fraction = _P.closed_form_bubble_fraction
+
+
+def _enum(enum_type, value, field):
+    """`value` as `enum_type`: None stays None, strings are parsed (ValueError names `field`)."""
+    if value is None or isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        return enum_type.from_string(value, field)
+    raise TypeError(f"{field}: expected str or {enum_type.__name__}, got {type(value).__name__}")
+
+
+def _set_fields(obj, overrides, enums, what):
+    for key, value in overrides.items():
+        if not hasattr(obj, key) or callable(getattr(obj, key)):
+            raise TypeError(f"{what}: unknown field '{key}'")
+        if key in enums:
+            enum_type = enums[key]
+            if isinstance(value, (list, tuple)):
+                value = [_enum(enum_type, v, f"{key}[{i}]") for i, v in enumerate(value)]
+            else:
+                value = _enum(enum_type, value, key)
+        setattr(obj, key, value)
+    return obj
+
+
+def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, gated_mlp=False,
+                tied_embeddings=False, dtype="bf16", name="transformer"):
+    """ModelGraph of a decoder-only transformer (embedding, blocks, final norm, LM head)."""
+    config = TransformerConfig(
+        name=name, layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
+        kv_heads=kv_heads or 0, ffn=ffn or 0, gated_mlp=gated_mlp,
+        tied_embeddings=tied_embeddings, dtype=_enum(DType, dtype, "dtype"))
+    return build_transformer(config)
+
+
+def cluster(name, devices, **overrides):
+    """A preset cluster (see ``cluster_preset_names()``), optionally with fields overridden."""
+    c = cluster_preset(name, devices)
+    if overrides:
+        _set_fields(c, overrides, {}, "cluster")
+        validate(c)
+    return c
+
+
+def training(global_batch, **overrides):
+    """TrainingConfig for `global_batch` sequences per step; keywords override fields."""
+    t = TrainingConfig()
+    t.global_batch = global_batch
+    _set_fields(t, overrides, {"compute_dtype": DType, "schedules": ScheduleKind}, "training")
+    validate(t)
+    return t
+
+
+def pins(*, tp=None, pp=None, dp=None, zero=None, micro_batch=None, schedule=None,
+         recompute=None, sequence_parallel=None, virtual_stages=None):
+    """Pins from keywords; None leaves a choice to the search."""
+    return Pins(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=micro_batch,
+                schedule=_enum(ScheduleKind, schedule, "schedule"),
+                recompute=_enum(Recompute, recompute, "recompute"),
+                sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+
+
+def _training(training_or_batch):
+    if isinstance(training_or_batch, int):
+        return training(training_or_batch)
+    return training_or_batch
+
+
+def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micro_batch=None,
+         schedule=None, recompute=None, sequence_parallel=None, virtual_stages=None,
+         alternatives=5):
+    """Searches for the fastest layout that fits memory; keywords pin choices.
+
+    `training` is a TrainingConfig or a global batch size. Raises ValidationError for an
+    impossible pin and InfeasibleError when nothing fits (both ValueErrors).
+    """
+    options = SearchOptions()
+    options.pins = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch,
+                        schedule=schedule, recompute=recompute,
+                        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+    options.alternatives = alternatives
+    return search(graph, cluster, _training(training), options)
+
+
+def evaluate(graph, cluster, training, *, tp, pp, dp, zero, micro_batch, schedule,
+             recompute=None, sequence_parallel=None, virtual_stages=None,
+             allow_over_memory=False):
+    """Scores one fully pinned layout (recompute / sequence parallel searched unless given)."""
+    p = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, schedule=schedule,
+             recompute=recompute, sequence_parallel=sequence_parallel,
+             virtual_stages=virtual_stages)
+    return evaluate_layout(graph, cluster, _training(training), p, allow_over_memory)
+
+
+def schedule(kind, ranks, micro_batches, virtual_stages=1):
+    """Per-rank action lists of a pipeline schedule ("gpipe", "1f1b", "interleaved_1f1b", ...)."""
+    return make_schedule(_enum(ScheduleKind, kind, "kind"), ranks, micro_batches, virtual_stages)
+
+
+def report(plan):
+    """Multi-line human-readable summary of a plan (what ``monarch-plan`` prints)."""
+    return format_report(plan)
+
+
+def loads(text):
+    """Plan from JSON text."""
+    return Plan.from_json(text)
+
+
+def dumps(plan, indent=2):
+    """JSON text of a plan."""
+    return plan.to_json(indent)
+
+
+def load(path):
+    """Reads a plan JSON file (FileNotFoundError if missing, ValueError if malformed)."""
+    with open(os.fspath(path), "r", encoding="utf-8") as f:
+        return Plan.from_json(f.read())
+
+
+def save(plan, path):
+    """Writes a plan as JSON, exactly as ``monarch-plan`` does."""
+    _P.save_plan(plan, os.fspath(path))
