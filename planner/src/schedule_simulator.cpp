@@ -83,6 +83,14 @@ void check_indices(const Schedule& s) {
   }
 }
 
+// Arrival times of all messages, reset per call but kept per thread: the search simulates
+// many schedules, and a fresh megabyte-sized buffer each time costs a page fault per page.
+double* message_slots(int64_t count) {
+  thread_local std::vector<double> slots;
+  slots.assign(count, kNotSent);
+  return slots.data();
+}
+
 struct RankState {
   size_t pc = 0;  // next action
   double clock = 0;
@@ -98,8 +106,8 @@ class Simulator {
       : s_(s),
         stages_(s.num_stages()),
         times_(resolve_costs(costs, stages_)),
-        activation_(s.micro_batches * stages_, kNotSent),
-        gradient_(s.micro_batches * stages_, kNotSent),
+        activation_(message_slots(2 * s.micro_batches * stages_)),
+        gradient_(activation_ + s.micro_batches * stages_),
         ranks_(s.ranks) {}
 
   SimulationResult run() {
@@ -228,8 +236,8 @@ class Simulator {
   const Schedule& s_;
   int64_t stages_;
   StageTimes times_;
-  std::vector<double> activation_;  // [mb * stages + receiving stage] arrival time
-  std::vector<double> gradient_;    // same, for gradients flowing backwards
+  double* activation_;  // [mb * stages + receiving stage] arrival time
+  double* gradient_;    // same, for gradients flowing backwards
   std::vector<RankState> ranks_;
   std::vector<int64_t> work_;  // ranks ready to advance
   int64_t posted_ = 0;

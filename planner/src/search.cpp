@@ -30,17 +30,17 @@ std::vector<int64_t> divisors(int64_t n) {
   return out;
 }
 
-// Why tp cannot split this model, or "" if it can.
+// Why tp cannot split this model, or "" if it can. Heads are checked before the vocabulary:
+// they are what a user is most likely to have mis-sized.
 std::string tp_conflict(const ModelGraph& graph, int64_t tp) {
   if (tp == 1) return "";
-  for (const auto& layer : graph.layers) {
-    if (layer.tp == TpPattern::replicated) continue;
-    const std::pair<const char*, int64_t> dims[] = {{"heads", layer.tp_dims.heads},
-                                                     {"kv_heads", layer.tp_dims.kv_heads},
-                                                     {"ffn", layer.tp_dims.ffn},
-                                                     {"vocab", layer.tp_dims.vocab}};
-    for (const auto& [what, value] : dims) {
-      if (value > 0 && value % tp != 0) {
+  const std::pair<const char*, int64_t TpDims::*> dims[] = {
+      {"heads", &TpDims::heads}, {"kv_heads", &TpDims::kv_heads},
+      {"ffn", &TpDims::ffn}, {"vocab", &TpDims::vocab}};
+  for (const auto& [what, field] : dims) {
+    for (const auto& layer : graph.layers) {
+      const int64_t value = layer.tp_dims.*field;
+      if (layer.tp != TpPattern::replicated && value > 0 && value % tp != 0) {
         return std::to_string(tp) + " does not divide " + what + "=" + std::to_string(value) +
                " (layer '" + layer.name + "')";
       }

@@ -43,7 +43,7 @@ grep -q '"tp": 8' "$TMP/pinned.json" && grep -q '"pp": 12' "$TMP/pinned.json" &&
 expect_error "tp not dividing heads" "does not divide heads=32" \
   "$MP" transformer --layers 4 --hidden 4096 --heads 32 --seq 2048 --vocab 32000 --global-batch 8 --gpus 6 --cluster h100-80gb --tp 3
 expect_error "world not a product" "does not match the world size" \
-  "$MP" transformer $GPT3 --gpus 384 --tp 8 --pp 12 --dp 5
+  "$MP" transformer $GPT3 --gpus 384 --tp 8 --pp 12 --dp 2
 expect_error "unknown preset" "unknown preset 'tpu-v9'" \
   "$MP" transformer $GPT3 --gpus 8 --cluster tpu-v9
 expect_error "not an integer" "--layers: expected an integer" \

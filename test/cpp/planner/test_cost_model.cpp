@@ -48,9 +48,9 @@ TEST_CASE("ZeRO paper, Fig. 1: 7.5B parameters on 64-way data parallelism", "[co
 
 TEST_CASE("Megatron FLOPs formula (Narayanan et al. 2021)", "[cost_model][flops]") {
   // F = 96 B s l h^2 (1 + s/6h + V/16lh), checked by hand for GPT-3 175B at B = 1536:
-  // 96*1536*2048*96*12288^2 = 4.37740e18; (1 + 2048/73728 + 51200/18874368) = 1.030491...
+  // 96*1536*2048*96*12288^2 = 4377498837804122112; times (1 + 2048/73728 + 51200/18874368).
   const double f = narayanan_flops_per_iteration(1536, 2048, 96, 12288, 51200);
-  CHECK_THAT(f, WithinRel(4.37740e18 * (1 + 2048.0 / 73728 + 51200.0 / 18874368), 1e-5));
+  CHECK_THAT(f, WithinRel(4377498837804122112.0 * (1 + 2048.0 / 73728 + 51200.0 / 18874368), 1e-12));
   CHECK_THAT(f, WithinRel(4.5108e18, 1e-4));
 
   // The per-layer sum of the built graph is the same formula: blocks 4 passes, logits 3.

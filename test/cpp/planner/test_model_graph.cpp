@@ -1,6 +1,7 @@
 #include <catch2/catch.hpp>
 
 #include "monarch/planner/errors.h"
+#include "monarch/planner/cluster.h"
 #include "monarch/planner/model_graph.h"
 
 using namespace monarch::planner;

@@ -109,11 +109,13 @@ TEST_CASE("impossible requests name the constraint", "[search][errors]") {
   CHECK_THROWS_WITH(search(g, cluster_preset("a100-80gb", 8), batch(1536)),
                     Catch::Contains("no layout fits") && Catch::Contains("smallest need found"));
   CHECK_THROWS_AS(search(g, cluster_preset("a100-80gb", 8), batch(1536)), InfeasibleError);
-  // A batch no data-parallel size divides, on one device per replica... and no tp option.
+  // No pipeline allowed, tp cannot split 3 heads, and dp=2 cannot split a batch of 3.
   TransformerConfig tiny;
-  tiny.layers = 1; tiny.hidden = 64; tiny.heads = 3; tiny.seq = 16; tiny.vocab = 7;
-  CHECK_THROWS_WITH(search(build_transformer(tiny), cluster_preset("a100-80gb", 2), batch(3)),
-                    Catch::Contains("not divisible by dp=2"));
+  tiny.layers = 1; tiny.hidden = 66; tiny.heads = 3; tiny.seq = 16; tiny.vocab = 7;
+  TrainingConfig no_pipeline = batch(3);
+  no_pipeline.allow_pipeline_parallel = false;
+  CHECK_THROWS_WITH(search(build_transformer(tiny), cluster_preset("a100-80gb", 2), no_pipeline),
+                    Catch::Contains("not divisible by dp=2") && Catch::Contains("tp=2 does not divide"));
 }
 
 TEST_CASE("small models stay on few devices' worth of parallelism", "[search]") {
