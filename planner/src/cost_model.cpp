@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "monarch/planner/collectives.h"
@@ -276,22 +277,28 @@ double estimated_in_flight(const Layout& layout, int64_t rank) {
 // ---- Simulation cache ---------------------------------------------------------------------
 
 const Schedule& SimulationCache::schedule(ScheduleKind kind, int64_t pp, int64_t m, int64_t v) {
-  auto key = std::make_tuple(static_cast<int>(kind), pp, m, v);
-  auto it = schedules_.find(key);
-  if (it == schedules_.end()) {
-    it = schedules_.emplace(key, std::make_unique<Schedule>(make_schedule(kind, pp, m, v))).first;
+  const ScheduleKey key{static_cast<int>(kind), pp, m, v};
+  for (size_t i = 0; i < recent_.size(); ++i) {
+    if (recent_[i].first == key) {
+      std::rotate(recent_.begin() + i, recent_.begin() + i + 1, recent_.end());
+      return *recent_.back().second;
+    }
   }
-  return *it->second;
+  if (recent_.size() == kSchedulesKept) recent_.erase(recent_.begin());
+  recent_.emplace_back(key, std::make_unique<Schedule>(make_schedule(kind, pp, m, v)));
+  return *recent_.back().second;
 }
 
 const SimulationResult& SimulationCache::simulate(const Schedule& schedule,
                                                   const std::vector<StageCosts>& costs) {
-  std::vector<double> key;
-  key.reserve(costs.size() * 4);
+  std::vector<double> values;
+  values.reserve(costs.size() * 4);
   for (const auto& c : costs) {
-    key.insert(key.end(), {c.forward_s, c.backward_input_s, c.backward_weight_s, c.p2p_s});
+    values.insert(values.end(), {c.forward_s, c.backward_input_s, c.backward_weight_s, c.p2p_s});
   }
-  auto full_key = std::make_pair(&schedule, std::move(key));
+  const ScheduleKey key{static_cast<int>(schedule.kind), schedule.ranks, schedule.micro_batches,
+                        schedule.virtual_stages};
+  auto full_key = std::make_pair(key, std::move(values));
   auto it = results_.find(full_key);
   if (it == results_.end()) {
     it = results_.emplace(std::move(full_key), monarch::planner::simulate(schedule, costs)).first;
@@ -334,6 +341,11 @@ struct RankLoad {
 }  // namespace
 
 Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache) {
+  return *predict_if_faster(graph, plan, cache, std::numeric_limits<double>::infinity());
+}
+
+std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan& plan,
+                                            SimulationCache* cache, double prune_above) {
   SimulationCache local;
   SimulationCache& sims = cache ? *cache : local;
   const Cluster& cluster = plan.cluster;
@@ -352,13 +364,13 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
   std::vector<int64_t> stage_of_layer(plan.layers.size());
   for (size_t i = 0; i < plan.layers.size(); ++i) stage_of_layer[i] = plan.layers[i].stage;
 
-  std::vector<StageCosts> stage_costs(stages), stage_costs_no_p2p(stages);
+  std::vector<StageCosts> stage_costs(stages);
+  double critical_path_p2p = 0;  // one activation down and one gradient up through every cut
   std::vector<RankLoad> ranks(layout.pp);
   for (int64_t s = 0; s < stages; ++s) {
     const StageEstimate e = estimate_stage(graph, costs, cluster, training, layout, first[s], last[s]);
     stage_costs[s] = e.costs;
-    stage_costs_no_p2p[s] = e.costs;
-    stage_costs_no_p2p[s].p2p_s = 0;
+    if (s + 1 < stages) critical_path_p2p += 2 * e.costs.p2p_s;
     RankLoad& r = ranks[s % layout.pp];
     r.params += e.params;
     r.state.params += e.state.params;
@@ -386,17 +398,11 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
     }
   }
 
-  const Schedule& schedule = sims.schedule(plan.schedule, layout.pp, layout.num_micro_batches,
-                                           layout.virtual_stages);
-  const SimulationResult& sim = sims.simulate(schedule, stage_costs);
-  const SimulationResult& sim_no_p2p = sims.simulate(schedule, stage_costs_no_p2p);
-
   // Data-parallel gradient reduction at the end of the step (ZeRO 0/1), overlapped with the
   // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
   // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
   const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
   const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
-  Prediction p;
   double worst_end = 0, worst_optimizer = 0;
   for (int64_t r = 0; r < layout.pp; ++r) {
     const RankLoad& load = ranks[r];
@@ -427,8 +433,37 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
     const double local = load.params / (layout.zero_stage >= 1 ? layout.dp : 1);
     const double bytes = local * (2 * training.optimizer_bytes + training.grad_bytes + training.param_bytes);
     worst_optimizer = std::max(worst_optimizer, bytes / cluster.hbm_bytes_per_s);
+  }
 
-    // Memory of this rank.
+  // Before simulating: a bound the simulation can only exceed. With heterogeneous stages,
+  // 1F1B and GPipe take at least sum_s(F_s + B_s) + (m - 1) max_s(F_s + B_s); any schedule
+  // takes at least m times the busiest rank's work per micro-batch.
+  if (prune_above < std::numeric_limits<double>::infinity()) {
+    const double m = static_cast<double>(layout.num_micro_batches);
+    double sum = 0, slowest_stage = 0, busiest_rank = 0;
+    std::vector<double> per_rank(layout.pp, 0.0);
+    for (int64_t s = 0; s < stages; ++s) {
+      const double work = stage_costs[s].forward_s + stage_costs[s].backward_input_s +
+                          stage_costs[s].backward_weight_s;
+      sum += work;
+      slowest_stage = std::max(slowest_stage, work);
+      per_rank[s % layout.pp] += work;
+    }
+    for (double w : per_rank) busiest_rank = std::max(busiest_rank, w);
+    double bound = m * busiest_rank;
+    if (plan.schedule == ScheduleKind::gpipe || plan.schedule == ScheduleKind::one_f_one_b) {
+      bound = std::max(bound, sum + (m - 1) * slowest_stage);
+    }
+    if (bound + worst_end + worst_optimizer >= prune_above) return std::nullopt;
+  }
+
+  const Schedule& schedule = sims.schedule(plan.schedule, layout.pp, layout.num_micro_batches,
+                                           layout.virtual_stages);
+  const SimulationResult& sim = sims.simulate(schedule, stage_costs);
+
+  Prediction p;
+  for (int64_t r = 0; r < layout.pp; ++r) {
+    const RankLoad& load = ranks[r];
     MemoryBreakdown mem;
     mem.params = load.state.params;
     mem.grads = load.state.grads;
@@ -439,7 +474,8 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
     if (layout.dp > 1 && layout.zero_stage >= 3) {
       buffers += 2 * load.largest_gathered * training.param_bytes;  // current + prefetched unit
     } else if (layout.dp > 1) {
-      buffers += 2 * std::min(grads, training.dp_bucket_bytes);  // bucket being filled + in flight
+      // Bucket being filled + bucket in flight.
+      buffers += 2 * std::min(load.params * training.grad_bytes, training.dp_bucket_bytes);
     }
     if (layout.pp > 1) buffers += 2 * load.p2p_bytes;  // activation and gradient buffers
     mem.buffers = buffers;
@@ -457,15 +493,18 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
   t.compute = m * b.compute_s;
   t.recompute = m * b.recompute_s;
   t.tp_comm = m * b.tp_comm_s;
-  t.pp_comm = std::max(0.0, sim.makespan_s - sim_no_p2p.makespan_s);
-  t.bubble = std::max(0.0, sim_no_p2p.makespan_s - sim.busy_s[busiest]);
+  // The simulation's idle time splits into the transfers on the fill/drain critical path and
+  // the schedule's bubble proper (which also absorbs stage imbalance).
+  const double idle = std::max(0.0, sim.makespan_s - sim.busy_s[busiest]);
+  t.pp_comm = std::min(idle, critical_path_p2p);
+  t.bubble = idle - t.pp_comm;
   t.dp_comm = m * b.zero_exposed_s + worst_end;
   t.optimizer = worst_optimizer;
   t.total = sim.makespan_s + worst_end + worst_optimizer;
 
   p.step_time_s = t.total;
   p.memory_bytes_per_device = p.memory.total();
-  p.bubble_fraction = sim_no_p2p.bubble_fraction;
+  p.bubble_fraction = sim.bubble_fraction;
   const double devices = static_cast<double>(layout.pp * layout.dp * layout.tp);
   const double seq = static_cast<double>(std::max<int64_t>(graph.seq_len(), 1));
   p.tokens_per_s = training.global_batch * seq / t.total;

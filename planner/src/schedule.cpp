@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,13 @@ void validate_args(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
   if (kind == ScheduleKind::none && ranks > 1)
     throw ValidationError("schedule",
                           "'none' is only valid with pp=1, got pp=" + std::to_string(ranks));
+  // Actions hold 32-bit indices; a program also has to fit in memory.
+  constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
+  if (micro_batches > kMaxIndex / 8 || ranks > kMaxIndex / virtual_stages ||
+      micro_batches * virtual_stages > (int64_t{1} << 26))
+    throw ValidationError("num_micro_batches",
+                          std::to_string(micro_batches) + " micro-batches x " +
+                              std::to_string(virtual_stages) + " virtual stages is too large a schedule");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -58,27 +66,32 @@ void validate_args(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
 
 // Appends a compute action to its stage's rank, wrapped in the communication it needs:
 // the input arrives right before the compute, the output leaves right after it.
+// Actions store 32-bit indices (make_schedule bounds the sizes).
+Action action(ActionType type, int64_t mb, int64_t stage, int64_t peer) {
+  return {type, static_cast<int32_t>(mb), static_cast<int32_t>(stage), static_cast<int32_t>(peer)};
+}
+
 void emit(Schedule& s, ActionType type, int64_t mb, int64_t stage) {
   const int64_t last = s.num_stages() - 1;
   std::vector<Action>& prog = s.per_rank[s.rank_of_stage(stage)];
   switch (type) {
     case ActionType::forward:
       if (stage > 0)
-        prog.push_back({ActionType::recv_activation, mb, stage, s.rank_of_stage(stage - 1)});
-      prog.push_back({type, mb, stage, -1});
+        prog.push_back(action(ActionType::recv_activation, mb, stage, s.rank_of_stage(stage - 1)));
+      prog.push_back(action(type, mb, stage, -1));
       if (stage < last)
-        prog.push_back({ActionType::send_activation, mb, stage, s.rank_of_stage(stage + 1)});
+        prog.push_back(action(ActionType::send_activation, mb, stage, s.rank_of_stage(stage + 1)));
       return;
     case ActionType::backward:
     case ActionType::backward_input:
       if (stage < last)
-        prog.push_back({ActionType::recv_gradient, mb, stage, s.rank_of_stage(stage + 1)});
-      prog.push_back({type, mb, stage, -1});
+        prog.push_back(action(ActionType::recv_gradient, mb, stage, s.rank_of_stage(stage + 1)));
+      prog.push_back(action(type, mb, stage, -1));
       if (stage > 0)
-        prog.push_back({ActionType::send_gradient, mb, stage, s.rank_of_stage(stage - 1)});
+        prog.push_back(action(ActionType::send_gradient, mb, stage, s.rank_of_stage(stage - 1)));
       return;
     case ActionType::backward_weight:
-      prog.push_back({type, mb, stage, -1});
+      prog.push_back(action(type, mb, stage, -1));
       return;
     default:
       throw std::logic_error("emit: not a compute action");

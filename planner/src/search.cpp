@@ -2,6 +2,8 @@
 #include "monarch/planner/search.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -242,8 +244,10 @@ class Searcher {
       return out;
     }
     const int64_t stages = max_stages(graph_);
-    for (ScheduleKind kind : training_.schedules) {
-      if (pins_.schedule && kind != *pins_.schedule) continue;
+    // A pinned schedule is scored even when the search would not list it.
+    const std::vector<ScheduleKind> kinds =
+        pins_.schedule ? std::vector<ScheduleKind>{*pins_.schedule} : training_.schedules;
+    for (ScheduleKind kind : kinds) {
       if (kind == ScheduleKind::none) continue;
       if (kind == ScheduleKind::interleaved_1f1b) {
         if (m % pp != 0) continue;
@@ -343,7 +347,9 @@ class Searcher {
       return;
     }
     const double limit = cluster_.usable_memory_bytes();
-    auto partition = partition_for(l, costs, limit);
+    // Cheap memory test first: the model state alone may not fit on the average rank.
+    const bool hopeless = state_lower_bound_bytes(l, costs) > limit;
+    auto partition = hopeless ? std::nullopt : partition_for(l, costs, limit);
     bool over = false;
     if (!partition) {
       ++over_memory_;
@@ -356,7 +362,12 @@ class Searcher {
     }
     Candidate c;
     c.plan = make_plan(l, *partition);
-    c.plan.prediction = predict(graph_, c.plan, &sims_);
+    const auto prediction = predict_if_faster(graph_, c.plan, &sims_, over ? kInf : prune_threshold(mesh));
+    if (!prediction) {
+      ++pruned_;
+      return;
+    }
+    c.plan.prediction = *prediction;
     c.over_memory = over || c.plan.prediction.memory_bytes_per_device > limit;
     c.key = c.plan.summary();
     ++evaluated_;
@@ -441,6 +452,7 @@ class Searcher {
   }
 
   Plan finish() {
+    if (std::getenv("MONARCH_SEARCH_STATS")) std::fprintf(stderr, "considered %lld pruned %lld over_memory %lld evaluated %lld\n", (long long)considered_, (long long)pruned_, (long long)over_memory_, (long long)evaluated_);
     std::vector<const Candidate*> ranked;
     for (const auto& [_, c] : best_per_mesh_) ranked.push_back(&c);
     std::sort(ranked.begin(), ranked.end(), [](const Candidate* a, const Candidate* b) { return better(*a, *b); });

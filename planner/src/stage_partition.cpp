@@ -40,6 +40,19 @@ std::optional<Partition> partition_stages(const PartitionProblem& p) {
     return bytes <= p.stage_memory_limit_bytes;
   };
 
+  // Quick refusal: fill each stage with as many layers as its memory allows. Any partition
+  // can be turned into this one without breaking a stage's limit (a shorter suffix is
+  // easier for the stages after it), so if even this leaves layers over, nothing fits.
+  {
+    int64_t next = 0;
+    for (int64_t stage = 0; stage < S && next < n; ++stage) {
+      int64_t end = next;
+      while (end < n && fits(next, end + 1, stage)) ++end;
+      next = end;
+    }
+    if (next < n) return std::nullopt;
+  }
+
   // best[k][j]: slowest stage when layers [0, j) form stages 0..k-1; from[k][j]: first layer
   // of stage k-1 in that optimum.
   std::vector<std::vector<double>> best(S + 1, std::vector<double>(n + 1, kInf));

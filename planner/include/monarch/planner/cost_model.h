@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -99,20 +100,28 @@ struct StageEstimate {
 };
 
 // Caches generated schedules and simulations: the search evaluates many layouts that share
-// the same (schedule, pp, m, v) and the same stage costs.
+// the same (schedule, pp, m, v) and the same stage costs. Schedules can be large (p=64,
+// m=512: ~200k actions), so only the few most recent are kept; the search visits the layouts
+// of one schedule one after another.
 class SimulationCache {
  public:
+  using ScheduleKey = std::tuple<int, int64_t, int64_t, int64_t>;  // kind, pp, m, v
   const Schedule& schedule(ScheduleKind kind, int64_t pp, int64_t m, int64_t v);
   const SimulationResult& simulate(const Schedule& schedule, const std::vector<StageCosts>& costs);
 
  private:
-  std::map<std::tuple<int, int64_t, int64_t, int64_t>, std::unique_ptr<Schedule>> schedules_;
-  std::map<std::pair<const Schedule*, std::vector<double>>, SimulationResult> results_;
+  static constexpr size_t kSchedulesKept = 4;
+  std::vector<std::pair<ScheduleKey, std::unique_ptr<Schedule>>> recent_;  // most recent last
+  std::map<std::pair<ScheduleKey, std::vector<double>>, SimulationResult> results_;
 };
 
 // Fills plan.prediction from the plan's layout and layer stages. The plan must be valid
 // for the graph (validate(plan, graph)).
 Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache = nullptr);
+// Same, but returns nullopt without simulating the schedule when a lower bound on the step
+// time already reaches `prune_above` (the search's branch-and-bound).
+std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan& plan,
+                                            SimulationCache* cache, double prune_above);
 
 // Per-stage estimate (also used by the stage partitioner).
 StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,

@@ -24,9 +24,9 @@ ActionType action_type_from_string(const std::string& name, const std::string& f
 
 struct Action {
   ActionType type;
-  int64_t micro_batch;
-  int64_t stage;  // virtual stage index in [0, ranks * virtual_stages)
-  int64_t peer;   // peer rank for send/recv, -1 otherwise
+  int32_t micro_batch;  // 32-bit: schedules hold ~10^5 actions, kept compact
+  int32_t stage;  // virtual stage index in [0, ranks * virtual_stages)
+  int32_t peer;   // peer rank for send/recv, -1 otherwise
   bool operator==(const Action& o) const {
     return type == o.type && micro_batch == o.micro_batch && stage == o.stage && peer == o.peer;
   }
