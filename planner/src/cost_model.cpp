@@ -435,25 +435,26 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     worst_optimizer = std::max(worst_optimizer, bytes / cluster.hbm_bytes_per_s);
   }
 
-  // Before simulating: a bound the simulation can only exceed. With heterogeneous stages,
-  // 1F1B and GPipe take at least sum_s(F_s + B_s) + (m - 1) max_s(F_s + B_s); any schedule
-  // takes at least m times the busiest rank's work per micro-batch.
+  // Before simulating: a bound the simulation can only exceed. Every rank does m times its
+  // work; and stage k cannot start before micro-batch 0 went through the stages before it,
+  // nor can the step end before the last micro-batch's backward went back through them:
+  // makespan >= sum_{s<k} (F_s + B_s) + m (F_k + B_k) (ZB-H1 may defer W: only F before).
   if (prune_above < std::numeric_limits<double>::infinity()) {
     const double m = static_cast<double>(layout.num_micro_batches);
-    double sum = 0, slowest_stage = 0, busiest_rank = 0;
     std::vector<double> per_rank(layout.pp, 0.0);
+    double bound = 0, before = 0;
+    const bool chain = plan.schedule == ScheduleKind::gpipe ||
+                       plan.schedule == ScheduleKind::one_f_one_b ||
+                       plan.schedule == ScheduleKind::zero_bubble_h1 ||
+                       plan.schedule == ScheduleKind::none;
     for (int64_t s = 0; s < stages; ++s) {
-      const double work = stage_costs[s].forward_s + stage_costs[s].backward_input_s +
-                          stage_costs[s].backward_weight_s;
-      sum += work;
-      slowest_stage = std::max(slowest_stage, work);
+      const StageCosts& c = stage_costs[s];
+      const double work = c.forward_s + c.backward_input_s + c.backward_weight_s;
       per_rank[s % layout.pp] += work;
+      if (chain) bound = std::max(bound, before + m * work);
+      before += plan.schedule == ScheduleKind::zero_bubble_h1 ? c.forward_s : work;
     }
-    for (double w : per_rank) busiest_rank = std::max(busiest_rank, w);
-    double bound = m * busiest_rank;
-    if (plan.schedule == ScheduleKind::gpipe || plan.schedule == ScheduleKind::one_f_one_b) {
-      bound = std::max(bound, sum + (m - 1) * slowest_stage);
-    }
+    for (double w : per_rank) bound = std::max(bound, m * w);
     if (bound + worst_end + worst_optimizer >= prune_above) return std::nullopt;
   }
 

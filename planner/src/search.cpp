@@ -2,8 +2,6 @@
 #include "monarch/planner/search.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -295,22 +293,19 @@ class Searcher {
     return it->second;
   }
 
-  // A step cannot be faster than perfectly balanced stages plus the schedule's minimum
-  // bubble, with no data-parallel communication: with heterogeneous stages 1F1B / GPipe need
-  // at least sum(F_s + B_s) + (m - 1) max(F_s + B_s) >= work + (m - 1) work / pp, and
-  // interleaving divides the fill/drain part by v. ZB-H1 can hide its bubble: no bound.
+  // A step cannot be faster than this, whatever the stage split (see predict_if_faster's
+  // per-stage bound T >= sum_{s<k} W_s + m W_k): the split minimizing its max over k has
+  // W_k = W_0 r^k with r = (m-1)/m, giving T = work / (1 - r^p). Interleaved and ZB-H1
+  // schedules get the plain m * work / p.
   static double lower_bound_s(const Layout& l, const std::vector<LayerCost>& costs) {
     double work = 0;
     for (const auto& c : costs) work += c.forward_s + c.backward_s;
-    const double per_rank = work / l.pp;
     const double m = static_cast<double>(l.num_micro_batches);
-    switch (l.schedule) {
-      case ScheduleKind::gpipe:
-      case ScheduleKind::one_f_one_b: return work + (m - 1) * per_rank;
-      case ScheduleKind::interleaved_1f1b:
-        return m * per_rank + (l.pp - 1) * per_rank / static_cast<double>(l.virtual_stages);
-      default: return m * per_rank;
+    if (l.schedule == ScheduleKind::gpipe || l.schedule == ScheduleKind::one_f_one_b ||
+        l.schedule == ScheduleKind::none) {
+      return work / (1.0 - std::pow((m - 1.0) / m, static_cast<double>(l.pp)));
     }
+    return m * work / static_cast<double>(l.pp);
   }
 
   // Skip a layout that can neither beat its mesh's best nor enter the top alternatives.
@@ -339,11 +334,11 @@ class Searcher {
   }
 
   void consider(const Layout& l) {
-    ++considered_;
+    ++stats_.considered;
     const auto& costs = costs_for(l);
     const std::tuple<int64_t, int64_t, int64_t> mesh{l.pp, l.dp, l.tp};
     if (lower_bound_s(l, costs) * (1 - 1e-9) >= prune_threshold(mesh)) {
-      ++pruned_;
+      ++stats_.pruned;
       return;
     }
     const double limit = cluster_.usable_memory_bytes();
@@ -352,7 +347,7 @@ class Searcher {
     auto partition = hopeless ? std::nullopt : partition_for(l, costs, limit);
     bool over = false;
     if (!partition) {
-      ++over_memory_;
+      ++stats_.over_memory;
       if (!scoring_over_memory_) return;
       if (state_lower_bound_bytes(l, costs) >= smallest_need_) return;  // cannot need less
       // Score the time-balanced split to report how much memory it would need.
@@ -364,13 +359,13 @@ class Searcher {
     c.plan = make_plan(l, *partition);
     const auto prediction = predict_if_faster(graph_, c.plan, &sims_, over ? kInf : prune_threshold(mesh));
     if (!prediction) {
-      ++pruned_;
+      ++stats_.pruned;
       return;
     }
     c.plan.prediction = *prediction;
     c.over_memory = over || c.plan.prediction.memory_bytes_per_device > limit;
     c.key = c.plan.summary();
-    ++evaluated_;
+    ++stats_.scored;
     if (c.over_memory) {
       if (c.plan.prediction.memory_bytes_per_device < smallest_need_) {
         smallest_need_ = c.plan.prediction.memory_bytes_per_device;
@@ -452,7 +447,7 @@ class Searcher {
   }
 
   Plan finish() {
-    if (std::getenv("MONARCH_SEARCH_STATS")) std::fprintf(stderr, "considered %lld pruned %lld over_memory %lld evaluated %lld\n", (long long)considered_, (long long)pruned_, (long long)over_memory_, (long long)evaluated_);
+    if (options_.stats) *options_.stats = stats_;
     std::vector<const Candidate*> ranked;
     for (const auto& [_, c] : best_per_mesh_) ranked.push_back(&c);
     std::sort(ranked.begin(), ranked.end(), [](const Candidate* a, const Candidate* b) { return better(*a, *b); });
@@ -507,7 +502,7 @@ class Searcher {
   Plan smallest_need_plan_;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> meshes_;
   bool scoring_over_memory_ = false;
-  int64_t considered_ = 0, pruned_ = 0, evaluated_ = 0, over_memory_ = 0;
+  SearchStats stats_;
 };
 
 }  // namespace

@@ -145,6 +145,7 @@ int cmd_transformer(int argc, char** argv) {
   }
 
   mp::Plan plan;
+  mp::SearchStats stats;
   const bool scoring = pins.all_layout_pinned();
   if (scoring) {
     plan = mp::evaluate_layout(graph, cluster, training, pins, /*allow_over_memory=*/true);
@@ -152,12 +153,18 @@ int cmd_transformer(int argc, char** argv) {
     mp::SearchOptions options;
     options.pins = pins;
     options.alternatives = args.integer("--alternatives").value_or(5);
+    options.stats = &stats;
     plan = mp::search(graph, cluster, training, options);
   }
   if (args.has("--json")) {
     std::cout << mp::to_json(plan) << "\n";
   } else {
     std::cout << (scoring ? "scoring the pinned layout\n\n" : "") << mp::format_report(plan);
+    if (!scoring) {
+      std::cout << "\nsearched " << stats.considered << " layouts: " << stats.pruned
+                << " cut by the step-time bound, " << stats.over_memory << " over memory, "
+                << stats.scored << " scored by simulating their schedule\n";
+    }
   }
   if (args.has("--output")) {
     mp::save_plan(plan, args.str("--output"));

@@ -1,6 +1,8 @@
 // Cost model against published worked examples (docs/cost_model.md).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/model_graph.h"
 
@@ -187,4 +189,63 @@ TEST_CASE("predicted memory of a pinned plan adds up", "[cost_model]") {
   CHECK(p.bubble_fraction > 0);
   CHECK(p.mfu > 0.2);
   CHECK(p.mfu < 0.7);
+}
+
+TEST_CASE("the pre-simulation bound never exceeds the simulated step time", "[cost_model][bound]") {
+  // predict_if_faster may skip the simulation only when the layout cannot win; if its bound
+  // were above the real time the search could drop the best plan.
+  TransformerConfig c;
+  c.layers = 24; c.hidden = 2048; c.heads = 16; c.seq = 1024; c.vocab = 32000;
+  const ModelGraph g = build_transformer(c);
+  uint64_t seed = 7;
+  auto next = [&] { seed = seed * 6364136223846793005ULL + 1442695040888963407ULL; return seed >> 33; };
+  const std::pair<ScheduleKind, int64_t> schedules[] = {
+      {ScheduleKind::gpipe, 1}, {ScheduleKind::one_f_one_b, 1}, {ScheduleKind::zero_bubble_h1, 1},
+      {ScheduleKind::interleaved_1f1b, 2}};
+  int checked = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const auto [kind, v] = schedules[trial % 4];
+    const int64_t pp = 2 + static_cast<int64_t>(next() % 3);  // 2..4
+    const int64_t stages = pp * v;
+    Plan plan;
+    plan.model_name = g.name;
+    plan.model_params = g.total_params();
+    plan.cluster = cluster_preset("a100-80gb", 8 * pp);
+    plan.mesh = {pp, 8, 1};
+    plan.training.global_batch = 8 * pp * (1 + static_cast<int64_t>(next() % 3));
+    plan.micro_batch_size = 1;
+    plan.num_micro_batches = plan.training.global_batch / 8;
+    plan.schedule = kind;
+    plan.virtual_stages = v;
+    plan.zero_stage = static_cast<int64_t>(next() % 4);
+    // Random, uneven stage boundaries.
+    std::vector<int64_t> cuts;
+    while (static_cast<int64_t>(cuts.size()) < stages - 1) {
+      const int64_t cut = 1 + static_cast<int64_t>(next() % (g.layers.size() - 1));
+      if (std::find(cuts.begin(), cuts.end(), cut) == cuts.end()) cuts.push_back(cut);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    for (size_t i = 0, s = 0; i < g.layers.size(); ++i) {
+      while (s < cuts.size() && static_cast<int64_t>(i) >= cuts[s]) ++s;
+      LayerPlacement lp;
+      lp.name = g.layers[i].name;
+      lp.kind = g.layers[i].kind;
+      lp.params = g.layers[i].params;
+      lp.stage = static_cast<int64_t>(s);
+      plan.layers.push_back(lp);
+    }
+    validate(plan, g);
+    const Prediction full = predict(g, plan);
+    INFO("trial " << trial << " " << plan.summary());
+    const auto bounded = predict_if_faster(g, plan, nullptr, full.step_time_s * (1 + 1e-9));
+    REQUIRE(bounded);
+    CHECK(bounded->step_time_s == full.step_time_s);
+    // And a threshold below the real time can be cut (for 1F1B-like schedules the bound is tight
+    // enough to do so at half the time).
+    if (kind != ScheduleKind::interleaved_1f1b) {
+      CHECK_FALSE(predict_if_faster(g, plan, nullptr, full.step_time_s * 0.5));
+    }
+    ++checked;
+  }
+  CHECK(checked == 40);
 }

@@ -8,9 +8,18 @@
 
 namespace monarch::planner {
 
+// How much work a search did (for reports and benchmarks).
+struct SearchStats {
+  int64_t considered = 0;   // layouts enumerated
+  int64_t pruned = 0;       // skipped by the step-time lower bound
+  int64_t over_memory = 0;  // no stage split fits in device memory
+  int64_t scored = 0;       // fully predicted (schedule simulated)
+};
+
 struct SearchOptions {
   Pins pins;
-  int64_t alternatives = 5;  // how many runners-up to keep in Plan::alternatives
+  int64_t alternatives = 5;        // how many runners-up to keep in Plan::alternatives
+  SearchStats* stats = nullptr;    // filled in when set
 };
 
 // Returns the fastest layout that fits memory. Throws InfeasibleError naming the failed
