@@ -1,0 +1,42 @@
+#pragma once
+// The ranks laid out as the Plan's mesh says: named axes (pp, dp, tp), one process group per
+// axis slice, and this rank's coordinates.
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "monarch/planner/plan.h"
+#include "monarch/runtime/communicator.h"
+#include "monarch/runtime/world.h"
+
+namespace monarch {
+
+class DeviceMesh {
+ public:
+  // `mesh.order` lists the axes outermost first; the last varies fastest. Refuses a mesh
+  // whose size differs from the world's. Every rank of the world must construct the mesh
+  // (it creates one group per axis slice this rank belongs to).
+  DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh);
+
+  const planner::Mesh& shape() const { return mesh_; }
+  int rank() const { return world_->rank(); }
+  int size() const { return world_->size(); }
+  int size(const std::string& axis) const;
+  int coordinate(const std::string& axis) const;
+  // The global rank at the given coordinates (one per axis, in `shape().order`).
+  int rank_at(const std::vector<int>& coordinates) const;
+  // This rank's group along `axis` (the ranks that differ from it only in that coordinate).
+  Communicator& group(const std::string& axis);
+  const std::shared_ptr<World>& world() const { return world_; }
+
+ private:
+  int axis_index(const std::string& axis) const;
+  std::shared_ptr<World> world_;
+  planner::Mesh mesh_;
+  std::vector<int> sizes_;   // in mesh_.order
+  std::vector<int> coords_;  // in mesh_.order
+  std::map<std::string, std::unique_ptr<Communicator>> groups_;
+};
+
+}  // namespace monarch

@@ -1,0 +1,59 @@
+#pragma once
+// Process-group bootstrap: torchrun's environment, a c10d TCPStore rendezvous, and Gloo
+// groups over any subset of ranks.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "monarch/runtime/compat.h"
+
+namespace monarch {
+
+// What torchrun exports (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE). Missing or malformed variables are reported by name.
+struct LaunchEnv {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  static LaunchEnv from_environment();
+};
+
+struct InitOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // rendezvous and every collective
+};
+
+// The job's ranks and the store they share. Groups are Gloo process groups made on that
+// store under distinct prefixes, so several groups (one per mesh axis slice) share one port.
+class World {
+ public:
+  // Rendezvous from the environment: rank 0 serves the TCPStore on MASTER_PORT.
+  static std::shared_ptr<World> init(const InitOptions& options = {});
+  // Join an existing store (e.g. Python's torch.distributed default store): no new port.
+  static std::shared_ptr<World> from_store(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                           int world_size, const InitOptions& options = {});
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+  // A Gloo group over `ranks` (global ranks, this rank among them), under the name `name`
+  // (unique per job; every member must call with the same name and ranks).
+  compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
+
+ private:
+  World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace monarch

@@ -1,0 +1,207 @@
+#include "monarch/runtime/data_parallel.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <functional>
+#include <sstream>
+
+namespace monarch {
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+}  // namespace
+
+DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+                                       Communicator& group, DataParallelOptions options)
+    : params_(std::move(params)), group_(group), options_(options) {
+  TORCH_CHECK(options_.bucket_bytes > 0, "monarch::DataParallel: bucket_bytes must be > 0");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].requires_grad(), "monarch::DataParallel: parameter ", i,
+                " does not require grad");
+    TORCH_CHECK(params_[i].is_floating_point(), "monarch::DataParallel: parameter ", i,
+                " is not floating point");
+  }
+  check_same_structure();
+  if (options_.broadcast_from_root) broadcast_state(buffers);
+  build_buckets(options_.bucket_bytes);
+  ready_.assign(params_.size(), false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    hook_ids_.push_back(params_[i].register_hook([this, i](const at::Tensor& grad) { on_gradient(i, grad); }));
+  }
+}
+
+DataParallelEngine::~DataParallelEngine() {
+  for (size_t i = 0; i < params_.size() && i < hook_ids_.size(); ++i) {
+    try {
+      params_[i].remove_hook(hook_ids_[i]);
+    } catch (...) {
+      // The tensor may already be gone with its module; nothing to undo then.
+    }
+  }
+}
+
+// Every rank must wrap the same model: compare (count, total elements, shape hash).
+void DataParallelEngine::check_same_structure() {
+  int64_t elements = 0;
+  uint64_t hash = 1469598103934665603ULL;
+  for (const auto& p : params_) {
+    elements += p.numel();
+    for (int64_t d : p.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
+    hash = (hash ^ static_cast<uint64_t>(p.scalar_type())) * 1099511628211ULL;
+  }
+  auto mine = at::tensor({static_cast<int64_t>(params_.size()), elements, static_cast<int64_t>(hash >> 1)},
+                         at::kLong);
+  auto all = at::empty({group_.size() * 3}, at::kLong);
+  group_.all_gather(all, mine).wait();
+  auto view = all.view({group_.size(), 3});
+  for (int r = 0; r < group_.size(); ++r) {
+    const bool same = view[r].equal(mine);
+    TORCH_CHECK(same, "monarch::DataParallel: rank ", group_.global_rank(), " wraps ",
+                params_.size(), " parameters (", elements, " elements) but rank ", group_.ranks()[r],
+                " wraps ", view[r][0].item<int64_t>(), " parameters (", view[r][1].item<int64_t>(),
+                " elements)", view[r][0].item<int64_t>() == static_cast<int64_t>(params_.size()) &&
+                                      view[r][1].item<int64_t>() == elements
+                                  ? " of different shapes"
+                                  : "",
+                ": every rank must wrap the same model");
+  }
+}
+
+void DataParallelEngine::broadcast_state(const std::vector<at::Tensor>& buffers) {
+  at::NoGradGuard no_grad;
+  std::vector<Handle> pending;
+  for (const auto& p : params_) pending.push_back(group_.broadcast(p.detach(), 0));
+  for (const auto& b : buffers) {
+    if (b.defined() && b.numel() > 0) pending.push_back(group_.broadcast(b.detach(), 0));
+  }
+  for (auto& h : pending) h.wait();
+}
+
+// Buckets are filled in reverse registration order: gradients of the last layers arrive
+// first in backward (as in PyTorch DDP, Li et al. 2020 Sec. 3.2.3). One dtype per bucket.
+void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
+  slots_.assign(params_.size(), Slot{0, 0});
+  std::vector<int64_t> bytes;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const auto& p = params_[k];
+    const bool fits = !buckets_.empty() &&
+                      params_[buckets_.back().params.front()].scalar_type() == p.scalar_type() &&
+                      bytes.back() + nbytes(p) <= bucket_bytes;
+    if (!fits) {
+      buckets_.emplace_back();
+      bytes.push_back(0);
+    }
+    Bucket& b = buckets_.back();
+    slots_[k] = Slot{buckets_.size() - 1, bytes.back() / static_cast<int64_t>(p.element_size())};
+    b.params.push_back(k);
+    bytes.back() += nbytes(p);
+  }
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
+    const auto& first = params_[b.params.front()];
+    b.flat = at::zeros({bytes[i] / static_cast<int64_t>(first.element_size())}, first.options().requires_grad(false));
+    if (options_.bf16_compression) {
+      b.error = at::zeros_like(b.flat);
+      b.wire = at::empty(b.flat.sizes(), b.flat.options().dtype(at::kBFloat16));
+    }
+    b.pending = b.params.size();
+  }
+}
+
+std::vector<int64_t> DataParallelEngine::bucket_sizes_bytes() const {
+  std::vector<int64_t> out;
+  for (const auto& b : buckets_) out.push_back(nbytes(b.flat));
+  return out;
+}
+
+void DataParallelEngine::on_gradient(size_t index, const at::Tensor& grad) {
+  if (!sync_) return;  // no_sync: autograd accumulates into .grad as usual
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  }
+  TORCH_CHECK(!ready_[index], "monarch::DataParallel: parameter ", index,
+              " received two gradients in one backward (reentrant backward is not supported)");
+  at::NoGradGuard no_grad;
+  const Slot& s = slots_[index];
+  Bucket& b = buckets_[s.bucket];
+  const at::Tensor& p = params_[index];
+  auto view = b.flat.narrow(0, s.offset, p.numel()).view(p.sizes());
+  // The gradient .grad will hold after this backward: what no_sync steps accumulated plus
+  // this one.
+  const at::Tensor& accumulated = p.grad();
+  if (accumulated.defined()) {
+    at::add_out(view, accumulated, grad);
+  } else {
+    view.copy_(grad);
+  }
+  ready_[index] = true;
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+// Launch in bucket order only, so every rank issues the same collectives in the same order
+// even when gradients become ready in different orders.
+void DataParallelEngine::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_];
+    if (options_.bf16_compression) {
+      auto corrected = b.flat + b.error;
+      b.wire.copy_(corrected);
+      b.error.copy_(corrected - b.wire.to(corrected.scalar_type()));
+      b.handle = group_.all_reduce(b.wire);
+    } else {
+      b.handle = group_.all_reduce(b.flat);
+    }
+    b.launched = true;
+    ++next_launch_;
+  }
+}
+
+void DataParallelEngine::finish_backward() {
+  at::NoGradGuard no_grad;
+  // Parameters that got no gradient this backward (unused branches) contribute zeros, or
+  // what no_sync steps accumulated, so every rank still runs every bucket's collective.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i]) continue;
+    const Slot& s = slots_[i];
+    Bucket& b = buckets_[s.bucket];
+    const auto& p = params_[i];
+    auto view = b.flat.narrow(0, s.offset, p.numel()).view(p.sizes());
+    if (p.grad().defined()) view.copy_(p.grad()); else view.zero_();
+    ready_[i] = true;
+    --b.pending;
+  }
+  launch_ready_buckets();
+  const double n = static_cast<double>(group_.size());
+  for (auto& b : buckets_) {
+    b.handle.wait();
+    if (options_.bf16_compression) b.flat.copy_(b.wire);
+    b.flat.div_(n);
+    for (size_t k : b.params) {
+      auto& p = params_[k];
+      const Slot& s = slots_[k];
+      auto averaged = b.flat.narrow(0, s.offset, p.numel()).view(p.sizes());
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(averaged);
+      } else {
+        p.mutable_grad() = averaged.clone();
+      }
+    }
+  }
+  reset_backward_state();
+}
+
+void DataParallelEngine::reset_backward_state() {
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.launched = false;
+    b.handle = Handle();
+  }
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_launch_ = 0;
+  callback_queued_ = false;
+}
+
+}  // namespace monarch

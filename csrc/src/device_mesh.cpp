@@ -1,0 +1,74 @@
+#include "monarch/runtime/device_mesh.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace monarch {
+
+DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
+    : world_(std::move(world)), mesh_(mesh) {
+  std::vector<std::string> sorted = mesh.order;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}),
+              "monarch: mesh.order must be a permutation of pp, dp, tp");
+  TORCH_CHECK(mesh.pp >= 1 && mesh.dp >= 1 && mesh.tp >= 1, "monarch: mesh sizes must be >= 1");
+  TORCH_CHECK(mesh.world_size() == world_->size(), "monarch: the plan's mesh pp*dp*tp = ",
+              mesh.pp, "*", mesh.dp, "*", mesh.tp, " = ", mesh.world_size(),
+              " does not match the world size ", world_->size(), " (WORLD_SIZE)");
+  for (const auto& axis : mesh.order) {
+    sizes_.push_back(static_cast<int>(axis == "pp" ? mesh.pp : axis == "dp" ? mesh.dp : mesh.tp));
+  }
+  // Coordinates: row-major over `order` (last axis fastest).
+  coords_.assign(sizes_.size(), 0);
+  int rest = world_->rank();
+  for (int i = static_cast<int>(sizes_.size()) - 1; i >= 0; --i) {
+    coords_[i] = rest % sizes_[i];
+    rest /= sizes_[i];
+  }
+  // One group per axis: the ranks varying only along it. Created in a fixed axis order on
+  // every rank so the store-based connects pair up.
+  for (size_t a = 0; a < sizes_.size(); ++a) {
+    std::vector<int> ranks;
+    std::vector<int> c = coords_;
+    for (int i = 0; i < sizes_[a]; ++i) {
+      c[a] = i;
+      ranks.push_back(rank_at(c));
+    }
+    std::ostringstream name;
+    name << mesh.order[a] << "[";
+    for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
+    name << "]";
+    auto group = world_->new_group(ranks, name.str());
+    groups_[mesh.order[a]] = std::make_unique<Communicator>(group, ranks, world_->rank(), mesh.order[a]);
+  }
+}
+
+int DeviceMesh::axis_index(const std::string& axis) const {
+  for (size_t i = 0; i < mesh_.order.size(); ++i) {
+    if (mesh_.order[i] == axis) return static_cast<int>(i);
+  }
+  TORCH_CHECK(false, "monarch: unknown mesh axis '", axis, "' (axes: pp, dp, tp)");
+}
+
+int DeviceMesh::size(const std::string& axis) const { return sizes_[axis_index(axis)]; }
+int DeviceMesh::coordinate(const std::string& axis) const { return coords_[axis_index(axis)]; }
+
+int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {
+  TORCH_CHECK(coordinates.size() == sizes_.size(), "monarch: need one coordinate per mesh axis");
+  int rank = 0;
+  for (size_t i = 0; i < sizes_.size(); ++i) {
+    TORCH_CHECK(coordinates[i] >= 0 && coordinates[i] < sizes_[i], "monarch: coordinate ",
+                coordinates[i], " out of range for axis ", mesh_.order[i]);
+    rank = rank * sizes_[i] + coordinates[i];
+  }
+  return rank;
+}
+
+Communicator& DeviceMesh::group(const std::string& axis) {
+  axis_index(axis);
+  return *groups_.at(axis);
+}
+
+}  // namespace monarch

@@ -1,0 +1,108 @@
+#include "monarch/runtime/world.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace monarch {
+namespace {
+
+int env_int(const char* name, int fallback, bool required) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') {
+    TORCH_CHECK(!required, "monarch::init: environment variable ", name,
+                " is not set (launch with torchrun, or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)");
+    return fallback;
+  }
+  char* end = nullptr;
+  const long parsed = std::strtol(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0' && parsed >= 0 && parsed < (1L << 30),
+              "monarch::init: environment variable ", name, "='", value, "' is not a non-negative integer");
+  return static_cast<int>(parsed);
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+}  // namespace
+
+LaunchEnv LaunchEnv::from_environment() {
+  LaunchEnv env;
+  const char* addr = std::getenv("MASTER_ADDR");
+  TORCH_CHECK(addr != nullptr && *addr != '\0',
+              "monarch::init: environment variable MASTER_ADDR is not set (launch with torchrun)");
+  env.master_addr = addr;
+  env.master_port = env_int("MASTER_PORT", 29500, true);
+  env.rank = env_int("RANK", 0, true);
+  env.world_size = env_int("WORLD_SIZE", 1, true);
+  env.local_rank = env_int("LOCAL_RANK", env.rank, false);
+  env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size, false);
+  TORCH_CHECK(env.world_size >= 1, "monarch::init: WORLD_SIZE must be >= 1");
+  TORCH_CHECK(env.rank < env.world_size, "monarch::init: RANK=", env.rank,
+              " is not below WORLD_SIZE=", env.world_size);
+  TORCH_CHECK(env.master_port > 0 && env.master_port < 65536, "monarch::init: MASTER_PORT=",
+              env.master_port, " is not a TCP port");
+  return env;
+}
+
+World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+             std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), size_(size), timeout_(timeout) {}
+
+std::shared_ptr<World> World::init(const InitOptions& options) {
+  const LaunchEnv env = LaunchEnv::from_environment();
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(env.master_port);
+  opts.isServer = env.rank == 0;
+  opts.numWorkers = static_cast<std::size_t>(env.world_size);
+  opts.waitWorkers = true;
+  opts.timeout = options.timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "monarch::init: rank ", env.rank, " could not rendezvous at ", env.master_addr,
+                ":", env.master_port, " within ", options.timeout.count(), " ms: ", e.what());
+  }
+  return from_store(store, env.rank, env.world_size, options);
+}
+
+std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                         int world_size, const InitOptions& options) {
+  TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "monarch: rank ", rank,
+              " is not in a world of ", world_size);
+  store->setTimeout(options.timeout);
+  return std::shared_ptr<World>(new World(std::move(store), rank, world_size, options.timeout));
+}
+
+compat::GlooPtr World::new_group(const std::vector<int>& ranks, const std::string& name) const {
+  int group_rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] == rank_) group_rank = static_cast<int>(i);
+  }
+  TORCH_INTERNAL_ASSERT(group_rank >= 0, "rank ", rank_, " is not a member of group ", name);
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+  const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+  const char* addr = std::getenv("MASTER_ADDR");
+  if (iface != nullptr && *iface != '\0') {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+  } else if (addr != nullptr && is_loopback(addr)) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("monarch/" + name + "/", store_);
+  try {
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank,
+                                                       static_cast<int>(ranks.size()), options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "monarch: rank ", rank_, " could not connect group '", name, "' within ",
+                timeout_.count(), " ms (a peer may have died): ", e.what());
+  }
+}
+
+}  // namespace monarch

@@ -1,0 +1,24 @@
+// Runtime test binary: the Catch2 driver, or, when started by harness.h, one worker rank.
+#define CATCH_CONFIG_RUNNER
+#include "catch_with_torch.h"
+
+#include <iostream>
+
+#include "harness.h"
+#include "training.h"
+
+int main(int argc, char** argv) {
+  const std::string scenario = monarch::testing::worker_scenario();
+  if (!scenario.empty()) {
+    try {
+      return monarch::testing::run_worker(scenario);
+    } catch (const c10::Error& e) {
+      std::cerr << "worker error: " << e.what_without_backtrace() << "\n";
+      return 1;
+    } catch (const std::exception& e) {
+      std::cerr << "worker error: " << e.what() << "\n";
+      return 1;
+    }
+  }
+  return Catch::Session().run(argc, argv);
+}
