@@ -1,5 +1,7 @@
 #include "monarch/runtime/data_parallel.h"
 
+#include "monarch/runtime/fully_shard.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 
@@ -42,31 +44,9 @@ DataParallelEngine::~DataParallelEngine() {
   }
 }
 
-// Every rank must wrap the same model: compare (count, total elements, shape hash).
+// Every rank must wrap the same model.
 void DataParallelEngine::check_same_structure() {
-  int64_t elements = 0;
-  uint64_t hash = 1469598103934665603ULL;
-  for (const auto& p : params_) {
-    elements += p.numel();
-    for (int64_t d : p.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
-    hash = (hash ^ static_cast<uint64_t>(p.scalar_type())) * 1099511628211ULL;
-  }
-  auto mine = at::tensor({static_cast<int64_t>(params_.size()), elements, static_cast<int64_t>(hash >> 1)},
-                         at::kLong);
-  auto all = at::empty({group_.size() * 3}, at::kLong);
-  group_.all_gather(all, mine).wait();
-  auto view = all.view({group_.size(), 3});
-  for (int r = 0; r < group_.size(); ++r) {
-    const bool same = view[r].equal(mine);
-    TORCH_CHECK(same, "monarch::DataParallel: rank ", group_.global_rank(), " wraps ",
-                params_.size(), " parameters (", elements, " elements) but rank ", group_.ranks()[r],
-                " wraps ", view[r][0].item<int64_t>(), " parameters (", view[r][1].item<int64_t>(),
-                " elements)", view[r][0].item<int64_t>() == static_cast<int64_t>(params_.size()) &&
-                                      view[r][1].item<int64_t>() == elements
-                                  ? " of different shapes"
-                                  : "",
-                ": every rank must wrap the same model");
-  }
+  check_same_parameters(params_, group_, "monarch::DataParallel");
 }
 
 void DataParallelEngine::broadcast_state(const std::vector<at::Tensor>& buffers) {

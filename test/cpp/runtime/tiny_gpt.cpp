@@ -37,10 +37,16 @@ TinyGptImpl::TinyGptImpl(const GptConfig& c) : config(c) {
 }
 
 torch::Tensor TinyGptImpl::forward(const torch::Tensor& tokens) {
+  if (sharded) sharded->begin_forward();
   auto positions = torch::arange(tokens.size(1), torch::kLong);
   auto x = wte(tokens) + wpe(positions);
-  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
-  return ln_f(x).matmul(wte->weight.t());  // tied output head
+  int64_t unit = 1;
+  for (const auto& block : *blocks) {
+    auto* b = block->as<Block>();
+    x = sharded ? sharded->run_unit(unit++, [&] { return b->forward(x); }) : b->forward(x);
+  }
+  auto logits = ln_f(x).matmul(wte->weight.t());  // tied output head
+  return sharded ? sharded->end_forward(logits) : logits;
 }
 
 TinyGpt make_model(const GptConfig& config, uint64_t seed) {

@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "monarch/parallel.h"
+
 namespace monarch::testing {
 
 struct GptConfig {
@@ -29,6 +31,8 @@ struct TinyGptImpl : torch::nn::Module {
   // tokens [batch, seq] -> logits [batch, seq, vocab]; the head is the embedding's weight.
   torch::Tensor forward(const torch::Tensor& tokens);
   GptConfig config;
+  // Set when the model is fully sharded: forward then runs each block as a sharding unit.
+  monarch::FullyShard* sharded = nullptr;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};

@@ -98,6 +98,80 @@ TrainRecord train_data_parallel(Communicator& dp, const TrainOptions& o, DataPar
   return finish(model, losses);
 }
 
+// Fully-sharded training (ZeRO stage 1-3): blocks are the sharding units, the optimizer
+// steps on the shards. Also records memory facts and the state-dict round trip.
+TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullyShardOptions fso,
+                                std::vector<double>& facts) {
+  GptConfig config;
+  TinyGpt model = make_model(config, /*seed=*/1234 + dp.group_rank());
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  for (const auto& block : *model->blocks) units.push_back(block);
+  FullyShard sharded(model.ptr(), units, dp, fso);
+  model->sharded = &sharded;
+  auto optimizer = make_optimizer(sharded.shards(), o.lr);
+  const int64_t local = o.global_batch / dp.size();
+  std::vector<double> losses;
+  for (int step = 0; step < o.steps; ++step) {
+    auto [inputs, targets] = batch_for_step(config, step, o.global_batch);
+    optimizer.zero_grad();
+    const int64_t begin = dp.group_rank() * local;
+    auto loss = lm_loss(model->forward(inputs.narrow(0, begin, local)), targets.narrow(0, begin, local));
+    loss.backward();
+    optimizer.step();
+    auto global = torch::tensor({loss.item<double>()}, torch::kDouble);
+    dp.all_reduce(global, /*average=*/true).wait();
+    losses.push_back(global.item<double>());
+  }
+  // Memory facts, from the real local tensors: [shard elements, shard grad elements,
+  // optimizer state elements per shard (exp_avg + exp_avg_sq) / 2, model-parameter elements
+  // held, model-gradient elements held, expected ceil(unit / N) summed].
+  double shard = 0, shard_grad = 0, state = 0, held = 0, held_grad = 0, expected = 0;
+  const auto shards = sharded.shards();
+  for (const auto& s : shards) {
+    shard += s.numel();
+    shard_grad += s.grad().defined() ? s.grad().numel() : 0;
+    auto& st = static_cast<torch::optim::AdamWParamState&>(
+        *optimizer.state().at(c10::guts::to_string(s.unsafeGetTensorImpl())));
+    state += (st.exp_avg().numel() + st.exp_avg_sq().numel()) / 2.0;
+  }
+  for (const auto& p : model->parameters()) {
+    held += p.numel();
+    held_grad += p.grad().defined() ? p.grad().numel() : 0;
+  }
+  // Unit sizes from an unsharded copy (the sharded model's parameters may hold nothing).
+  TinyGpt shape = make_model(config);
+  int64_t root = 0;
+  for (const auto& p : shape->parameters()) root += p.numel();
+  for (const auto& block : *shape->blocks) {
+    int64_t n = 0;
+    for (const auto& p : block->parameters()) n += p.numel();
+    root -= n;
+    expected += static_cast<double>((n + dp.size() - 1) / dp.size());
+  }
+  expected += static_cast<double>((root + dp.size() - 1) / dp.size());
+  // State dict: the full parameters load into a plain model that then computes the same
+  // logits as the sharded one.
+  auto state_dict = sharded.state_dict();
+  TinyGpt plain = make_model(config, 99);
+  {
+    torch::NoGradGuard no_grad;
+    auto named = plain->named_parameters();
+    for (const auto& [name, value] : state_dict) named[name].copy_(value);
+  }
+  auto [inputs, targets] = batch_for_step(config, 1000, o.global_batch);
+  torch::Tensor sharded_logits, plain_logits;
+  {
+    torch::NoGradGuard no_grad;
+    sharded_logits = model->forward(inputs);
+    model->sharded = nullptr;
+    plain_logits = plain->forward(inputs);
+  }
+  const double logits_diff = (sharded_logits - plain_logits).abs().max().item<double>();
+  facts = {shard, shard_grad, state, held, held_grad, expected, logits_diff,
+           static_cast<double>(state_dict.size())};
+  return finish(plain, losses);  // the loaded plain model: parameters in module order
+}
+
 }  // namespace
 
 int run_worker(const std::string& scenario) {
@@ -127,6 +201,13 @@ int run_worker(const std::string& scenario) {
     auto record = train_data_parallel(dp, o, dpo);
     record.params.insert(record.params.begin(),
                          torch::tensor({dp.counters().bytes(CollectiveKind::all_reduce)}, torch::kDouble));
+    save_record(record, out);
+  } else if (scenario.rfind("zero", 0) == 0) {
+    FullyShardOptions fso;
+    fso.zero_stage = scenario[4] - '0';
+    std::vector<double> facts;
+    auto record = train_fully_sharded(dp, o, fso, facts);
+    record.params.insert(record.params.begin(), torch::tensor(facts, torch::kDouble));
     save_record(record, out);
   } else if (scenario == "dp_mismatch") {
     GptConfig config;

@@ -1,0 +1,132 @@
+// torch_monarch._runtime: the LibTorch runtime for Python. Thin: every object here is the
+// C++ engine the C++ frontend uses; Python keeps only module-tree work (hooks, wrappers).
+#include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "monarch/runtime/data_parallel.h"
+#include "monarch/runtime/device_mesh.h"
+#include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/world.h"
+
+namespace py = pybind11;
+using namespace monarch;
+
+namespace {
+
+InitOptions options_with_timeout(double timeout_s) {
+  InitOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_runtime, m) {
+  m.doc() = "torch_monarch runtime: world, mesh, collectives, data-parallel and sharded engines";
+
+  py::class_<World, std::shared_ptr<World>>(m, "World")
+      .def_static("init", [](double timeout_s) { return World::init(options_with_timeout(timeout_s)); },
+                  py::arg("timeout_s") = 300.0, py::call_guard<py::gil_scoped_release>(),
+                  "Rendezvous from torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).")
+      .def_static("from_store",
+                  [](c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, double timeout_s) {
+                    return World::from_store(std::move(store), rank, world_size, options_with_timeout(timeout_s));
+                  },
+                  py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s") = 300.0,
+                  "Join an existing c10d store (torch.distributed's default store): no second port.")
+      .def_property_readonly("rank", &World::rank)
+      .def_property_readonly("size", &World::size);
+
+  py::enum_<CollectiveKind>(m, "CollectiveKind")
+      .value("all_reduce", CollectiveKind::all_reduce)
+      .value("reduce_scatter", CollectiveKind::reduce_scatter)
+      .value("all_gather", CollectiveKind::all_gather)
+      .value("broadcast", CollectiveKind::broadcast)
+      .value("send", CollectiveKind::send)
+      .value("recv", CollectiveKind::recv)
+      .value("all_to_all", CollectiveKind::all_to_all);
+
+  py::class_<Handle>(m, "Handle")
+      .def("wait", &Handle::wait, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("done", &Handle::done);
+
+  py::class_<Communicator>(m, "Communicator")
+      .def_property_readonly("name", &Communicator::name)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("rank", &Communicator::group_rank)
+      .def_property_readonly("ranks", &Communicator::ranks)
+      .def("all_reduce", &Communicator::all_reduce, py::arg("buffer"), py::arg("average") = false)
+      .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("output"), py::arg("input"))
+      .def("all_gather", &Communicator::all_gather, py::arg("output"), py::arg("input"))
+      .def("broadcast", &Communicator::broadcast, py::arg("buffer"), py::arg("root"))
+      .def("send", &Communicator::send, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0)
+      .def("recv", &Communicator::recv, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0)
+      .def("all_to_all", &Communicator::all_to_all, py::arg("output"), py::arg("input"))
+      .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("bytes_sent", [](const Communicator& c, CollectiveKind k) { return c.counters().bytes(k); })
+      .def("total_bytes_sent", [](const Communicator& c) { return c.counters().total(); })
+      .def("reset_counters", [](Communicator& c) { c.counters().reset(); });
+
+  py::class_<DeviceMesh, std::shared_ptr<DeviceMesh>>(m, "DeviceMesh")
+      .def(py::init([](std::shared_ptr<World> world, int64_t pp, int64_t dp, int64_t tp) {
+             planner::Mesh shape;
+             shape.pp = pp;
+             shape.dp = dp;
+             shape.tp = tp;
+             py::gil_scoped_release release;
+             return std::make_shared<DeviceMesh>(std::move(world), shape);
+           }),
+           py::arg("world"), py::arg("pp") = 1, py::arg("dp") = 1, py::arg("tp") = 1)
+      .def_property_readonly("rank", [](const DeviceMesh& d) { return d.rank(); })
+      .def_property_readonly("size", [](const DeviceMesh& d) { return d.size(); })
+      .def("axis_size", py::overload_cast<const std::string&>(&DeviceMesh::size, py::const_))
+      .def("coordinate", &DeviceMesh::coordinate)
+      .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal);
+
+  py::class_<DataParallelOptions>(m, "DataParallelOptions")
+      .def(py::init<>())
+      .def_readwrite("bucket_bytes", &DataParallelOptions::bucket_bytes)
+      .def_readwrite("broadcast_from_root", &DataParallelOptions::broadcast_from_root)
+      .def_readwrite("bf16_compression", &DataParallelOptions::bf16_compression);
+
+  // The engine keeps a reference to the mesh's group: keep_alive ties the mesh's lifetime
+  // to the engine's.
+  py::class_<DataParallelEngine>(m, "DataParallelEngine")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+                       std::shared_ptr<DeviceMesh> mesh, const std::string& axis,
+                       DataParallelOptions options) {
+             py::gil_scoped_release release;
+             return std::make_unique<DataParallelEngine>(std::move(params), std::move(buffers),
+                                                         mesh->group(axis), options);
+           }),
+           py::arg("params"), py::arg("buffers"), py::arg("mesh"), py::arg("axis") = "dp",
+           py::arg("options") = DataParallelOptions(), py::keep_alive<1, 4>())
+      .def("set_sync", &DataParallelEngine::set_sync)
+      .def_property_readonly("sync", &DataParallelEngine::sync)
+      .def_property_readonly("num_buckets", &DataParallelEngine::num_buckets)
+      .def("bucket_sizes_bytes", &DataParallelEngine::bucket_sizes_bytes);
+
+  py::class_<FullyShardOptions>(m, "FullyShardOptions")
+      .def(py::init<>())
+      .def_readwrite("zero_stage", &FullyShardOptions::zero_stage)
+      .def_readwrite("reshard_after_forward", &FullyShardOptions::reshard_after_forward)
+      .def_readwrite("compute_dtype", &FullyShardOptions::compute_dtype)
+      .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root);
+
+  py::class_<FullyShardEngine>(m, "FullyShardEngine")
+      .def(py::init([](std::vector<std::vector<at::Tensor>> units, std::shared_ptr<DeviceMesh> mesh,
+                       const std::string& axis, FullyShardOptions options) {
+             py::gil_scoped_release release;
+             return std::make_unique<FullyShardEngine>(std::move(units), mesh->group(axis), options);
+           }),
+           py::arg("units"), py::arg("mesh"), py::arg("axis") = "dp",
+           py::arg("options") = FullyShardOptions(), py::keep_alive<1, 3>())
+      .def("shards", &FullyShardEngine::shards)
+      .def("before_forward", &FullyShardEngine::before_forward, py::call_guard<py::gil_scoped_release>())
+      .def("after_forward", &FullyShardEngine::after_forward)
+      .def("sync_parameters", &FullyShardEngine::sync_parameters, py::call_guard<py::gil_scoped_release>())
+      .def("full_parameters", &FullyShardEngine::full_parameters, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_units", &FullyShardEngine::num_units)
+      .def_property_readonly("zero_stage", [](const FullyShardEngine& e) { return e.options().zero_stage; });
+}

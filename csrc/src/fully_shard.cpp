@@ -1,0 +1,288 @@
+#include "monarch/runtime/fully_shard.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <set>
+
+namespace monarch {
+
+FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
+                                   FullyShardOptions options)
+    : group_(group), options_(options) {
+  TORCH_CHECK(options_.zero_stage >= 1 && options_.zero_stage <= 3,
+              "monarch::FullyShard: zero_stage must be 1, 2 or 3, got ", options_.zero_stage);
+  TORCH_CHECK(!units.empty(), "monarch::FullyShard: no sharding units");
+  std::vector<at::Tensor> all;
+  std::set<const void*> seen;
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const auto& p : units[u]) {
+      TORCH_CHECK(p.requires_grad() && p.is_floating_point(), "monarch::FullyShard: unit ", u,
+                  " has a parameter that is not a floating-point tensor requiring grad");
+      TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "monarch::FullyShard: a parameter of unit ",
+                  u, " appears twice (tied weights must be listed once, in the root unit)");
+      all.push_back(p);
+    }
+  }
+  check_same_parameters(all, group_, "monarch::FullyShard");
+  if (options_.broadcast_from_root) {
+    at::NoGradGuard no_grad;
+    std::vector<Handle> pending;
+    for (const auto& p : all) pending.push_back(group_.broadcast(p.detach(), 0));
+    for (auto& h : pending) h.wait();
+  }
+  units_.resize(units.size());
+  for (size_t u = 0; u < units.size(); ++u) init_unit(units_[u], std::move(units[u]));
+  unit_grads_ready_.assign(units_.size(), false);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (size_t i = 0; i < units_[u].params.size(); ++i) {
+      const auto& p = units_[u].params[i];
+      const int64_t unit = static_cast<int64_t>(u);
+      hooks_.emplace_back(p, p.register_hook([this, unit, i](const at::Tensor& g) { on_gradient(unit, i, g); }));
+    }
+  }
+  next_reduce_ = num_units() - 1;
+}
+
+FullyShardEngine::~FullyShardEngine() {
+  for (auto& [tensor, id] : hooks_) {
+    try {
+      tensor.remove_hook(id);
+    } catch (...) {
+      // The parameter may be gone with its module.
+    }
+  }
+}
+
+void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
+  at::NoGradGuard no_grad;
+  u.params = std::move(params);
+  for (const auto& p : u.params) {
+    u.offsets.push_back(u.numel);
+    u.shapes.push_back(p.sizes().vec());
+    u.numels.push_back(p.numel());
+    u.numel += p.numel();
+  }
+  const int64_t n = group_.size();
+  u.shard_numel = (u.numel + n - 1) / n;
+  // My slice of the flat fp32 unit, zero-padded at the end.
+  auto flat = at::zeros({u.shard_numel * n}, at::kFloat);
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(u.params[i].detach().reshape({-1}));
+  }
+  u.shard = flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel).clone().requires_grad_(true);
+  u.pending = u.params.size();
+  if (sharded_parameters()) {
+    // Parameters hold no storage until gathered.
+    for (auto& p : u.params) p.set_data(at::empty({0}, p.options().dtype(options_.compute_dtype)));
+  } else {
+    u.full = flat.narrow(0, 0, u.numel).to(options_.compute_dtype);
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+    }
+    u.gathered = true;
+    u.shard_version = u.shard._version();
+  }
+}
+
+std::vector<at::Tensor> FullyShardEngine::shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) out.push_back(u.shard);
+  return out;
+}
+
+void FullyShardEngine::start_gather(int64_t unit) {
+  Unit& u = units_[unit];
+  if (u.gathered || !u.gather.done()) return;
+  at::NoGradGuard no_grad;
+  u.full = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+  u.gather = group_.all_gather(u.full, u.shard.detach().to(options_.compute_dtype));
+}
+
+void FullyShardEngine::finish_gather(int64_t unit) {
+  Unit& u = units_[unit];
+  if (u.gathered) return;
+  start_gather(unit);
+  u.gather.wait();
+  u.gather = Handle();
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+  }
+  u.gathered = true;
+}
+
+void FullyShardEngine::free_parameters(int64_t unit) {
+  Unit& u = units_[unit];
+  if (!u.gathered) return;
+  // Drop the storage (shapes are kept in the unit for the next gather).
+  for (auto& p : u.params) p.set_data(at::empty({0}, p.options()));
+  u.full = at::Tensor();
+  u.gathered = false;
+}
+
+void FullyShardEngine::sync_parameters() {
+  if (sharded_parameters()) return;
+  at::NoGradGuard no_grad;
+  std::vector<std::pair<int64_t, at::Tensor>> gathers;
+  std::vector<Handle> handles;
+  for (int64_t k = 0; k < num_units(); ++k) {
+    Unit& u = units_[k];
+    if (u.shard._version() == u.shard_version) continue;
+    auto gathered = at::empty({u.shard_numel * group_.size()}, at::kFloat);
+    handles.push_back(group_.all_gather(gathered, u.shard.detach()));
+    gathers.emplace_back(k, gathered);
+  }
+  for (size_t i = 0; i < handles.size(); ++i) {
+    handles[i].wait();
+    Unit& u = units_[gathers[i].first];
+    u.full.copy_(gathers[i].second.narrow(0, 0, u.numel));
+    u.shard_version = u.shard._version();
+  }
+}
+
+void FullyShardEngine::before_forward(int64_t unit) {
+  TORCH_CHECK(unit >= 0 && unit < num_units(), "monarch::FullyShard: no unit ", unit);
+  if (!sharded_parameters()) {
+    if (unit == 0) sync_parameters();
+    return;
+  }
+  finish_gather(unit);
+  if (unit + 1 < num_units()) start_gather(unit + 1);  // prefetch the next unit
+}
+
+void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>& outputs) {
+  if (!sharded_parameters() || !at::GradMode::is_enabled()) {
+    if (sharded_parameters() && unit != 0 && options_.reshard_after_forward) free_parameters(unit);
+    return;
+  }
+  units_[unit].backward_ready = false;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.requires_grad()) {
+      out.register_hook([this, unit](const at::Tensor&) { before_backward(unit); });
+    }
+  }
+  // The root unit stays gathered through backward (its weights, e.g. a tied embedding,
+  // are used again at the end of forward).
+  if (unit != 0 && options_.reshard_after_forward) free_parameters(unit);
+}
+
+void FullyShardEngine::before_backward(int64_t unit) {
+  Unit& u = units_[unit];
+  if (u.backward_ready) return;
+  u.backward_ready = true;
+  finish_gather(unit);
+  if (unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
+}
+
+void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor& grad) {
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  }
+  at::NoGradGuard no_grad;
+  Unit& u = units_[unit];
+  if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
+  u.grad_flat.narrow(0, u.offsets[index], u.numels[index]).add_(grad.reshape({-1}).to(at::kFloat));
+  if (--u.pending == 0) {
+    unit_grads_ready_[unit] = true;
+    while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
+  }
+}
+
+// Stage 1 all-reduces the unit's gradient (every rank keeps it whole); stages 2-3
+// reduce-scatter it into this rank's slice.
+void FullyShardEngine::reduce_unit(int64_t unit) {
+  Unit& u = units_[unit];
+  if (options_.zero_stage == 1) {
+    u.reduce = group_.all_reduce(u.grad_flat, /*average=*/true);
+  } else {
+    u.reduced = at::empty({u.shard_numel}, at::kFloat);
+    u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
+  }
+}
+
+void FullyShardEngine::finish_backward() {
+  at::NoGradGuard no_grad;
+  // Units with parameters that got no gradient (unused) still take part, with zeros.
+  for (int64_t k = 0; k < num_units(); ++k) {
+    Unit& u = units_[k];
+    if (!unit_grads_ready_[k]) {
+      if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
+      unit_grads_ready_[k] = true;
+    }
+  }
+  while (next_reduce_ >= 0) reduce_unit(next_reduce_--);
+  const double n = static_cast<double>(group_.size());
+  for (int64_t k = num_units() - 1; k >= 0; --k) {
+    Unit& u = units_[k];
+    u.reduce.wait();
+    at::Tensor mine;
+    if (options_.zero_stage == 1) {
+      mine = u.grad_flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel);
+      // Stage 1 keeps the averaged full gradient in .grad, as DDP would.
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        auto& p = u.params[i];
+        auto g = u.grad_flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).to(p.scalar_type());
+        if (p.grad().defined()) p.mutable_grad().copy_(g); else p.mutable_grad() = g;
+      }
+    } else {
+      mine = u.reduced.div_(n);
+      for (auto& p : u.params) p.mutable_grad() = at::Tensor();  // drop full gradients
+    }
+    if (u.shard.grad().defined()) {
+      u.shard.mutable_grad().add_(mine);
+    } else {
+      u.shard.mutable_grad() = mine.clone();
+    }
+    u.grad_flat = at::Tensor();
+    u.reduced = at::Tensor();
+    u.reduce = Handle();
+    u.pending = u.params.size();
+    u.backward_ready = false;
+    if (sharded_parameters()) free_parameters(k);
+  }
+  std::fill(unit_grads_ready_.begin(), unit_grads_ready_.end(), false);
+  next_reduce_ = num_units() - 1;
+  callback_queued_ = false;
+}
+
+std::vector<at::Tensor> FullyShardEngine::full_parameters() {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  for (auto& u : units_) {
+    auto flat = at::empty({u.shard_numel * group_.size()}, at::kFloat);
+    group_.all_gather(flat, u.shard.detach()).wait();
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      out.push_back(flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).clone());
+    }
+  }
+  return out;
+}
+
+void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& group, const char* who) {
+  int64_t elements = 0;
+  uint64_t hash = 1469598103934665603ULL;
+  for (const auto& p : params) {
+    elements += p.numel();
+    for (int64_t d : p.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
+    hash = (hash ^ static_cast<uint64_t>(p.scalar_type())) * 1099511628211ULL;
+  }
+  const int64_t count = static_cast<int64_t>(params.size());
+  auto mine = at::tensor({count, elements, static_cast<int64_t>(hash >> 1)}, at::kLong);
+  auto all = at::empty({group.size() * 3}, at::kLong);
+  group.all_gather(all, mine).wait();
+  auto view = all.view({group.size(), 3});
+  for (int r = 0; r < group.size(); ++r) {
+    if (view[r].equal(mine)) continue;
+    const int64_t their_count = view[r][0].item<int64_t>();
+    const int64_t their_elements = view[r][1].item<int64_t>();
+    TORCH_CHECK(false, who, ": rank ", group.global_rank(), " wraps ", count, " parameters (", elements,
+                " elements) but rank ", group.ranks()[r], " wraps ", their_count, " parameters (",
+                their_elements, " elements)",
+                their_count == count && their_elements == elements ? " of different shapes" : "",
+                ": every rank must wrap the same model");
+  }
+}
+
+}  // namespace monarch
