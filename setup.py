@@ -48,11 +48,13 @@ class CMakeBuild(build_ext):
             "-DMONARCH_BUILD_TESTS=OFF",
             "-DMONARCH_BUILD_BENCH=OFF",
             "-DMONARCH_BUILD_TOOLS=OFF",
+            "-DMONARCH_WITH_TORCH=" + ("ON" if WITH_RUNTIME else "OFF"),
             "-DPython3_EXECUTABLE=" + sys.executable,
             "-DMONARCH_PYTHON_OUTPUT_DIR=" + ext_dir,
         ]
         configure += shlex.split(os.environ.get("CMAKE_ARGS", ""))
-        build = ["cmake", "--build", build_dir, "--config", config, "--target", "_C",
+        target = ext.name.rsplit(".", 1)[-1]
+        build = ["cmake", "--build", build_dir, "--config", config, "--target", target,
                  "--parallel", os.environ.get("MONARCH_BUILD_JOBS", "2")]
 
         for cmd in (configure, build):
@@ -62,7 +64,21 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"CMake did not produce {ext_path}")
 
 
+def _have_torch():
+    """The runtime extension needs torch (its headers and libtorch_python)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+WITH_RUNTIME = _have_torch() and os.environ.get("MONARCH_WITH_TORCH", "AUTO").upper() != "OFF"
+extensions = [CMakeExtension("torch_monarch._C")]
+if WITH_RUNTIME:
+    extensions.append(CMakeExtension("torch_monarch._runtime"))
+
 setup(
-    ext_modules=[CMakeExtension("torch_monarch._C")],
+    ext_modules=extensions,
     cmdclass={"build_ext": CMakeBuild},
 )

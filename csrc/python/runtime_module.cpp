@@ -20,6 +20,13 @@ InitOptions options_with_timeout(double timeout_s) {
   return o;
 }
 
+at::ScalarType dtype_from_name(const std::string& name) {
+  if (name == "float32" || name == "float" || name == "Float") return at::kFloat;
+  if (name == "bfloat16" || name == "BFloat16") return at::kBFloat16;
+  if (name == "float16" || name == "half" || name == "Half") return at::kHalf;
+  throw py::value_error("compute_dtype: expected float32, bfloat16 or float16, got '" + name + "'");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
@@ -111,7 +118,11 @@ PYBIND11_MODULE(_runtime, m) {
       .def(py::init<>())
       .def_readwrite("zero_stage", &FullyShardOptions::zero_stage)
       .def_readwrite("reshard_after_forward", &FullyShardOptions::reshard_after_forward)
-      .def_readwrite("compute_dtype", &FullyShardOptions::compute_dtype)
+      .def_property(
+          "compute_dtype",
+          [](const FullyShardOptions& o) { return std::string(c10::toString(o.compute_dtype)); },
+          [](FullyShardOptions& o, const std::string& name) { o.compute_dtype = dtype_from_name(name); },
+          "'float32', 'bfloat16' or 'float16'")
       .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root);
 
   py::class_<FullyShardEngine>(m, "FullyShardEngine")

@@ -1,0 +1,130 @@
+"""Worker ranks for the Python runtime tests (started by dist_harness.launch)."""
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import torch_monarch
+from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optimizer
+
+
+def out_path():
+    return os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt")
+
+
+def global_mean(mesh, value):
+    t = torch.tensor([value], dtype=torch.float64)
+    mesh.group("dp").all_reduce(t, average=True).wait()
+    return t.item()
+
+
+def train_dp(mesh, accumulation=1, compression=None, die_at=None):
+    dp = mesh.group("dp")
+    model = torch_monarch.DataParallel(make_model(seed=1234 + dp.rank), mesh=mesh,
+                                       bucket_cap_mb=16 / 1024, gradient_compression=compression)
+    opt = make_optimizer(model.parameters())  # an ordinary torch.optim optimizer
+    local = GLOBAL_BATCH // dp.size
+    micro = local // accumulation
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = batch(step, GLOBAL_BATCH)
+        opt.zero_grad()
+        total = 0.0
+        for k in range(accumulation):
+            begin = dp.rank * local + k * micro
+            x, y = inputs[begin:begin + micro], targets[begin:begin + micro]
+            if k < accumulation - 1:
+                with model.no_sync():
+                    loss = loss_fn(model(x), y) / accumulation
+                    loss.backward()
+            else:
+                loss = loss_fn(model(x), y) / accumulation
+                loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(global_mean(mesh, total))
+        if die_at is not None and step + 1 == die_at and dp.rank == 1:
+            print(f"rank {dp.rank}: dying on purpose", file=sys.stderr, flush=True)
+            os._exit(3)
+    return {"losses": losses, "state": model.state_dict(),
+            "bytes": dp.bytes_sent(torch_monarch._runtime.CollectiveKind.all_reduce)}
+
+
+def train_sharded(mesh, stage):
+    dp = mesh.group("dp")
+    plain = make_model(seed=1234 + dp.rank)
+    model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage)
+    opt = make_optimizer(model.parameters())  # steps on this rank's shards
+    local = GLOBAL_BATCH // dp.size
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = batch(step, GLOBAL_BATCH)
+        opt.zero_grad()
+        begin = dp.rank * local
+        loss = loss_fn(model(inputs[begin:begin + local]), targets[begin:begin + local])
+        loss.backward()
+        opt.step()
+        losses.append(global_mean(mesh, loss.item()))
+    shards = list(model.parameters())
+    facts = {
+        "shard": sum(s.numel() for s in shards),
+        "shard_grad": sum(s.grad.numel() for s in shards if s.grad is not None),
+        "optimizer_state": sum(opt.state[s]["exp_avg"].numel() for s in shards),
+        "held": sum(p.numel() for p in plain.parameters()),
+        "held_grad": sum(p.grad.numel() for p in plain.parameters() if p.grad is not None),
+    }
+    shape = make_model()
+    units = [sum(p.numel() for p in b.parameters()) for b in shape.blocks]
+    root = sum(p.numel() for p in shape.parameters()) - sum(units)
+    facts["expected"] = sum(math.ceil(n / dp.size) for n in units + [root])
+    facts["total"] = sum(p.numel() for p in shape.parameters())
+    state = model.state_dict()
+    # The full state dict loads into the plain model and computes the same logits.
+    fresh = make_model(seed=99)
+    fresh.load_state_dict(state)
+    probe, _ = batch(1000, GLOBAL_BATCH)
+    with torch.no_grad():
+        facts["logits_diff"] = (model(probe) - fresh(probe)).abs().max().item()
+    return {"losses": losses, "state": state, "facts": facts}
+
+
+def main(scenario):
+    torch.set_num_threads(1)
+    if scenario == "dp_on_torch_distributed":
+        # torch.distributed first: torch_monarch must reuse its store (no second port).
+        dist.init_process_group("gloo")
+    world = torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
+    if scenario == "mesh_too_big":
+        torch_monarch.device_mesh(dp=world.size + 1)
+        return 0
+    mesh = torch_monarch.device_mesh()
+    if scenario in ("dp", "dp_on_torch_distributed"):
+        result = train_dp(mesh, die_at=int(os.environ.get("MONARCH_TEST_DIE_AT_STEP", "0")) or None)
+    elif scenario == "dp_accumulate":
+        result = train_dp(mesh, accumulation=2)
+    elif scenario == "dp_bf16":
+        result = train_dp(mesh, compression="bf16")
+    elif scenario.startswith("zero"):
+        result = train_sharded(mesh, int(scenario[4]))
+    elif scenario == "dp_mismatch":
+        model = make_model()
+        if mesh.group("dp").rank == 1:
+            model.extra = torch.nn.Linear(2, 2)
+        torch_monarch.DataParallel(model, mesh=mesh)
+        return 0
+    else:
+        print(f"unknown scenario {scenario!r}", file=sys.stderr)
+        return 2
+    torch.save(result, out_path())
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1]))
+    except Exception as e:  # one line naming the rank, for the test to read
+        print(f"worker error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,48 @@
+"""Process bootstrap and device mesh for the runtime (thin shells over torch_monarch._runtime).
+
+``init()`` reads torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, ...)
+and rendezvouses through a c10d TCPStore; if ``torch.distributed`` is already initialized
+it joins that process group's store instead of opening a second port.
+"""
+
+import logging
+
+import torch  # noqa: F401  (registers the tensor and c10d types _runtime uses)
+import torch.distributed as dist
+
+from . import _runtime
+
+log = logging.getLogger("torch_monarch")
+
+_world = None
+
+
+def init(timeout: float = 300.0):
+    """Joins the job's ranks (idempotent). ``timeout`` (seconds) bounds the rendezvous and
+    every collective: a dead peer becomes an error naming the rank and the collective."""
+    global _world
+    if _world is not None:
+        return _world
+    if dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+        _world = _runtime.World.from_store(store, dist.get_rank(), dist.get_world_size(), timeout)
+    else:
+        _world = _runtime.World.init(timeout)
+    log.info("[rank %d] torch_monarch joined a world of %d ranks", _world.rank, _world.size)
+    return _world
+
+
+def device_mesh(pp: int = 1, dp: int = None, tp: int = 1, world=None):
+    """A mesh with named axes ``pp``, ``dp``, ``tp`` (rank order pp, dp, tp: tp innermost).
+    ``dp`` defaults to whatever the world leaves. Every rank must call it."""
+    world = world or init()
+    if dp is None:
+        if world.size % (pp * tp) != 0:
+            raise ValueError(f"mesh: pp*tp = {pp * tp} does not divide the world size {world.size}")
+        dp = world.size // (pp * tp)
+    return _runtime.DeviceMesh(world, pp=pp, dp=dp, tp=tp)
+
+
+def mesh_from_plan(plan, world=None):
+    """The mesh a Plan (torch_monarch.planner.Plan) asks for."""
+    return device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, world=world)

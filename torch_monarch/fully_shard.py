@@ -1,0 +1,121 @@
+"""torch_monarch.fully_shard: ZeRO-1/2/3 (FSDP) driven by the C++ engine.
+
+Python's only job here is the module tree: it groups parameters into sharding units and
+calls the engine around each unit's forward through module hooks.
+"""
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from . import _runtime
+from .distributed import device_mesh
+
+
+def _default_units(module: nn.Module):
+    """The entries of the largest nn.ModuleList (transformer blocks in most models)."""
+    best = None
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList) and (best is None or len(sub) > len(best)):
+            best = sub
+    return list(best) if best is not None else []
+
+
+class FullyShardedModule(nn.Module):
+    """The sharded model. ``parameters()`` yields this rank's fp32 shards (one per unit):
+    build the optimizer over them. ``state_dict()`` returns the full, unsharded state that
+    loads into the unwrapped model; ``sharded_state_dict()`` this rank's shards."""
+
+    def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision):
+        super().__init__()
+        self.module = module
+        self.mesh = mesh
+        unit_ids = {}
+        for i, unit in enumerate(units):
+            for p in unit.parameters():
+                unit_ids.setdefault(id(p), i + 1)
+        groups = [[] for _ in range(len(units) + 1)]
+        names = [[] for _ in range(len(units) + 1)]
+        for name, p in module.named_parameters():
+            k = unit_ids.get(id(p), 0)
+            groups[k].append(p)
+            names[k].append(name)
+        self._names = [n for group in names for n in group]
+        options = _runtime.FullyShardOptions()
+        options.zero_stage = zero_stage
+        options.reshard_after_forward = reshard_after_forward
+        if mixed_precision is not None:
+            options.compute_dtype = str(mixed_precision).replace("torch.", "")
+        self._engine = _runtime.FullyShardEngine(groups, mesh, "dp", options)
+        self._shards = self._engine.shards()
+        self._hooks = []
+        for i, unit in enumerate(units):
+            self._hooks.append(unit.register_forward_pre_hook(self._make_pre_hook(i + 1)))
+            self._hooks.append(unit.register_forward_hook(self._make_post_hook(i + 1)))
+
+    def _make_pre_hook(self, index):
+        def hook(_module, _inputs):
+            self._engine.before_forward(index)
+        return hook
+
+    def _make_post_hook(self, index):
+        def hook(_module, _inputs, output):
+            self._engine.after_forward(index, _tensors(output))
+        return hook
+
+    def forward(self, *args, **kwargs):
+        self._engine.before_forward(0)
+        out = self.module(*args, **kwargs)
+        self._engine.after_forward(0, _tensors(out))
+        return out
+
+    # The optimizer steps on the shards.
+    def parameters(self, recurse: bool = True):
+        return iter(self._shards)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for i, s in enumerate(self._shards):
+            yield f"{prefix}{'.' if prefix else ''}shard.{i}", s
+
+    @property
+    def zero_stage(self):
+        return self._engine.zero_stage
+
+    def state_dict(self, *args, **kwargs):
+        full = dict(zip(self._names, self._engine.full_parameters()))
+        out = OrderedDict()
+        for name, value in self.module.state_dict().items():
+            out[name] = full[name] if name in full else value
+        return out
+
+    def sharded_state_dict(self):
+        return {"rank": self.mesh.coordinate("dp"), "world": self.mesh.axis_size("dp"),
+                "shards": [s.detach().clone() for s in self._shards]}
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    if isinstance(output, dict):
+        return [t for t in output.values() if isinstance(t, torch.Tensor)]
+    return []
+
+
+def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
+                reshard_after_forward: bool = True, mixed_precision=None) -> FullyShardedModule:
+    """Shards ``module`` over the mesh's ``dp`` axis.
+
+    ``units``: submodules gathered and freed as one piece (default: the entries of the
+    largest ``nn.ModuleList``); the remaining parameters form the root unit, gathered for
+    the whole forward and backward. ``zero_stage``: 1 (optimizer state), 2 (+ gradients),
+    3 (+ parameters). ``mixed_precision``: compute dtype (e.g. ``torch.bfloat16``) with fp32
+    shards and fp32 gradient reduction.
+    """
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage: expected 1, 2 or 3, got {zero_stage}")
+    mesh = mesh if mesh is not None else device_mesh()
+    units = _default_units(module) if units is None else list(units)
+    return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision)
