@@ -90,8 +90,22 @@ class FullyShardedModule(nn.Module):
         return out
 
     def sharded_state_dict(self):
+        """This rank's fp32 shards (one per unit) with where they belong: each rank saves
+        and loads only its own 1/N."""
         return {"rank": self.mesh.coordinate("dp"), "world": self.mesh.axis_size("dp"),
+                "shard_numels": [s.numel() for s in self._shards],
                 "shards": [s.detach().clone() for s in self._shards]}
+
+    def load_sharded_state_dict(self, state):
+        rank, world = self.mesh.coordinate("dp"), self.mesh.axis_size("dp")
+        if state.get("world") != world or state.get("rank") != rank:
+            raise ValueError(f"sharded state dict: saved by rank {state.get('rank')} of "
+                             f"{state.get('world')}, loading on rank {rank} of {world}")
+        if [t.numel() for t in state["shards"]] != [s.numel() for s in self._shards]:
+            raise ValueError("sharded state dict: shard sizes differ (a different model or unit split)")
+        with torch.no_grad():
+            for shard, saved in zip(self._shards, state["shards"]):
+                shard.copy_(saved)  # bumps the version: parameters refresh before the next forward
 
 
 def _tensors(output):

@@ -10,7 +10,9 @@
 #include <pybind11/stl.h>
 #include <pybind11/stl_bind.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -64,6 +66,14 @@ std::string opt(const std::optional<T>& v) {
 }
 
 const char* pybool(bool b) { return b ? "True" : "False"; }
+
+// `value` as int32, or ValidationError (a ValueError) naming the argument.
+int32_t to_int32(int64_t value, const char* name) {
+  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
+    throw ValidationError(name, std::to_string(value) + " is out of range for a 32-bit index");
+  }
+  return static_cast<int32_t>(value);
+}
 
 // T(**kwargs): default-construct, then assign each keyword as an attribute, so unknown
 // names raise AttributeError and values go through the normal field setters.
@@ -577,7 +587,9 @@ void bind_search(py::module_& m) {
 void bind_schedule(py::module_& m) {
   py::class_<Action> action(m, "Action", "One entry of a pipeline rank's program.");
   action.def(py::init([](ActionType type, int64_t micro_batch, int64_t stage, int64_t peer) {
-                 return Action{type, micro_batch, stage, peer};
+                 // Action stores 32-bit indices: refuse what would silently wrap around.
+                 return Action{type, to_int32(micro_batch, "micro_batch"), to_int32(stage, "stage"),
+                               to_int32(peer, "peer")};
                }),
                py::arg("type"), py::arg("micro_batch"), py::arg("stage"), py::arg("peer") = -1);
   add_copy<Action>(action);

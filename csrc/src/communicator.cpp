@@ -73,6 +73,12 @@ void require_flat(const at::Tensor& t, const char* what) {
 
 double bytes_of(const at::Tensor& t) { return static_cast<double>(t.numel() * t.element_size()); }
 
+// Gloo (LibTorch 1.13) knows no bf16. Operations that only move bytes carry bf16 buffers as
+// fp16 bit patterns (same size, no arithmetic on them).
+at::Tensor transport(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+}
+
 }  // namespace
 
 Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
@@ -130,12 +136,14 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   }
   auto received = at::empty_like(input);
   std::vector<int64_t> splits(size(), output.numel());
-  auto work = group_->alltoall_base(received, input, splits, splits);
+  auto recv_bytes = transport(received);
+  auto send_bytes = transport(input);
+  auto work = group_->alltoall_base(recv_bytes, send_bytes, splits, splits);
   const int64_t chunk = output.numel();
   const int64_t parts = size();
   return Handle(work, describe(CollectiveKind::reduce_scatter, input),
                 [output, received, chunk, parts]() mutable {
-                  output.view({-1}).copy_(received.view({parts, chunk}).sum(0));
+                  output.view({-1}).copy_(received.view({parts, chunk}).to(at::kFloat).sum(0));
                 });
 }
 
@@ -151,9 +159,9 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
     return {};
   }
   std::vector<std::vector<at::Tensor>> outputs(1);
-  const auto chunks = output.view({-1}).chunk(size());
+  const auto chunks = transport(output.view({-1})).chunk(size());
   outputs[0].assign(chunks.begin(), chunks.end());
-  std::vector<at::Tensor> inputs{input.view({-1})};
+  std::vector<at::Tensor> inputs{transport(input.view({-1}))};
   auto work = group_->allgather(outputs, inputs);
   return Handle(work, describe(CollectiveKind::all_gather, output));
 }
@@ -163,7 +171,7 @@ Handle Communicator::broadcast(at::Tensor buffer, int root) {
   TORCH_CHECK(root >= 0 && root < size(), "monarch: broadcast root ", root, " not in group '", name_, "'");
   if (group_rank_ == root) counters_.add(CollectiveKind::broadcast, bytes_of(buffer));
   if (size() == 1) return {};
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{transport(buffer)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   return Handle(group_->broadcast(tensors, opts), describe(CollectiveKind::broadcast, buffer));
@@ -173,14 +181,14 @@ Handle Communicator::send(at::Tensor buffer, int peer, int tag) {
   require_flat(buffer, "send buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad send peer ", peer);
   counters_.add(CollectiveKind::send, bytes_of(buffer));
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{transport(buffer)};
   return Handle(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer));
 }
 
 Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
   require_flat(buffer, "recv buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad recv peer ", peer);
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{transport(buffer)};
   return Handle(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer));
 }
 
@@ -196,7 +204,9 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
     return {};
   }
   std::vector<int64_t> splits(size(), input.numel() / size());
-  return Handle(group_->alltoall_base(output, input, splits, splits),
+  auto out_bytes = transport(output);
+  auto in_bytes = transport(input);
+  return Handle(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
                 describe(CollectiveKind::all_to_all, input));
 }
 

@@ -95,7 +95,9 @@ compat::GlooPtr World::new_group(const std::vector<int>& ranks, const std::strin
   } else {
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("monarch/" + name + "/", store_);
+  const int64_t id = groups_created_++;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+      "monarch/" + std::to_string(id) + "/" + name + "/", store_);
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank,
                                                        static_cast<int>(ranks.size()), options);

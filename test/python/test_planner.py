@@ -259,3 +259,16 @@ def test_schedule_and_simulation():
 def test_impossible_schedule_is_value_error():
     with pytest.raises(ValueError):
         planner.schedule("interleaved_1f1b", 4, 6, virtual_stages=2)
+
+
+def test_action_refuses_indices_beyond_32_bits():
+    # Action stores 32-bit indices; a larger value used to wrap around silently.
+    a = planner.Action(planner.ActionType.forward, 2**31 - 1, 0)
+    assert a.micro_batch == 2**31 - 1
+    for kwargs in (dict(micro_batch=2**31, stage=0), dict(micro_batch=0, stage=-(2**31) - 1),
+                   dict(micro_batch=0, stage=0, peer=2**40)):
+        with pytest.raises(ValueError) as info:
+            planner.Action(planner.ActionType.forward, **kwargs)
+        field = next(k for k, v in kwargs.items() if not -(2**31) <= v < 2**31)
+        assert info.value.field == field
+        assert "out of range for a 32-bit index" in str(info.value)

@@ -53,10 +53,10 @@ def train_dp(mesh, accumulation=1, compression=None, die_at=None):
             "bytes": dp.bytes_sent(torch_monarch._runtime.CollectiveKind.all_reduce)}
 
 
-def train_sharded(mesh, stage):
+def train_sharded(mesh, stage, mixed_precision=None):
     dp = mesh.group("dp")
     plain = make_model(seed=1234 + dp.rank)
-    model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage)
+    model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage, mixed_precision=mixed_precision)
     opt = make_optimizer(model.parameters())  # steps on this rank's shards
     local = GLOBAL_BATCH // dp.size
     losses = []
@@ -81,6 +81,14 @@ def train_sharded(mesh, stage):
     root = sum(p.numel() for p in shape.parameters()) - sum(units)
     facts["expected"] = sum(math.ceil(n / dp.size) for n in units + [root])
     facts["total"] = sum(p.numel() for p in shape.parameters())
+    # Sharded state dict round trip: save, train one more step, load, compare.
+    saved = model.sharded_state_dict()
+    before = [s.detach().clone() for s in shards]
+    for s in shards:
+        s.grad = torch.ones_like(s)
+    opt.step()
+    model.load_sharded_state_dict(saved)
+    facts["sharded_reload_diff"] = max((s.detach() - b).abs().max().item() for s, b in zip(shards, before))
     state = model.state_dict()
     # The full state dict loads into the plain model and computes the same logits.
     fresh = make_model(seed=99)
@@ -107,6 +115,8 @@ def main(scenario):
         result = train_dp(mesh, accumulation=2)
     elif scenario == "dp_bf16":
         result = train_dp(mesh, compression="bf16")
+    elif scenario == "zero3_bf16":
+        result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
     elif scenario.startswith("zero"):
         result = train_sharded(mesh, int(scenario[4]))
     elif scenario == "dp_mismatch":

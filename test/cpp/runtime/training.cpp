@@ -172,6 +172,46 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
   return finish(plain, losses);  // the loaded plain model: parameters in module order
 }
 
+// Every collective once with values each rank can predict; the results and the byte
+// counters go back to the driver (as `params`, in a fixed order).
+TrainRecord exercise_collectives(Communicator& g) {
+  const int64_t n = g.size(), r = g.group_rank();
+  TrainRecord out;
+  auto ar = torch::full({6}, static_cast<float>(r + 1));
+  g.all_reduce(ar).wait();
+  out.params.push_back(ar);
+  auto ar16 = torch::full({5}, static_cast<float>(r + 1)).to(torch::kBFloat16);
+  g.all_reduce(ar16, /*average=*/true).wait();
+  out.params.push_back(ar16.to(torch::kFloat));
+  auto rs_in = torch::arange(n * 3, torch::kFloat) + 100 * r;  // chunk j: 3j..3j+2 + 100r
+  auto rs_out = torch::empty({3});
+  g.reduce_scatter(rs_out, rs_in).wait();
+  out.params.push_back(rs_out);
+  auto ag_out = torch::empty({n * 2});
+  g.all_gather(ag_out, torch::full({2}, static_cast<float>(r))).wait();
+  out.params.push_back(ag_out);
+  auto bc = torch::full({4}, static_cast<float>(r == 0 ? 7 : -1));
+  g.broadcast(bc, 0).wait();
+  out.params.push_back(bc);
+  auto a2a_in = torch::arange(n, torch::kFloat) + 10 * r;  // element j goes to rank j
+  auto a2a_out = torch::empty({n});
+  g.all_to_all(a2a_out, a2a_in).wait();
+  out.params.push_back(a2a_out);
+  // Ring of send/recv: to the next rank, from the previous one.
+  auto received = torch::empty({3});
+  auto send = g.send(torch::full({3}, static_cast<float>(r)), (r + 1) % n, 5);
+  g.recv(received, (r + n - 1) % n, 5).wait();
+  send.wait();
+  out.params.push_back(received);
+  std::vector<double> bytes;
+  for (auto kind : {CollectiveKind::all_reduce, CollectiveKind::reduce_scatter, CollectiveKind::all_gather,
+                    CollectiveKind::broadcast, CollectiveKind::send, CollectiveKind::all_to_all}) {
+    bytes.push_back(g.counters().bytes(kind));
+  }
+  out.params.push_back(torch::tensor(bytes, torch::kDouble));
+  return out;
+}
+
 }  // namespace
 
 int run_worker(const std::string& scenario) {
@@ -209,6 +249,8 @@ int run_worker(const std::string& scenario) {
     auto record = train_fully_sharded(dp, o, fso, facts);
     record.params.insert(record.params.begin(), torch::tensor(facts, torch::kDouble));
     save_record(record, out);
+  } else if (scenario == "collectives") {
+    save_record(exercise_collectives(dp), out);
   } else if (scenario == "dp_mismatch") {
     GptConfig config;
     if (dp.group_rank() == 1) config.hidden = 16;

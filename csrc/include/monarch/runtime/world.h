@@ -1,6 +1,7 @@
 #pragma once
 // Process-group bootstrap: torchrun's environment, a c10d TCPStore rendezvous, and Gloo
 // groups over any subset of ranks.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -44,8 +45,9 @@ class World {
   std::chrono::milliseconds timeout() const { return timeout_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
-  // A Gloo group over `ranks` (global ranks, this rank among them), under the name `name`
-  // (unique per job; every member must call with the same name and ranks).
+  // A Gloo group over `ranks` (global ranks, this rank among them) named `name`. Every
+  // member must create its groups in the same order (a per-world counter keeps the store
+  // keys of successive groups with the same name apart).
   compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
 
  private:
@@ -54,6 +56,7 @@ class World {
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+  mutable std::atomic<int64_t> groups_created_{0};
 };
 
 }  // namespace monarch
