@@ -46,8 +46,9 @@ demo: build
 	@echo "== the same plan, loaded back from JSON and validated =="
 	$(BUILD)/bin/monarch-plan validate $(BUILD)/gpt3-175b-1024.plan.json
 
-bench: build
+bench: build python
 	$(BUILD)/bin/bench_planner bench/results/planner.json
+	$(VENV)/bin/python bench/bench_data_parallel.py --out bench/results/data_parallel.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')
