@@ -20,6 +20,19 @@ InitOptions options_with_timeout(double timeout_s) {
   return o;
 }
 
+// A mesh owns Gloo process groups, whose destructors join worker threads; those threads
+// may be freeing tensors that have Python objects, which needs the GIL. Holding the GIL
+// while destroying the mesh would deadlock (PyTorch avoids the same trap for its own
+// ProcessGroup wrappers), so drop it for the destructor.
+void destroy_without_gil(DeviceMesh* mesh) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release release;
+    delete mesh;
+  } else {
+    delete mesh;
+  }
+}
+
 at::ScalarType dtype_from_name(const std::string& name) {
   if (name == "float32" || name == "float" || name == "Float") return at::kFloat;
   if (name == "bfloat16" || name == "BFloat16") return at::kBFloat16;
@@ -63,13 +76,20 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("rank", &Communicator::group_rank)
       .def_property_readonly("ranks", &Communicator::ranks)
-      .def("all_reduce", &Communicator::all_reduce, py::arg("buffer"), py::arg("average") = false)
-      .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("output"), py::arg("input"))
-      .def("all_gather", &Communicator::all_gather, py::arg("output"), py::arg("input"))
-      .def("broadcast", &Communicator::broadcast, py::arg("buffer"), py::arg("root"))
-      .def("send", &Communicator::send, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0)
-      .def("recv", &Communicator::recv, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0)
-      .def("all_to_all", &Communicator::all_to_all, py::arg("output"), py::arg("input"))
+      .def("all_reduce", &Communicator::all_reduce, py::arg("buffer"), py::arg("average") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("output"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Communicator::all_gather, py::arg("output"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &Communicator::broadcast, py::arg("buffer"), py::arg("root"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("send", &Communicator::send, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("recv", &Communicator::recv, py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &Communicator::all_to_all, py::arg("output"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       .def("bytes_sent", [](const Communicator& c, CollectiveKind k) { return c.counters().bytes(k); })
       .def("total_bytes_sent", [](const Communicator& c) { return c.counters().total(); })
@@ -82,7 +102,7 @@ PYBIND11_MODULE(_runtime, m) {
              shape.dp = dp;
              shape.tp = tp;
              py::gil_scoped_release release;
-             return std::make_shared<DeviceMesh>(std::move(world), shape);
+             return std::shared_ptr<DeviceMesh>(new DeviceMesh(std::move(world), shape), destroy_without_gil);
            }),
            py::arg("world"), py::arg("pp") = 1, py::arg("dp") = 1, py::arg("tp") = 1)
       .def_property_readonly("rank", [](const DeviceMesh& d) { return d.rank(); })
