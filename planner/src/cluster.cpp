@@ -114,8 +114,9 @@ Cluster cluster_preset(const std::string& name, int64_t devices) {
     for (const auto& n : cluster_preset_names()) known += (known.empty() ? "" : ", ") + n;
     throw ValidationError("cluster", "unknown preset '" + name + "' (known: " + known + ")");
   }
-  if (devices < 1) {
-    throw ValidationError("cluster.devices", "must be >= 1, got " + std::to_string(devices));
+  if (devices < 1 || devices > kMaxWorldSize) {
+    throw ValidationError("cluster.devices", "must be in [1, " + std::to_string(kMaxWorldSize) +
+                                                 "], got " + std::to_string(devices));
   }
   Cluster c = it->second();
   c.name = name;
@@ -134,8 +135,13 @@ Cluster cluster_preset(const std::string& name, int64_t devices) {
 
 void validate(const Cluster& c) {
   require(c.nodes >= 1, "nodes", "must be >= 1, got " + std::to_string(c.nodes));
-  require(c.devices_per_node >= 1, "devices_per_node",
-          "must be >= 1, got " + std::to_string(c.devices_per_node));
+  require(c.devices_per_node >= 1 && c.devices_per_node <= kMaxWorldSize, "devices_per_node",
+          "must be in [1, " + std::to_string(kMaxWorldSize) + "], got " +
+              std::to_string(c.devices_per_node));
+  // Bounded before world_size() multiplies them (which would overflow int64 otherwise).
+  require(c.nodes <= kMaxWorldSize / c.devices_per_node, "nodes",
+          std::to_string(c.nodes) + " nodes x " + std::to_string(c.devices_per_node) +
+              " devices exceed the largest supported world size " + std::to_string(kMaxWorldSize));
   require(c.device_memory_bytes > 0, "device_memory_bytes", "must be > 0");
   require(c.memory_reserved_bytes >= 0 && c.memory_reserved_bytes < c.device_memory_bytes,
           "memory_reserved_bytes", "must be in [0, device_memory_bytes)");
@@ -150,6 +156,14 @@ void validate(const Cluster& c) {
   require(c.inter_node_bytes_per_s > 0, "inter_node_bytes_per_s", "must be > 0");
   require(c.intra_node_latency_s >= 0, "intra_node_latency_s", "must be >= 0");
   require(c.inter_node_latency_s >= 0, "inter_node_latency_s", "must be >= 0");
+}
+
+void require_peak_flops(const Cluster& c, DType dtype) {
+  if (c.peak_flops(dtype) > 0) return;
+  // bf16 and fp16 share one peak (see Cluster::peak_flops).
+  const std::string name = dtype == DType::fp16 ? "bf16" : to_string(dtype);
+  throw ValidationError("cluster.peak_flops_" + name,
+                        "must be > 0 for compute_dtype " + to_string(dtype));
 }
 
 }  // namespace monarch::planner

@@ -111,11 +111,6 @@ double layer_activation_bytes(const Layer& layer, int64_t micro_batch, int64_t t
   return bytes * static_cast<double>(micro_batch);
 }
 
-double layer_recompute_workspace_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
-                                       bool sp) {
-  return layer_activation_bytes(layer, micro_batch, tp, sp, Recompute::none);
-}
-
 double layer_params_per_tp_rank(const Layer& layer, int64_t tp) {
   return static_cast<double>(layer.params) / split_divisor(layer, tp);
 }
@@ -187,6 +182,16 @@ double stage_params(const ModelGraph& graph, const std::vector<LayerCost>& costs
 
 }  // namespace
 
+double stage_p2p_bytes(const ModelGraph& graph, const TrainingConfig& training,
+                       const Layout& layout, int64_t last) {
+  // With sequence parallelism the output is sharded along the sequence, and each tp rank
+  // sends its shard (Narayanan et al. 2021 Sec. 4.1 scatter/gather does the same).
+  const Layer& layer = graph.layers[last];
+  const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
+  return act_scale * layer.output_bytes_per_sample * static_cast<double>(layout.micro_batch_size) /
+         static_cast<double>(layout.sequence_parallel ? layout.tp : 1);
+}
+
 StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,
                              const Cluster& cluster, const TrainingConfig& training,
                              const Layout& layout, int64_t first, int64_t last) {
@@ -235,15 +240,12 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   }
   e.zero_comm_exposed_s = exposed_forward + exposed_backward;
 
-  // Pipeline p2p: the stage's output; with sequence parallelism each tp rank sends its
-  // sequence shard (Narayanan et al. 2021 Sec. 4.1 scatter/gather does the same).
-  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
-  const double act_scale = training.activation_bytes / bytes_of(graph.layers[last].param_dtype);
-  const double p2p_bytes = act_scale * graph.layers[last].output_bytes_per_sample *
-                           layout.micro_batch_size / (layout.sequence_parallel ? layout.tp : 1);
-  Link p2p = pp_link;
+  Link p2p = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
   p2p.ranks = 2;
-  e.costs.p2p_s = layout.pp > 1 ? collective_seconds(Collective::send_recv, p2p_bytes, p2p) : 0.0;
+  e.costs.p2p_s = layout.pp > 1
+                      ? collective_seconds(Collective::send_recv,
+                                           stage_p2p_bytes(graph, training, layout, last), p2p)
+                      : 0.0;
 
   // Zero-bubble split: W is the weight-gradient half of the backward matmuls; everything
   // else (input gradients, recompute, tp collectives) is on the critical path in B.
@@ -262,7 +264,11 @@ double estimated_in_flight(const Layout& layout, int64_t rank) {
     case ScheduleKind::none: return 1;
     case ScheduleKind::gpipe: return m;
     case ScheduleKind::one_f_one_b:
-    case ScheduleKind::zero_bubble_h1: return std::min(p - r, m);
+      return std::min(p - r, m);
+    // Every rank keeps up to p micro-batches between F and W (build_zero_bubble_h1), and
+    // the simulator counts them until W frees them.
+    case ScheduleKind::zero_bubble_h1:
+      return std::min(p, m);
     case ScheduleKind::interleaved_1f1b: {
       // Megatron-LM's warm-up: (p - r - 1) * 2 + (v - 1) * p forwards, then one more;
       // they are spread over the rank's v chunks.
@@ -334,8 +340,8 @@ struct RankLoad {
   double largest_gathered = 0;             // ZeRO-3 gather buffer
   double compute_s = 0, recompute_s = 0, tp_comm_s = 0, zero_exposed_s = 0;
   double backward_s = 0;                   // one micro-batch, all chunks
-  double p2p_bytes = 0;
-  bool holds_tied_copy = false;            // shares a tied weight with another stage
+  double p2p_bytes = 0;                    // largest stage output it sends
+  double tied_all_reduce_s = 0;            // gradients of weights it shares with other ranks
 };
 
 }  // namespace
@@ -386,23 +392,27 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     r.tp_comm_s += e.tp_comm_s;
     r.zero_exposed_s += e.zero_comm_exposed_s;
     r.backward_s += e.costs.backward_input_s + e.costs.backward_weight_s;
-    const double act_scale = training.activation_bytes / bytes_of(graph.layers[last[s]].param_dtype);
-    r.p2p_bytes = std::max(r.p2p_bytes, act_scale * graph.layers[last[s]].output_bytes_per_sample *
-                                            layout.micro_batch_size);
+    r.p2p_bytes = std::max(r.p2p_bytes, stage_p2p_bytes(graph, training, layout, last[s]));
   }
+  // Megatron-LM all-reduces a tied weight's gradient (embedding and LM head) among the
+  // pipeline ranks holding a copy, at the end of the step, exposed. One all-reduce per
+  // tied group, of the group's weight (its first layer's share on one tp rank).
+  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
   for (const auto& group : graph.tied_groups) {
-    std::set<int64_t> stages_of_group;
-    for (int idx : group) stages_of_group.insert(stage_of_layer[idx]);
-    if (stages_of_group.size() > 1) {
-      for (int64_t s : stages_of_group) ranks[s % layout.pp].holds_tied_copy = true;
-    }
+    std::set<int64_t> holders;
+    for (int idx : group) holders.insert(stage_of_layer[idx] % layout.pp);
+    if (holders.size() < 2) continue;
+    Link tied = pp_link;
+    tied.ranks = static_cast<int64_t>(holders.size());
+    const double seconds = collective_seconds(
+        Collective::all_reduce, costs[group.front()].params * training.grad_bytes, tied);
+    for (int64_t r : holders) ranks[r].tied_all_reduce_s += seconds;
   }
 
   // Data-parallel gradient reduction at the end of the step (ZeRO 0/1), overlapped with the
   // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
   // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
   const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
-  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
   double worst_end = 0, worst_optimizer = 0;
   for (int64_t r = 0; r < layout.pp; ++r) {
     const RankLoad& load = ranks[r];
@@ -420,13 +430,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         end += collective_seconds(Collective::all_gather, load.params * training.param_bytes, dp_link);
       }
     }
-    if (load.holds_tied_copy) {
-      // Megatron-LM all-reduces the tied embedding's gradient between first and last stage.
-      Link tied = pp_link;
-      tied.ranks = 2;
-      end += collective_seconds(Collective::all_reduce,
-                                costs.front().params * training.grad_bytes, tied);
-    }
+    end += load.tied_all_reduce_s;
     worst_end = std::max(worst_end, end);
     // Optimizer step: memory-bound; reads gradients and optimizer state, writes state and
     // parameters.
@@ -455,7 +459,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       before += plan.schedule == ScheduleKind::zero_bubble_h1 ? c.forward_s : work;
     }
     for (double w : per_rank) bound = std::max(bound, m * w);
-    if (bound + worst_end + worst_optimizer >= prune_above) return std::nullopt;
+    // Cut only when the bound is above the threshold by more than rounding can explain:
+    // the simulation sums the same costs in another order, and a layout tying the
+    // threshold may still win the tie-break.
+    if ((bound + worst_end + worst_optimizer) * (1 - 1e-9) >= prune_above) return std::nullopt;
   }
 
   const Schedule& schedule = sims.schedule(plan.schedule, layout.pp, layout.num_micro_batches,

@@ -425,17 +425,40 @@ int64_t check_version(const Json& root) {
   return kPlanFormatVersion;
 }
 
-Json parse_text(const std::string& text) {
-  try {
-    return Json::parse(text);
-  } catch (const Json::parse_error& e) {
-    // e.what(): "[json.exception.parse_error.101] parse error at line 1, column 2: ..."
-    std::string detail = e.what();
-    const std::string marker = "parse error at ";
-    const size_t at = detail.find(marker);
-    if (at != std::string::npos) detail = detail.substr(at + marker.size());
-    throw FormatError("plan JSON: parse error at byte " + std::to_string(e.byte) + ": " + detail);
+// What follows nlohmann's "[json.exception.<kind>.<id>] " prefix (and "parse error at ").
+std::string error_detail(const char* what) {
+  std::string detail = what;
+  const size_t bracket = detail.find("] ");
+  if (detail.rfind("[json.exception.", 0) == 0 && bracket != std::string::npos) {
+    detail = detail.substr(bracket + 2);
   }
+  const std::string marker = "parse error at ";
+  if (detail.rfind(marker, 0) == 0) detail = detail.substr(marker.size());
+  return detail;
+}
+
+// nlohmann's DOM builder, except that every error the parser reports becomes a FormatError
+// with its byte position: a number too large for a double ("1e400") is reported as
+// out_of_range, whose exception carries no position, but the SAX callback receives it.
+class PositionedDomParser : public nlohmann::detail::json_sax_dom_parser<Json> {
+ public:
+  using json_sax_dom_parser::json_sax_dom_parser;
+  template <class Exception>
+  bool parse_error(std::size_t byte, const std::string& /*token*/, const Exception& e) {
+    throw FormatError("plan JSON: parse error at byte " + std::to_string(byte) + ": " +
+                      error_detail(e.what()));
+  }
+};
+
+Json parse_text(const std::string& text) {
+  Json root;
+  PositionedDomParser sax(root);
+  try {
+    Json::sax_parse(text, &sax);
+  } catch (const Json::exception& e) {  // anything the DOM builder itself throws
+    throw FormatError(std::string("plan JSON: ") + error_detail(e.what()));
+  }
+  return root;
 }
 
 Plan plan_from_value(const Json& root) {

@@ -9,14 +9,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
-#include <limits>
 #include <string>
 #include <vector>
 
 #include "monarch/planner/errors.h"
+#include "schedule_text.h"
 
 namespace monarch::planner {
 namespace {
+
+using detail::action_field;
+using detail::describe;
 
 constexpr const char* kActionNames[] = {"forward",         "backward",        "backward_input",
                                         "backward_weight", "send_activation", "recv_activation",
@@ -52,13 +55,8 @@ void validate_args(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
   if (kind == ScheduleKind::none && ranks > 1)
     throw ValidationError("schedule",
                           "'none' is only valid with pp=1, got pp=" + std::to_string(ranks));
-  // Actions hold 32-bit indices; a program also has to fit in memory.
-  constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
-  if (micro_batches > kMaxIndex / 8 || ranks > kMaxIndex / virtual_stages ||
-      micro_batches * virtual_stages > (int64_t{1} << 26))
-    throw ValidationError("num_micro_batches",
-                          std::to_string(micro_batches) + " micro-batches x " +
-                              std::to_string(virtual_stages) + " virtual stages is too large a schedule");
+  const std::string too_large = schedule_size_problem(ranks, micro_batches, virtual_stages);
+  if (!too_large.empty()) throw ValidationError("num_micro_batches", too_large);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -187,19 +185,6 @@ void build_zero_bubble_h1(Schedule& s) {
 
 // ---------------------------------------------------------------------------------------
 // Static checking
-
-std::string describe(const Action& a) {
-  const int t = static_cast<int>(a.type);
-  std::string out =
-      (t >= 0 && t < kNumActionTypes) ? kActionNames[t] : "action type " + std::to_string(t);
-  out += "(micro_batch=" + std::to_string(a.micro_batch) + ", stage=" + std::to_string(a.stage);
-  if (a.peer != -1) out += ", peer=" + std::to_string(a.peer);
-  return out + ")";
-}
-
-std::string action_field(int64_t rank, size_t index) {
-  return "schedule.per_rank[" + std::to_string(rank) + "][" + std::to_string(index) + "]";
-}
 
 // What has happened so far to one (micro-batch, stage), as bits.
 enum Seen : uint8_t {
@@ -379,6 +364,35 @@ void check_matching(const Schedule& s, const std::vector<uint8_t>& seen) {
 }
 
 }  // namespace
+
+namespace detail {
+
+std::string describe(const Action& a) {
+  const int t = static_cast<int>(a.type);
+  std::string out =
+      (t >= 0 && t < kNumActionTypes) ? kActionNames[t] : "action type " + std::to_string(t);
+  out += "(micro_batch=" + std::to_string(a.micro_batch) + ", stage=" + std::to_string(a.stage);
+  if (a.peer != -1) out += ", peer=" + std::to_string(a.peer);
+  return out + ")";
+}
+
+std::string action_field(int64_t rank, size_t index) {
+  return "schedule.per_rank[" + std::to_string(rank) + "][" + std::to_string(index) + "]";
+}
+
+}  // namespace detail
+
+std::string schedule_size_problem(int64_t ranks, int64_t micro_batches, int64_t virtual_stages) {
+  // Divisions, not the product, which could overflow int64 (all three are >= 1 here).
+  if (ranks <= kMaxSchedulePairs / virtual_stages &&
+      micro_batches <= kMaxSchedulePairs / (ranks * virtual_stages)) {
+    return "";
+  }
+  return "pp=" + std::to_string(ranks) + " x " + std::to_string(micro_batches) +
+         " micro-batches x " + std::to_string(virtual_stages) +
+         " virtual stages is too large a schedule (at most " + std::to_string(kMaxSchedulePairs) +
+         " micro-batch x stage pairs)";
+}
 
 std::string to_string(ActionType type) {
   const int t = static_cast<int>(type);

@@ -12,6 +12,7 @@
 
 #include "monarch/planner/errors.h"
 #include "monarch/planner/schedule.h"
+#include "schedule_text.h"
 
 namespace monarch::planner {
 namespace {
@@ -19,16 +20,8 @@ namespace {
 constexpr double kNotSent = -1;   // arrival time of a message nobody posted yet
 constexpr double kConsumed = -2;  // a receive already took it
 
-std::string action_field(int64_t rank, size_t index) {
-  return "schedule.per_rank[" + std::to_string(rank) + "][" + std::to_string(index) + "]";
-}
-
-std::string describe(const Action& a) {
-  std::string out = to_string(a.type) + "(micro_batch=" + std::to_string(a.micro_batch) +
-                    ", stage=" + std::to_string(a.stage);
-  if (a.peer != -1) out += ", peer=" + std::to_string(a.peer);
-  return out + ")";
-}
+using detail::action_field;
+using detail::describe;
 
 bool is_send(ActionType t) {
   return t == ActionType::send_activation || t == ActionType::send_gradient;
@@ -61,6 +54,10 @@ StageTimes resolve_costs(const std::vector<StageCosts>& costs, int64_t stages) {
 void check_indices(const Schedule& s) {
   if (s.ranks < 1 || s.micro_batches < 1 || s.virtual_stages < 1)
     throw ValidationError("schedule", "ranks, micro_batches and virtual_stages must be >= 1");
+  // The simulator allocates message slots per (micro-batch, stage): refuse a hand-built
+  // schedule whose sizes make_schedule would refuse.
+  const std::string too_large = schedule_size_problem(s.ranks, s.micro_batches, s.virtual_stages);
+  if (!too_large.empty()) throw ValidationError("schedule", too_large);
   if (static_cast<int64_t>(s.per_rank.size()) != s.ranks)
     throw ValidationError("schedule.per_rank", "has " + std::to_string(s.per_rank.size()) +
                                                    " programs for pp=" + std::to_string(s.ranks));

@@ -18,13 +18,15 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<int64_t> divisors(int64_t n) {
+// Divisors of n (>= 1) that are at most `limit`, ascending. Pairs d, n/d are found with
+// d up to min(limit, sqrt(n)), so a huge n (a global batch near 2^63) costs no more than the
+// limit; `d <= n / d` cannot overflow where `d * d <= n` would.
+std::vector<int64_t> divisors(int64_t n, int64_t limit = std::numeric_limits<int64_t>::max()) {
   std::vector<int64_t> out;
-  for (int64_t d = 1; d * d <= n; ++d) {
-    if (n % d == 0) {
-      out.push_back(d);
-      if (d != n / d) out.push_back(n / d);
-    }
+  for (int64_t d = 1; d <= limit && d <= n / d; ++d) {
+    if (n % d != 0) continue;
+    out.push_back(d);
+    if (d != n / d && n / d <= limit) out.push_back(n / d);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -98,6 +100,17 @@ void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingC
   if (pins.virtual_stages && *pins.virtual_stages < 1) {
     fail("pins.virtual_stages", "must be >= 1");
   }
+  if (pins.virtual_stages && *pins.virtual_stages > 1) {
+    if (pins.pp && *pins.pp == 1) {
+      fail("pins.virtual_stages",
+           std::to_string(*pins.virtual_stages) + " needs pp > 1 (pp=1 has no pipeline)");
+    }
+    if (pins.schedule && *pins.schedule != ScheduleKind::interleaved_1f1b) {
+      fail("pins.virtual_stages", std::to_string(*pins.virtual_stages) +
+                                      " needs the interleaved_1f1b schedule, got " +
+                                      to_string(*pins.schedule));
+    }
+  }
   if (pins.schedule && pins.pp) {
     if (*pins.pp == 1 && *pins.schedule != ScheduleKind::none) {
       fail("pins.schedule", to_string(*pins.schedule) + " needs pp > 1 (pp=1 runs without a pipeline schedule)");
@@ -160,8 +173,14 @@ class Searcher {
         options_(options), allow_over_memory_(allow_over_memory) {}
 
   Plan run() {
+    validate(graph_);
     validate(cluster_);
     validate(training_);
+    require_peak_flops(cluster_, training_.compute_dtype);
+    if (options_.alternatives < 0) {
+      throw ValidationError("alternatives",
+                            "must be >= 0, got " + std::to_string(options_.alternatives));
+    }
     check_pins(graph_, cluster_, training_, pins_);
     const int64_t world = cluster_.world_size();
     for (int64_t tp : divisors(world)) {
@@ -208,11 +227,7 @@ class Searcher {
 
   void search_mesh(int64_t pp, int64_t dp, int64_t tp) {
     const int64_t per_replica = training_.global_batch / dp;
-    for (int64_t mbs : divisors(per_replica)) {
-      if (pins_.micro_batch_size ? mbs != *pins_.micro_batch_size
-                                 : mbs > training_.max_micro_batch_size) {
-        continue;
-      }
+    for (int64_t mbs : micro_batch_sizes(per_replica, dp)) {
       const int64_t m = per_replica / mbs;
       for (const auto& [schedule, v] : schedules_for(pp, m)) {
         for (Recompute rc : recompute_options()) {
@@ -235,10 +250,32 @@ class Searcher {
     }
   }
 
+  // Micro-batch sizes dividing the replica's share of the batch: the pinned one, or those up
+  // to max_micro_batch_size.
+  std::vector<int64_t> micro_batch_sizes(int64_t per_replica, int64_t dp) {
+    if (!pins_.micro_batch_size) return divisors(per_replica, training_.max_micro_batch_size);
+    const int64_t mbs = *pins_.micro_batch_size;
+    if (per_replica % mbs == 0) return {mbs};
+    note_rejection("micro-batch size " + std::to_string(mbs) + " does not divide the " +
+                   std::to_string(per_replica) +
+                   " samples per data-parallel replica (global batch " +
+                   std::to_string(training_.global_batch) + " / dp=" + std::to_string(dp) + ")");
+    return {};
+  }
+
   std::vector<std::pair<ScheduleKind, int64_t>> schedules_for(int64_t pp, int64_t m) {
     std::vector<std::pair<ScheduleKind, int64_t>> out;
     if (pp == 1) {
-      if (!pins_.schedule || *pins_.schedule == ScheduleKind::none) out.push_back({ScheduleKind::none, 1});
+      // Pins that need a pipeline rule pp=1 out; say so in case no pp > 1 works either.
+      if (pins_.virtual_stages && *pins_.virtual_stages > 1) {
+        note_rejection("virtual_stages=" + std::to_string(*pins_.virtual_stages) +
+                       " needs pp > 1 (pp=1 has no pipeline)");
+      } else if (pins_.schedule && *pins_.schedule != ScheduleKind::none) {
+        note_rejection(to_string(*pins_.schedule) +
+                       " needs pp > 1 (pp=1 runs without a pipeline schedule)");
+      } else {
+        out.push_back({ScheduleKind::none, 1});
+      }
       return out;
     }
     const int64_t stages = max_stages(graph_);
@@ -271,11 +308,13 @@ class Searcher {
   }
 
   std::vector<bool> sequence_parallel_options(int64_t tp) {
+    // Sequence parallelism splits along the tp group: with tp=1 there is nothing to split
+    // (and a plan with it on does not validate), whatever the pin says.
+    if (tp == 1) return {false};
     if (pins_.sequence_parallel) return {*pins_.sequence_parallel};
     // Same communication volume as plain tp (all-gather + reduce-scatter = all-reduce) and
     // less memory (Korthikanti et al. 2022 Sec. 4.2.2), so it is on whenever tp > 1.
-    if (tp > 1 && training_.allow_sequence_parallel) return {true};
-    return {false};
+    return {training_.allow_sequence_parallel};
   }
 
   std::vector<int64_t> zero_options(int64_t dp) {
@@ -325,16 +364,44 @@ class Searcher {
     return threshold;
   }
 
-  // Model state of the most loaded rank is at least the average over pipeline ranks.
+  // Model state of the most loaded rank is at least the average over pipeline ranks, and
+  // the ranks together hold every weight at least once: a tied weight counts once (ranks
+  // holding a copy each only add to the average). As in predict() (stage_params), each
+  // member of a tied group after the first reuses the first's parameters.
   double state_lower_bound_bytes(const Layout& l, const std::vector<LayerCost>& costs) const {
     double params = 0;
     for (const auto& c : costs) params += c.params;
+    for (const auto& group : graph_.tied_groups) {
+      params -= static_cast<double>(group.size() - 1) * costs[group.front()].params;
+    }
     return zero_model_state_bytes(params / l.pp, l.dp, l.zero_stage, training_.param_bytes,
                                   training_.grad_bytes, training_.optimizer_bytes).total();
   }
 
+  // Why the layout's schedule or stage partition would be too large to build, or "".
+  std::string size_problem(const Layout& l) const {
+    const std::string schedule = schedule_size_problem(l.pp, l.num_micro_batches, l.virtual_stages);
+    if (!schedule.empty()) return schedule;
+    const int64_t stages = l.pp * l.virtual_stages;
+    const int64_t layers = static_cast<int64_t>(graph_.layers.size());
+    if (stages > kMaxPartitionCells / layers) {
+      return std::to_string(stages) + " stages x " + std::to_string(layers) +
+             " layers is too large a stage partition (at most " +
+             std::to_string(kMaxPartitionCells) + ")";
+    }
+    return "";
+  }
+
   void consider(const Layout& l) {
     ++stats_.considered;
+    // Skipped, not fatal: other layouts (larger micro-batches, smaller pp) may be fine. One
+    // note is enough; the others differ only in their numbers.
+    const std::string too_large = size_problem(l);
+    if (!too_large.empty()) {
+      if (!noted_too_large_) note_rejection(too_large);
+      noted_too_large_ = true;
+      return;
+    }
     const auto& costs = costs_for(l);
     const std::tuple<int64_t, int64_t, int64_t> mesh{l.pp, l.dp, l.tp};
     if (lower_bound_s(l, costs) * (1 - 1e-9) >= prune_threshold(mesh)) {
@@ -393,17 +460,35 @@ class Searcher {
       p.cut_allowed.push_back(i == 0 || graph_.can_cut_before(static_cast<int>(i)));
       largest_params = std::max(largest_params, c.params);
       workspace = std::max(workspace, c.workspace_bytes);
-      p2p = std::max(p2p, graph_.layers[i].output_bytes_per_sample * l.micro_batch_size);
+      // A stage can end where the next may start: the largest output any stage may send.
+      if (i + 1 == costs.size() || graph_.can_cut_before(static_cast<int>(i) + 1)) {
+        p2p = std::max(p2p, stage_p2p_bytes(graph_, training_, l, static_cast<int64_t>(i)));
+      }
+    }
+    // One stage holds every layer: a tied weight is one tensor there, and predict() charges
+    // each member after the first only what it has beyond the first's parameters (clamped
+    // at zero, so the partition stays conservative and its prefix sums keep rising). With
+    // more stages every layer is charged in full: its stage may hold its own copy.
+    if (stages == 1) {
+      for (const auto& group : graph_.tied_groups) {
+        const double shared = p.layer_state_bytes[group.front()];
+        for (size_t k = 1; k < group.size(); ++k) {
+          p.layer_state_bytes[group[k]] = std::max(0.0, p.layer_state_bytes[group[k]] - shared);
+        }
+      }
     }
     for (int64_t s = 0; s < stages; ++s) p.stage_in_flight.push_back(estimated_in_flight(l, s % l.pp));
+    // Per rank, as predict() charges them: the recompute workspace, two p2p buffers, two
+    // gradient buckets or two gathered ZeRO-3 units.
     double buffers = workspace + (l.pp > 1 ? 2 * p2p : 0.0);
     if (l.dp > 1) {
       buffers += l.zero_stage >= 3 ? 2 * largest_params * training_.param_bytes
                                    : 2 * training_.dp_bucket_bytes;
     }
-    p.stage_fixed_bytes = buffers;
-    // A rank holds v interleaved chunks: give each chunk its share of the memory.
-    p.stage_memory_limit_bytes = limit / l.virtual_stages;
+    // A rank holds v interleaved chunks: each chunk gets its share of the memory and of the
+    // rank's buffers.
+    p.stage_fixed_bytes = buffers / static_cast<double>(l.virtual_stages);
+    p.stage_memory_limit_bytes = limit / static_cast<double>(l.virtual_stages);
     return partition_stages(p);
   }
 
@@ -502,6 +587,7 @@ class Searcher {
   Plan smallest_need_plan_;
   std::vector<std::tuple<int64_t, int64_t, int64_t>> meshes_;
   bool scoring_over_memory_ = false;
+  bool noted_too_large_ = false;
   SearchStats stats_;
 };
 

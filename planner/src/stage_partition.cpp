@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
+
+#include "monarch/planner/errors.h"
 
 namespace monarch::planner {
 namespace {
@@ -23,15 +26,34 @@ struct Prefix {
   }
 };
 
+void check_sizes(const PartitionProblem& p) {
+  const size_t n = p.layer_time_s.size();
+  auto require = [&](size_t size, size_t expected, const char* field) {
+    if (size != expected) {
+      throw ValidationError(
+          field, "has " + std::to_string(size) + " entries, expected " + std::to_string(expected));
+    }
+  };
+  require(p.layer_state_bytes.size(), n, "layer_state_bytes");
+  require(p.layer_activation_bytes.size(), n, "layer_activation_bytes");
+  require(p.cut_allowed.size(), n, "cut_allowed");
+  if (p.stages < 1) return;
+  require(p.stage_in_flight.size(), static_cast<size_t>(p.stages), "stage_in_flight");
+  if (p.stages > kMaxPartitionCells / static_cast<int64_t>(std::max<size_t>(n, 1))) {
+    throw ValidationError("stages", std::to_string(p.stages) + " stages x " + std::to_string(n) +
+                                        " layers is too large a partition (at most " +
+                                        std::to_string(kMaxPartitionCells) + ")");
+  }
+}
+
 }  // namespace
 
 std::optional<Partition> partition_stages(const PartitionProblem& p) {
+  check_sizes(p);
   const int64_t n = static_cast<int64_t>(p.layer_time_s.size());
   const int64_t S = p.stages;
   if (S < 1 || n < S) return std::nullopt;
   const Prefix pre(p);
-  const bool all_cuts = std::all_of(p.cut_allowed.begin() + 1, p.cut_allowed.end(), [](bool b) { return b; });
-
   auto seg_time = [&](int64_t i, int64_t j) { return pre.time[j] - pre.time[i]; };  // layers [i, j)
   auto fits = [&](int64_t i, int64_t j, int64_t stage) {
     const double bytes = pre.state[j] - pre.state[i] +
@@ -63,11 +85,26 @@ std::optional<Partition> partition_stages(const PartitionProblem& p) {
       from[1][j] = 0;
     }
   }
+  // best[k][j] = min over i of max(f(i), seg_time(i, j)) with f = best[k-1] (infinite where
+  // no cut is allowed) and i from the first start that fits memory to j - 1. f need not
+  // rise with i (an interleaved schedule's in-flight counts rise again at each chunk, so a
+  // longer prefix may fit where a shorter one does not), but its suffix minimum M(a) =
+  // min f over [a, j) does, while seg_time falls: min over i of max(f(i), seg(i)) equals
+  // min over a of max(M(a), seg(a)) (take i = argmin f on [a, j), whose segment is no
+  // longer), found by binary search at the crossing. The suffix minima are kept as a stack
+  // of indices whose f rises strictly; each i enters once as j passes it.
   for (int64_t k = 2; k <= S; ++k) {
     const int64_t stage = k - 1;
+    const std::vector<double>& f = best[k - 1];
+    std::vector<int64_t> minima;
     // Layers [i, j) form stage k-1; the first k-1 stages need >= k-1 layers, the remaining
     // S-k stages need >= S-k layers.
     for (int64_t j = k; j <= n - (S - k); ++j) {
+      const int64_t newest = j - 1;
+      if (p.cut_allowed[newest] && f[newest] < kInf) {
+        while (!minima.empty() && f[minima.back()] >= f[newest]) minima.pop_back();
+        minima.push_back(newest);
+      }
       // Memory shrinks as i grows: smallest feasible start by binary search.
       int64_t lo = k - 1, hi = j - 1;
       if (!fits(hi, j, stage)) continue;
@@ -75,30 +112,26 @@ std::optional<Partition> partition_stages(const PartitionProblem& p) {
         const int64_t mid = (lo + hi) / 2;
         if (fits(mid, j, stage)) hi = mid; else lo = mid + 1;
       }
-      const int64_t first_i = lo;
-      auto value = [&](int64_t i) {
-        if (!p.cut_allowed[i] || best[k - 1][i] == kInf) return kInf;
-        return std::max(best[k - 1][i], seg_time(i, j));
-      };
+      // Candidates: the suffix minima at or after the first start that fits. Along them f
+      // rises and seg_time falls: the optimum is at the first one with f >= seg_time, or the
+      // one before it.
+      const size_t first =
+          static_cast<size_t>(std::lower_bound(minima.begin(), minima.end(), lo) - minima.begin());
+      size_t a = first, b = minima.size();
+      while (a < b) {
+        const size_t mid = a + (b - a) / 2;
+        if (f[minima[mid]] >= seg_time(minima[mid], j))
+          b = mid;
+        else
+          a = mid + 1;
+      }
       int64_t arg = -1;
       double val = kInf;
-      if (all_cuts) {
-        // best[k-1][i] rises and seg_time(i, j) falls with i: the optimum is at the
-        // crossing, i.e. the first i with best >= seg_time, or the one before it.
-        int64_t a = first_i, b = j - 1;
-        while (a < b) {
-          const int64_t mid = (a + b) / 2;
-          if (best[k - 1][mid] >= seg_time(mid, j)) b = mid; else a = mid + 1;
-        }
-        for (int64_t i : {a - 1, a}) {
-          if (i < first_i || i > j - 1) continue;
-          const double v = value(i);
-          if (v < val) { val = v; arg = i; }
-        }
-      } else {
-        for (int64_t i = first_i; i <= j - 1; ++i) {
-          const double v = value(i);
-          if (v < val) { val = v; arg = i; }
+      for (size_t c = a > first ? a - 1 : a; c <= a && c < minima.size(); ++c) {
+        const double v = std::max(f[minima[c]], seg_time(minima[c], j));
+        if (v < val) {
+          val = v;
+          arg = minima[c];
         }
       }
       best[k][j] = val;

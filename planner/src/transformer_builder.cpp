@@ -13,6 +13,7 @@
 //   attention  5as^2b (softmax output 2, its dropout mask 1, dropout output 2)
 // generalized: K and V shrink by kv_heads/heads, the MLP part scales with ffn, gated MLPs
 // keep three ffn-wide tensors (gate, up, product) instead of two.
+#include <cstdio>
 #include <string>
 
 #include "monarch/planner/errors.h"
@@ -28,16 +29,53 @@ void require_positive(int64_t value, const char* field) {
   }
 }
 
+// Parameter counts must stay below kMaxParams (model_graph.h). They are computed here in
+// double, which cannot overflow, before any int64 product (vocab * hidden, 4 * hidden) is.
+void require_params_below_limit(double params, const char* field, int64_t value, const char* what) {
+  if (params < static_cast<double>(kMaxParams)) return;
+  char count[32];
+  std::snprintf(count, sizeof count, "%.3g", params);
+  throw ValidationError(std::string("transformer.") + field,
+                        std::to_string(value) + " is too large: " + what + " would hold " + count +
+                            " parameters (the limit is 2^53)");
+}
+
+// Sizes that keep every count the builder computes exact and in range.
+void check_sizes(const TransformerConfig& c) {
+  if (c.layers > kMaxTransformerLayers) {
+    throw ValidationError("transformer.layers",
+                          std::to_string(c.layers) + " is too large (at most " +
+                              std::to_string(kMaxTransformerLayers) + " blocks)");
+  }
+  const double h = static_cast<double>(c.hidden);
+  const double f = c.ffn == 0 ? 4.0 * h : static_cast<double>(c.ffn);
+  const double attention = 4.0 * h * h;  // upper bound: k and v at most h x h each
+  const double mlp = (c.gated_mlp ? 3.0 : 2.0) * h * f;
+  // Blame ffn only when the user set it and it is what makes the block too large.
+  const bool ffn_to_blame = c.ffn != 0 && mlp > attention;
+  require_params_below_limit(attention + mlp + 4.0 * h, ffn_to_blame ? "ffn" : "hidden",
+                             ffn_to_blame ? c.ffn : c.hidden, "a block");
+  const double embedding = static_cast<double>(c.vocab) * h;
+  require_params_below_limit(embedding, "vocab", c.vocab, "the embedding");
+  // Summed as if untied: the cost model adds up every layer's count.
+  const double blocks = static_cast<double>(c.layers) * (attention + mlp + 4.0 * h);
+  const bool layers_to_blame = blocks >= 2.0 * embedding;
+  require_params_below_limit(blocks + 2.0 * embedding + 2.0 * h,
+                             layers_to_blame ? "layers" : "vocab",
+                             layers_to_blame ? c.layers : c.vocab, "the model");
+}
+
 TransformerConfig normalized(TransformerConfig c) {
   require_positive(c.layers, "layers");
   require_positive(c.hidden, "hidden");
   require_positive(c.heads, "heads");
   require_positive(c.seq, "seq");
   require_positive(c.vocab, "vocab");
+  if (c.kv_heads < 0) require_positive(c.kv_heads, "kv_heads");
+  if (c.ffn < 0) require_positive(c.ffn, "ffn");
+  check_sizes(c);
   if (c.kv_heads == 0) c.kv_heads = c.heads;
   if (c.ffn == 0) c.ffn = 4 * c.hidden;
-  require_positive(c.kv_heads, "kv_heads");
-  require_positive(c.ffn, "ffn");
   if (c.hidden % c.heads != 0) {
     throw ValidationError("transformer.hidden", std::to_string(c.hidden) +
                                                     " is not a multiple of heads=" +

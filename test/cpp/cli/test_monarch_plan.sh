@@ -54,7 +54,7 @@ expect_error "nothing fits" "no layout fits" "$MP" transformer $GPT3 --gpus 8 --
 printf '{"version": 1, "mesh": ' >"$TMP/truncated.json"
 expect_error "malformed json" "parse error" "$MP" validate "$TMP/truncated.json"
 sed 's/"version": 1/"version": 99/' "$TMP/plan.json" >"$TMP/v99.json"
-expect_error "unknown version" "version" "$MP" validate "$TMP/v99.json"
+expect_error "unknown version" "version: plan format version 99 is not supported" "$MP" validate "$TMP/v99.json"
 # Change tp from 8 without changing the cluster: pp*dp*tp no longer equals the world.
 python3 - "$TMP/plan.json" "$TMP/badmesh.json" <<'PY'
 import json, sys
@@ -64,6 +64,46 @@ json.dump(plan, open(sys.argv[2], "w"), indent=1)
 PY
 expect_error "mesh vs world" "does not equal the cluster's world size" "$MP" validate "$TMP/badmesh.json"
 expect_error "missing file" "cannot read plan file" "$MP" validate "$TMP/nope.json"
+# A number no double holds: a FormatError with its position, not a library exception.
+sed '0,/"step_time_s": [^,]*/s//"step_time_s": 1e400/' "$TMP/plan.json" >"$TMP/huge_number.json"
+expect_error "number beyond a double" "number overflow parsing '1e400'" "$MP" validate "$TMP/huge_number.json"
+
+# 4. Hostile numbers: one clear line each, no crash, no hang, no runaway allocation
+# (the address space is capped at 4 GB for these).
+TINY="--layers 2 --hidden 64 --heads 4 --seq 16 --vocab 100"
+hostile() { (ulimit -v 4000000; timeout 60 "$@"); }
+expect_error "zero gpus" "cluster.devices: must be in [1, 2147483648], got 0" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 0
+expect_error "negative gpus" "cluster.devices: must be in [1, 2147483648], got -8" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus -8
+expect_error "huge gpus" "cluster.devices: must be in [1, 2147483648]" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 9223372036854775807 --cluster cpu
+expect_error "negative batch" "training.global_batch: must be >= 1, got -8" \
+  hostile "$MP" transformer $TINY --global-batch -8 --gpus 1
+expect_error "huge batch" "too large a schedule" \
+  hostile "$MP" transformer $TINY --global-batch 9223372036854775807 --gpus 1 --cluster cpu
+expect_error "huge batch, pinned pp" "too large a schedule" \
+  hostile "$MP" transformer $TINY --global-batch 67108864 --gpus 8 --pp 2 --micro-batch 1
+expect_error "huge schedule" "num_micro_batches: pp=100000 x 100000 micro-batches x 1 virtual stages is too large" \
+  hostile "$MP" schedule --schedule 1f1b --pp 100000 --micro-batches 100000
+expect_error "huge hidden" "transformer.hidden: 4000000000 is too large" \
+  hostile "$MP" transformer --layers 2 --hidden 4000000000 --heads 4 --seq 16 --vocab 100 --global-batch 8 --gpus 1
+expect_error "huge layers" "transformer.layers: 200000000 is too large" \
+  hostile "$MP" transformer --layers 200000000 --hidden 64 --heads 4 --seq 16 --vocab 100 --global-batch 8 --gpus 1
+expect_error "fp8 on a100" "cluster.peak_flops_fp8: must be > 0 for compute_dtype fp8" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 2 --cluster a100-80gb --dtype fp8
+expect_error "negative alternatives" "alternatives: must be >= 0, got -1" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 2 --alternatives -1
+expect_error "negative micro-batch" "pins.micro_batch_size: must be >= 1, got -1" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 2 --micro-batch -1
+expect_error "micro-batch not dividing" "micro-batch size 3 does not divide" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 2 --cluster cpu --dp 2 --micro-batch 3
+expect_error "interleaving without a pipeline" "virtual_stages=2 needs pp > 1" \
+  hostile "$MP" transformer $TINY --global-batch 8 --gpus 1 --cluster cpu --virtual-stages 2
+
+# 5. A tied embedding counts once: this one needs 6.3 of the 7.5 GiB usable.
+"$MP" transformer --layers 1 --hidden 1024 --heads 8 --seq 16 --vocab 400000 --tied-embeddings \
+  --global-batch 1 --gpus 1 --cluster cpu >"$TMP/out" 2>"$TMP/err" && ok || bad "tied embedding: $(cat "$TMP/err")"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

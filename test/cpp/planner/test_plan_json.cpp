@@ -246,6 +246,21 @@ TEST_CASE("plan JSON refuses malformed text", "[plan_json]") {
                       "plan JSON: expected an object at the top level, got array");
 }
 
+TEST_CASE("plan JSON refuses numbers beyond a double with their position", "[plan_json]") {
+  // nlohmann reports these as out_of_range, which used to escape as its own exception type.
+  REQUIRE_THROWS_AS(plan_from_json("{\"version\": 1, \"x\": 1e400}"), FormatError);
+  REQUIRE_THROWS_WITH(plan_from_json("{\"version\": 1, \"x\": 1e400}"),
+                      "plan JSON: parse error at byte 25: number overflow parsing '1e400'");
+  Json j = to_value(make_plan());
+  std::string text = j.dump(2);
+  const std::string key = "\"step_time_s\": ";
+  const size_t at = text.find(key) + key.size();
+  text.replace(at, text.find(',', at) - at, "-1e999");
+  REQUIRE_THROWS_WITH(plan_from_json(text), Contains("number overflow parsing '-1e999'"));
+  REQUIRE_THROWS_WITH(plan_from_json(text),
+                      Contains("plan JSON: parse error at byte " + std::to_string(at + 6)));
+}
+
 TEST_CASE("plan JSON refuses other format versions", "[plan_json]") {
   Json j = to_value(make_plan());
   j["version"] = 7;

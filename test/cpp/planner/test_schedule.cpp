@@ -257,6 +257,28 @@ TEST_CASE("make_schedule rejects bad arguments naming the field", "[schedule]") 
   expect_error([] { make_schedule(K::none, 2, 4); }, "schedule", "only valid with pp=1");
 }
 
+TEST_CASE("schedules too large to hold are refused before allocating", "[schedule]") {
+  using K = ScheduleKind;
+  // pp x m x v (micro-batch, stage) pairs: 10^10 would need over a terabyte of actions.
+  expect_error([] { make_schedule(K::one_f_one_b, 100000, 100000); }, "num_micro_batches",
+               "pp=100000 x 100000 micro-batches x 1 virtual stages is too large a schedule "
+               "(at most 4194304 micro-batch x stage pairs)");
+  expect_error([] { make_schedule(K::none, 1, INT64_MAX); }, "num_micro_batches", "too large");
+  expect_error([] { make_schedule(K::interleaved_1f1b, 4, int64_t{1} << 20, 2); },
+               "num_micro_batches", "too large");
+  // The limit itself, without building it (a product that would overflow int64 included).
+  CHECK(schedule_size_problem(1, kMaxSchedulePairs, 1).empty());
+  CHECK(schedule_size_problem(64, kMaxSchedulePairs / 512, 8).empty());
+  CHECK_FALSE(schedule_size_problem(1, kMaxSchedulePairs + 1, 1).empty());
+  CHECK_FALSE(schedule_size_problem(int64_t{1} << 32, int64_t{1} << 32, int64_t{1} << 32).empty());
+  // A hand-built schedule (the Python API allows one) is refused by the simulator too.
+  Schedule huge;
+  huge.ranks = 2;
+  huge.micro_batches = int64_t{1} << 40;
+  huge.per_rank.resize(2);
+  expect_error([&] { simulate(huge, kUnitCosts); }, "schedule", "too large a schedule");
+}
+
 TEST_CASE("check_schedule names the broken action", "[schedule]") {
   const Schedule good = make_schedule(ScheduleKind::one_f_one_b, 2, 2);
   // rank 0: F0 sA0 F1 sA1 rG0 B0 rG1 B1; rank 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1.

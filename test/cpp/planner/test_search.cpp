@@ -1,4 +1,6 @@
 #include <catch2/catch.hpp>
+#include <cstdint>
+#include <string>
 
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/errors.h"
@@ -127,4 +129,176 @@ TEST_CASE("small models stay on few devices' worth of parallelism", "[search]") 
   CHECK(p.mesh.tp == 1);
   CHECK(p.mesh.pp == 1);
   CHECK(p.recompute == Recompute::none);
+}
+
+namespace {
+
+ModelGraph tiny_model(int64_t layers = 2) {
+  TransformerConfig c;
+  c.layers = layers;
+  c.hidden = 64;
+  c.heads = 4;
+  c.seq = 16;
+  c.vocab = 100;
+  return build_transformer(c);
+}
+
+SearchOptions with_pins(const Pins& pins) {
+  SearchOptions options;
+  options.pins = pins;
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("a negative number of alternatives is refused", "[search][errors]") {
+  SearchOptions options;
+  options.alternatives = -1;  // used to size the pruning threshold: read out of bounds
+  try {
+    search(tiny_model(), cluster_preset("cpu", 2), batch(8), options);
+    FAIL("expected a ValidationError");
+  } catch (const ValidationError& e) {
+    CHECK(e.field() == "alternatives");
+    CHECK(std::string(e.what()) == "alternatives: must be >= 0, got -1");
+  }
+  options.alternatives = 0;
+  CHECK(search(tiny_model(), cluster_preset("cpu", 2), batch(8), options).alternatives.empty());
+}
+
+TEST_CASE("a tied embedding counts once in memory", "[search][memory]") {
+  // 400000 x 1024 embedding tied to the head: 0.41 B parameters, 6.1 GiB of model state
+  // once, 12.2 GiB if counted twice; the CPU preset has 7.5 GiB usable.
+  TransformerConfig c;
+  c.layers = 1;
+  c.hidden = 1024;
+  c.heads = 8;
+  c.seq = 16;
+  c.vocab = 400000;
+  c.tied_embeddings = true;
+  const ModelGraph g = build_transformer(c);
+  const Cluster cluster = cluster_preset("cpu", 1);
+  const Plan p = search(g, cluster, batch(1));
+  CHECK(p.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes());
+  CHECK(p.prediction.memory.params == Approx(2.0 * static_cast<double>(g.total_params())));
+  validate(p, g);
+}
+
+TEST_CASE("sequence parallelism pinned on stays off where tp = 1", "[search]") {
+  Pins pins;
+  pins.sequence_parallel = true;
+  const ModelGraph g = tiny_model();
+  const Plan p = search(g, cluster_preset("cpu", 1), batch(8), with_pins(pins));
+  CHECK(p.mesh.tp == 1);
+  CHECK_FALSE(p.sequence_parallel);
+  CHECK_NOTHROW(validate(p, g));
+}
+
+TEST_CASE("a compute dtype without peak FLOP/s is refused", "[search][errors]") {
+  TrainingConfig fp8 = batch(8);
+  fp8.compute_dtype = DType::fp8;  // A100s have no fp8 tensor cores: peak_flops_fp8 = 0
+  const Cluster a100 = cluster_preset("a100-80gb", 2);
+  CHECK_THROWS_WITH(search(tiny_model(), a100, fp8),
+                    "cluster.peak_flops_fp8: must be > 0 for compute_dtype fp8");
+  Pins pins;
+  pins.tp = 1;
+  pins.pp = 1;
+  pins.dp = 2;
+  pins.zero_stage = 0;
+  pins.micro_batch_size = 1;
+  pins.schedule = ScheduleKind::none;
+  CHECK_THROWS_AS(evaluate_layout(tiny_model(), a100, fp8, pins, true), ValidationError);
+  // fp16 shares the bf16 peak, and the message names that field.
+  Cluster no_bf16 = a100;
+  no_bf16.peak_flops_bf16 = 0;
+  TrainingConfig fp16 = batch(8);
+  fp16.compute_dtype = DType::fp16;
+  CHECK_THROWS_WITH(search(tiny_model(), no_bf16, fp16),
+                    "cluster.peak_flops_bf16: must be > 0 for compute_dtype fp16");
+  // H100s have fp8.
+  CHECK_NOTHROW(search(tiny_model(), cluster_preset("h100-80gb", 2), fp8));
+}
+
+TEST_CASE("huge batches are refused instead of enumerated or allocated", "[search][errors]") {
+  // B/dp near 2^63: the divisor loop used to overflow (d * d) and never end.
+  CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 1), batch(INT64_MAX)),
+                    Catch::Contains("too large a schedule"));
+  // 2^26 samples at micro-batch 1 on pp=2: every schedule has more than 2^22
+  // (micro-batch, stage) pairs; the search skips them instead of allocating gigabytes.
+  Pins pins;
+  pins.pp = 2;
+  pins.micro_batch_size = 1;
+  try {
+    search(tiny_model(), cluster_preset("a100-80gb", 8), batch(int64_t{1} << 26), with_pins(pins));
+    FAIL("expected an InfeasibleError");
+  } catch (const InfeasibleError& e) {
+    CHECK_THAT(e.what(),
+               Catch::Contains("micro-batches x 1 virtual stages is too large a schedule"));
+  }
+  // A larger micro-batch makes the same batch plannable.
+  pins.micro_batch_size = 1024;
+  CHECK(
+      search(tiny_model(), cluster_preset("a100-80gb", 8), batch(int64_t{1} << 26), with_pins(pins))
+          .micro_batch_size == 1024);
+}
+
+TEST_CASE("pins that rule every layout out say why", "[search][errors]") {
+  // Interleaving needs a pipeline; one device has none.
+  Pins pins;
+  pins.virtual_stages = 2;
+  CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 1), batch(8), with_pins(pins)),
+                    Catch::Contains("virtual_stages=2 needs pp > 1"));
+  pins.pp = 1;
+  CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 2), batch(8), with_pins(pins)),
+                    "pins.virtual_stages: 2 needs pp > 1 (pp=1 has no pipeline)");
+  pins = Pins{};
+  pins.virtual_stages = 2;
+  pins.schedule = ScheduleKind::one_f_one_b;
+  CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 2), batch(8), with_pins(pins)),
+                    Catch::Contains("pins.virtual_stages: 2 needs the interleaved_1f1b schedule"));
+  // A micro-batch size that does not divide the replica's share of the batch.
+  pins = Pins{};
+  pins.dp = 2;
+  pins.micro_batch_size = 3;
+  CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 2), batch(8), with_pins(pins)),
+                    Catch::Contains("micro-batch size 3 does not divide the 4 samples per "
+                                    "data-parallel replica (global batch 8 / dp=2)"));
+}
+
+TEST_CASE("a malformed graph is refused before it is indexed", "[search][errors]") {
+  ModelGraph g = tiny_model();
+  g.tied_groups.push_back({0, 99});
+  CHECK_THROWS_WITH(search(g, cluster_preset("cpu", 1), batch(8)),
+                    Catch::StartsWith("tied_groups[0][1]: layer 99 is outside [0, 5)"));
+  Pins pins;
+  pins.tp = 1;
+  pins.pp = 1;
+  pins.dp = 1;
+  pins.zero_stage = 0;
+  pins.micro_batch_size = 1;
+  pins.schedule = ScheduleKind::none;
+  CHECK_THROWS_AS(evaluate_layout(g, cluster_preset("cpu", 1), batch(8), pins), ValidationError);
+}
+
+TEST_CASE("interleaved chunks share their rank's buffers", "[search][memory]") {
+  // Full recompute with large micro-batches: the rank's recompute workspace dominates its
+  // memory. Each of the v chunks gets 1/v of the memory, so it must be charged 1/v of the
+  // rank's buffers, not all of them.
+  const ModelGraph g = tiny_model(8);
+  Pins pins;
+  pins.tp = 1;
+  pins.pp = 2;
+  pins.dp = 1;
+  pins.zero_stage = 0;
+  pins.micro_batch_size = 64;
+  pins.schedule = ScheduleKind::interleaved_1f1b;
+  pins.virtual_stages = 2;
+  pins.recompute = Recompute::full;
+  Cluster cluster = cluster_preset("cpu", 2);
+  const Plan roomy = evaluate_layout(g, cluster, batch(256), pins);
+  const double need = roomy.prediction.memory_bytes_per_device;
+  REQUIRE(roomy.prediction.memory.activations > 0.5 * need);
+  // 10% more than the plan needs: fits.
+  cluster.device_memory_bytes = cluster.memory_reserved_bytes + 1.1 * need;
+  const Plan tight = evaluate_layout(g, cluster, batch(256), pins);
+  CHECK(tight.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes());
 }

@@ -38,7 +38,14 @@ struct Cluster {
 Cluster cluster_preset(const std::string& name, int64_t devices);
 std::vector<std::string> cluster_preset_names();
 
+// Largest world size the planner handles: schedules and plans store ranks as 32-bit
+// integers, and the search enumerates divisors of the world size.
+inline constexpr int64_t kMaxWorldSize = int64_t{1} << 31;
+
 // Throws ValidationError naming the field if a value is out of range.
 void validate(const Cluster& cluster);
+// Throws ValidationError("cluster.peak_flops_<dtype>", ...) when the cluster has no peak
+// FLOP/s for `dtype` (e.g. fp8 on an A100): every compute time would be infinite.
+void require_peak_flops(const Cluster& cluster, DType dtype);
 
 }  // namespace monarch::planner

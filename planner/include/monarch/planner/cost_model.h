@@ -51,9 +51,6 @@ double narayanan_flops_per_step(const ModelGraph& graph, int64_t global_batch);
 // Activation bytes one layer keeps for backward for one micro-batch on one tp rank.
 double layer_activation_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
                               bool sequence_parallel, Recompute recompute);
-// Bytes the most demanding layer needs live at once while it is being recomputed.
-double layer_recompute_workspace_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
-                                       bool sequence_parallel);
 // Parameters of the layer held by one tp rank.
 double layer_params_per_tp_rank(const Layer& layer, int64_t tp);
 
@@ -123,14 +120,23 @@ Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* c
 std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan& plan,
                                             SimulationCache* cache, double prune_above);
 
+// Bytes a stage whose last layer is `last` sends downstream per micro-batch: that layer's
+// output activation, at the training config's activation width; with sequence parallelism
+// each tp rank sends its 1/tp shard. Both the p2p transfer's size and that of each of the
+// rank's two p2p buffers (activation in, gradient out).
+double stage_p2p_bytes(const ModelGraph& graph, const TrainingConfig& training,
+                       const Layout& layout, int64_t last);
+
 // Per-stage estimate (also used by the stage partitioner).
 StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,
                              const Cluster& cluster, const TrainingConfig& training,
                              const Layout& layout, int64_t first, int64_t last);
 
-// Activations in flight on pipeline rank `rank` for the schedule before simulating it
-// (1F1B / ZB-H1: min(p - r, m); GPipe: m; interleaved: Megatron's warm-up count + 1 spread
-// over the v chunks; no pipeline: 1). Used to bound memory while choosing boundaries.
+// Activations in flight on pipeline rank `rank` for the schedule before simulating it, as
+// the simulation of the generated lists counts them (1F1B: min(p - r, m); ZB-H1: min(p, m)
+// on every rank; GPipe: m; no pipeline: 1; interleaved: Megatron's warm-up count + 1 spread
+// over the v chunks, at least the simulated peak / v). Used to bound memory while choosing
+// boundaries.
 double estimated_in_flight(const Layout& layout, int64_t rank);
 
 }  // namespace monarch::planner

@@ -86,6 +86,7 @@ struct ModelGraph {
   // Set when built from hyperparameters; lets plans record and re-check the model.
   std::optional<TransformerConfig> transformer;
 
+  // Throws ValidationError("layers", ...) if the sum overflows int64 (validate() first).
   int64_t total_params() const;
   // Sequence length the per-sample numbers were built for (0 if unknown).
   int64_t seq_len() const { return transformer ? transformer->seq : 0; }
@@ -93,10 +94,24 @@ struct ModelGraph {
   bool can_cut_before(int index) const;
 };
 
+// Parameter counts are int64 but flow through doubles (costs, memory), which hold integers
+// exactly only below 2^53: a layer's, and the model's, parameter count must stay below this.
+inline constexpr int64_t kMaxParams = int64_t{1} << 53;
+// Most blocks build_transformer accepts: the layer list and the stage partition's tables
+// grow with it.
+inline constexpr int64_t kMaxTransformerLayers = 100000;
+
+// Checks that the search can plan `graph`: at least one layer; parameter counts, FLOPs,
+// activation and output bytes finite and >= 0; the parameter total below kMaxParams; every
+// edge (from < to) and tied group (non-empty, no layer twice) names existing layers. Throws
+// ValidationError naming the field ("layers[3].params", "tied_groups[0][1]", "edges[2]").
+void validate(const ModelGraph& graph);
+
 // Builds the layer list of a decoder transformer: embedding, `layers` blocks, final norm,
 // LM head. FLOPs follow Narayanan et al. 2021 (24 s h^2 + 4 s^2 h per block forward, plus
 // 2 s h V for the logits), generalized for grouped KV heads and gated MLPs.
-// Throws ValidationError naming the bad hyperparameter.
+// Throws ValidationError naming the bad hyperparameter, also when the model would exceed
+// kMaxTransformerLayers blocks or kMaxParams parameters ("transformer.hidden: ... too large").
 ModelGraph build_transformer(const TransformerConfig& config);
 
 }  // namespace monarch::planner

@@ -16,8 +16,9 @@ inline constexpr int64_t kPlanFormatVersion = 1;
 
 struct Mesh {
   int64_t pp = 1, dp = 1, tp = 1;
-  // Axis names from outermost to innermost; rank = ((pp_i * dp) + dp_i) * tp + tp_i for the
-  // default order {"pp", "dp", "tp"} (tp innermost so tp groups stay inside a node).
+  // Axis names from outermost to innermost: rank = ((pp_i * dp) + dp_i) * tp + tp_i (tp
+  // innermost so tp groups stay inside a node). Written out so a plan is explicit about it;
+  // validate() accepts only this order, the one the cost model assumes.
   std::vector<std::string> order = {"pp", "dp", "tp"};
   int64_t world_size() const { return pp * dp * tp; }
   bool operator==(const Mesh& o) const { return pp == o.pp && dp == o.dp && tp == o.tp && order == o.order; }

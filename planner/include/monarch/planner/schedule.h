@@ -42,8 +42,19 @@ struct Schedule {
   int64_t rank_of_stage(int64_t stage) const { return stage % ranks; }
 };
 
+// Most (micro-batch, stage) pairs, pp * m * v, a schedule may have. Each pair costs up to
+// seven 16-byte actions plus the simulator's two message slots (~130 bytes), so a schedule
+// stays under ~550 MB; real plans stay far below (p = 128, m = 4096, v = 8 is the limit).
+// It also keeps every index an Action stores well inside int32.
+inline constexpr int64_t kMaxSchedulePairs = int64_t{1} << 22;
+
+// "" when make_schedule would build a schedule of this size (arguments >= 1), otherwise
+// why not: "pp=2 x 33554432 micro-batches x 1 virtual stages is too large a schedule ...".
+std::string schedule_size_problem(int64_t ranks, int64_t micro_batches, int64_t virtual_stages);
+
 // Builds the action lists. Throws ValidationError naming the field when the combination
-// is impossible (e.g. interleaved with micro_batches % ranks != 0).
+// is impossible (e.g. interleaved with micro_batches % ranks != 0) or too large
+// (num_micro_batches: schedule_size_problem).
 Schedule make_schedule(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
                        int64_t virtual_stages = 1);
 

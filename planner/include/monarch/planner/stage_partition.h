@@ -6,6 +6,10 @@
 
 namespace monarch::planner {
 
+// Most stages x layers a partition may have: the dynamic program keeps two tables of that
+// many entries (16 bytes each, 256 MiB at the limit).
+inline constexpr int64_t kMaxPartitionCells = int64_t{1} << 24;
+
 struct PartitionProblem {
   std::vector<double> layer_time_s;          // per layer, one micro-batch, forward + backward
   std::vector<double> layer_state_bytes;     // per layer: parameters, gradients, optimizer state
@@ -23,11 +27,12 @@ struct Partition {
 };
 
 // Splits the layer chain into `stages` contiguous non-empty stages minimizing the slowest
-// stage's time subject to every stage's memory <= the limit. Exact: dp[k][j] = min over i of
-// max(dp[k-1][i], time(i..j-1)); since dp[k-1][.] is non-decreasing and the segment time is
-// non-increasing in i, the best i is found by binary search when every cut is allowed
-// (O(stages * layers * log layers)), by a scan otherwise. Deterministic: ties go to the
-// earliest cut. Returns nullopt when no partition fits memory.
+// stage's time subject to every stage's memory <= the limit. Exact for any in-flight
+// profile and any allowed cuts: dp[k][j] = min over i of max(dp[k-1][i], time(i..j-1)),
+// each minimum found by binary search over the suffix minima of dp[k-1] (O(stages * layers
+// * log layers)). Layer times must be >= 0. Deterministic. Returns nullopt when no partition
+// fits memory. Throws ValidationError when the per-layer or per-stage vectors have the
+// wrong length, or stages x layers exceeds kMaxPartitionCells ("stages").
 std::optional<Partition> partition_stages(const PartitionProblem& problem);
 
 }  // namespace monarch::planner
