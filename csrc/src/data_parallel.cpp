@@ -134,7 +134,6 @@ void DataParallelEngine::launch_ready_buckets() {
     } else {
       b.handle = group_.all_reduce(b.flat);
     }
-    b.launched = true;
     ++next_launch_;
   }
 }
@@ -176,7 +175,6 @@ void DataParallelEngine::finish_backward() {
 void DataParallelEngine::reset_backward_state() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
-    b.launched = false;
     b.handle = Handle();
   }
   std::fill(ready_.begin(), ready_.end(), false);

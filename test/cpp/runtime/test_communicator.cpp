@@ -28,7 +28,7 @@ TEST_CASE("collectives give the expected values and count their bytes", "[runtim
       CHECK(torch::allclose(p[6], torch::full({3}, static_cast<float>((rank + n - 1) % n))));
       const auto bytes = p[7];
       const double f = 4.0, k = (n - 1.0) / n;
-      CHECK(bytes[0].item<double>() == Approx(2 * k * (6 * f + 5 * 2) + 2 * k * 0));  // fp32 + bf16
+      CHECK(bytes[0].item<double>() == Approx(2 * k * (6 * f + 5 * 2)));  // 6 fp32 + 5 bf16 elements
       CHECK(bytes[1].item<double>() == Approx(k * n * 3 * f));
       CHECK(bytes[2].item<double>() == Approx(k * n * 2 * f));
       CHECK(bytes[3].item<double>() == Approx(rank == 0 ? 4 * f : 0));

@@ -52,7 +52,6 @@ class DataParallelEngine {
     at::Tensor wire;             // what goes over the wire (bf16 compression)
     size_t pending = 0;
     Handle handle;
-    bool launched = false;
   };
 
   void check_same_structure();
