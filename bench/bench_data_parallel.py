@@ -2,7 +2,7 @@
 
 Two ranks with Gloo on loopback train the same GPT-style model on the same data with:
 torch DDP, torch_monarch.DataParallel, DataParallel with bf16 compression, and
-torch_monarch.fully_shard (ZeRO-3). Reports the median step time (and its ratio to DDP),
+torch_monarch.fully_shard (ZeRO-3), interleaved step by step. Reports the median step time (and its ratio to DDP),
 bytes each rank sends per step, and each rank's persistent parameter + gradient +
 optimizer storage. Prints a table and writes JSON (default bench/results/data_parallel.json).
 
@@ -63,59 +63,66 @@ def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def run_engine(name, steps, rank, world):
-    import torch_monarch
-    torch.manual_seed(0)
-    model = GPT()
-    counted = {"bytes": 0.0}
-    if name == "torch DDP":
-        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-        n = world
+class Engine:
+    """One engine under test: its own copy of the model, optimizer and data stream."""
 
-        def counting_hook(state, bucket):  # ring all-reduce bytes, as torch_monarch counts them
-            counted["bytes"] += 2 * (n - 1) / n * bucket.buffer().numel() * bucket.buffer().element_size()
-            return default_hooks.allreduce_hook(None, bucket)
-        params = list(wrapped.parameters())
-    elif name.startswith("monarch DP"):
-        mesh = torch_monarch.device_mesh()
-        wrapped = torch_monarch.DataParallel(model, mesh=mesh, bucket_cap_mb=25,
-                                             gradient_compression="bf16" if "bf16" in name else None)
-        params = list(wrapped.parameters())
-    else:  # monarch ZeRO-3
-        mesh = torch_monarch.device_mesh()
-        wrapped = torch_monarch.fully_shard(model, mesh=mesh, zero_stage=3)
-        params = list(wrapped.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    if name != "torch DDP":
-        mesh.group("dp").reset_counters()  # count training steps only, not the initial broadcast
-    g = torch.Generator().manual_seed(rank)
-    times = []
-    for step in range(steps):
-        tokens = torch.randint(VOCAB, (BATCH_PER_RANK, SEQ + 1), generator=g)
+    def __init__(self, name, rank, world):
+        import torch_monarch
+        torch.manual_seed(0)
+        model = GPT()
+        self.name, self.world = name, world
+        self.mesh = None
+        if name == "torch DDP":
+            self.wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+        elif name.startswith("monarch DP"):
+            self.mesh = torch_monarch.device_mesh()
+            self.wrapped = torch_monarch.DataParallel(
+                model, mesh=self.mesh, bucket_cap_mb=25,
+                gradient_compression="bf16" if "bf16" in name else None)
+        else:  # monarch ZeRO-3
+            self.mesh = torch_monarch.device_mesh()
+            self.wrapped = torch_monarch.fully_shard(model, mesh=self.mesh, zero_stage=3)
+        self.params = list(self.wrapped.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3)
+        if self.mesh is not None:
+            self.mesh.group("dp").reset_counters()  # count training steps only
+        self.gen = torch.Generator().manual_seed(rank)
+        self.times = []
+        self.steps = 0
+
+    def step(self):
+        tokens = torch.randint(VOCAB, (BATCH_PER_RANK, SEQ + 1), generator=self.gen)
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        logits = wrapped(tokens[:, :-1])
+        self.opt.zero_grad()
+        logits = self.wrapped(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    warm = times[3:]
-    # Bytes per step: torch_monarch's counters; DDP's from a counting comm hook on one extra
-    # step (the timed steps run without the hook).
-    if name == "torch DDP":
-        wrapped.register_comm_hook(None, counting_hook)
-        opt.zero_grad()
-        tokens = torch.randint(VOCAB, (BATCH_PER_RANK, SEQ + 1), generator=g)
-        F.cross_entropy(wrapped(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        bytes_per_step = counted["bytes"]
-    else:
-        group = mesh.group("dp")
-        bytes_per_step = group.total_bytes_sent() / steps
-    grads = [p.grad for p in params]
-    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    persistent = tensor_bytes(params) + tensor_bytes(grads) + tensor_bytes(state)
-    return {"engine": name, "median_step_s": statistics.median(warm), "steps_timed": len(warm),
-            "bytes_sent_per_step": bytes_per_step, "persistent_bytes_per_rank": persistent}
+        self.opt.step()
+        self.times.append(time.perf_counter() - t0)
+        self.steps += 1
+
+    def bytes_per_step(self):
+        if self.mesh is not None:
+            return self.mesh.group("dp").total_bytes_sent() / self.steps
+        # DDP: a counting comm hook on one extra step (the timed steps ran without it).
+        counted = {"bytes": 0.0}
+        n = self.world
+
+        def counting_hook(state, bucket):  # ring all-reduce bytes, as torch_monarch counts them
+            buf = bucket.buffer()
+            counted["bytes"] += 2 * (n - 1) / n * buf.numel() * buf.element_size()
+            return default_hooks.allreduce_hook(None, bucket)
+        self.wrapped.register_comm_hook(None, counting_hook)
+        self.step()
+        return counted["bytes"]
+
+    def result(self):
+        warm = self.times[3:]
+        grads = [p.grad for p in self.params]
+        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        return {"engine": self.name, "median_step_s": statistics.median(warm), "steps_timed": len(warm),
+                "bytes_sent_per_step": self.bytes_per_step(),
+                "persistent_bytes_per_rank": tensor_bytes(self.params) + tensor_bytes(grads) + tensor_bytes(state)}
 
 
 def worker(steps, out):
@@ -124,8 +131,14 @@ def worker(steps, out):
     import torch_monarch
     torch_monarch.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = [run_engine(name, steps, rank, world)
+    engines = [Engine(name, rank, world)
                for name in ("torch DDP", "monarch DP", "monarch DP bf16", "monarch ZeRO-3")]
+    # Interleaved: every round runs one step of each engine, so drifts in machine speed
+    # (frequency, other load) hit all engines alike.
+    for _ in range(steps):
+        for e in engines:
+            e.step()
+    results = [e.result() for e in engines]
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -159,7 +172,7 @@ def main():
     ddp = results[0]
     params = sum(p.numel() for p in GPT().parameters())
     print(f"2 ranks, Gloo on loopback, GPT {LAYERS}x{HIDDEN} ({params / 1e6:.2f}M params), "
-          f"batch {BATCH_PER_RANK}x{SEQ} per rank, median of {ddp['steps_timed']} steps")
+          f"batch {BATCH_PER_RANK}x{SEQ} per rank, median of {ddp['steps_timed']} steps, engines interleaved")
     print(f"{'engine':<18}{'step ms':>10}{'vs DDP':>9}{'MB sent/step':>15}{'vs DDP':>9}{'persistent MB/rank':>20}{'vs DDP':>9}")
     for r in results:
         r["step_time_ratio_vs_ddp"] = r["median_step_s"] / ddp["median_step_s"]
