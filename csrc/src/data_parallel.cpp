@@ -1,6 +1,6 @@
 #include "monarch/runtime/data_parallel.h"
 
-#include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/replicas.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -25,8 +25,12 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
     TORCH_CHECK(params_[i].is_floating_point(), "monarch::DataParallel: parameter ", i,
                 " is not floating point");
   }
-  check_same_structure();
-  if (options_.broadcast_from_root) broadcast_state(buffers);
+  check_same_parameters(params_, group_, "monarch::DataParallel");
+  if (options_.broadcast_from_root) {
+    std::vector<at::Tensor> state = params_;
+    state.insert(state.end(), buffers.begin(), buffers.end());
+    broadcast_from_root(state, group_);
+  }
   build_buckets(options_.bucket_bytes);
   ready_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -42,21 +46,6 @@ DataParallelEngine::~DataParallelEngine() {
       // The tensor may already be gone with its module; nothing to undo then.
     }
   }
-}
-
-// Every rank must wrap the same model.
-void DataParallelEngine::check_same_structure() {
-  check_same_parameters(params_, group_, "monarch::DataParallel");
-}
-
-void DataParallelEngine::broadcast_state(const std::vector<at::Tensor>& buffers) {
-  at::NoGradGuard no_grad;
-  std::vector<Handle> pending;
-  for (const auto& p : params_) pending.push_back(group_.broadcast(p.detach(), 0));
-  for (const auto& b : buffers) {
-    if (b.defined() && b.numel() > 0) pending.push_back(group_.broadcast(b.detach(), 0));
-  }
-  for (auto& h : pending) h.wait();
 }
 
 // Buckets are filled in reverse registration order: gradients of the last layers arrive

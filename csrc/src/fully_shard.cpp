@@ -1,5 +1,7 @@
 #include "monarch/runtime/fully_shard.h"
 
+#include "monarch/runtime/replicas.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 
@@ -25,12 +27,7 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     }
   }
   check_same_parameters(all, group_, "monarch::FullyShard");
-  if (options_.broadcast_from_root) {
-    at::NoGradGuard no_grad;
-    std::vector<Handle> pending;
-    for (const auto& p : all) pending.push_back(group_.broadcast(p.detach(), 0));
-    for (auto& h : pending) h.wait();
-  }
+  if (options_.broadcast_from_root) broadcast_from_root(all, group_);
   units_.resize(units.size());
   for (size_t u = 0; u < units.size(); ++u) init_unit(units_[u], std::move(units[u]));
   unit_grads_ready_.assign(units_.size(), false);
@@ -258,31 +255,6 @@ std::vector<at::Tensor> FullyShardEngine::full_parameters() {
     }
   }
   return out;
-}
-
-void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& group, const char* who) {
-  int64_t elements = 0;
-  uint64_t hash = 1469598103934665603ULL;
-  for (const auto& p : params) {
-    elements += p.numel();
-    for (int64_t d : p.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ULL;
-    hash = (hash ^ static_cast<uint64_t>(p.scalar_type())) * 1099511628211ULL;
-  }
-  const int64_t count = static_cast<int64_t>(params.size());
-  auto mine = at::tensor({count, elements, static_cast<int64_t>(hash >> 1)}, at::kLong);
-  auto all = at::empty({group.size() * 3}, at::kLong);
-  group.all_gather(all, mine).wait();
-  auto view = all.view({group.size(), 3});
-  for (int r = 0; r < group.size(); ++r) {
-    if (view[r].equal(mine)) continue;
-    const int64_t their_count = view[r][0].item<int64_t>();
-    const int64_t their_elements = view[r][1].item<int64_t>();
-    TORCH_CHECK(false, who, ": rank ", group.global_rank(), " wraps ", count, " parameters (", elements,
-                " elements) but rank ", group.ranks()[r], " wraps ", their_count, " parameters (",
-                their_elements, " elements)",
-                their_count == count && their_elements == elements ? " of different shapes" : "",
-                ": every rank must wrap the same model");
-  }
 }
 
 }  // namespace monarch

@@ -54,8 +54,6 @@ class DataParallelEngine {
     Handle handle;
   };
 
-  void check_same_structure();
-  void broadcast_state(const std::vector<at::Tensor>& buffers);
   void build_buckets(int64_t bucket_bytes);
   void on_gradient(size_t index, const at::Tensor& grad);
   void launch_ready_buckets();

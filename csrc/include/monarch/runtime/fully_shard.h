@@ -95,8 +95,4 @@ class FullyShardEngine {
   bool callback_queued_ = false;
 };
 
-// Shared with DataParallelEngine: refuse parameters whose count or shapes differ across the
-// group, naming both ranks. `who` prefixes the message.
-void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& group, const char* who);
-
 }  // namespace monarch
