@@ -19,7 +19,7 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, mesh=None, bucket_cap_mb: float = 25.0,
-                 gradient_compression: str = None, broadcast_from_rank0: bool = True):
+                 gradient_compression: str = None, broadcast_from_rank0: bool = True, exclude=()):
         super().__init__()
         if gradient_compression not in (None, "bf16"):
             raise ValueError(f"gradient_compression: expected None or 'bf16', got {gradient_compression!r}")
@@ -29,8 +29,9 @@ class DataParallel(nn.Module):
         options.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         options.bf16_compression = gradient_compression == "bf16"
         options.broadcast_from_root = broadcast_from_rank0
-        self._engine = _runtime.DataParallelEngine(
-            list(module.parameters()), list(module.buffers()), self.mesh, "dp", options)
+        # ``exclude``: ids of parameters someone else synchronises (pipeline-tied weights).
+        params = [p for p in module.parameters() if id(p) not in set(exclude)]
+        self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

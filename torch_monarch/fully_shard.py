@@ -27,10 +27,13 @@ class FullyShardedModule(nn.Module):
     build the optimizer over them. ``state_dict()`` returns the full, unsharded state that
     loads into the unwrapped model; ``sharded_state_dict()`` this rank's shards."""
 
-    def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision):
+    def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
+                 ignored_parameters=()):
         super().__init__()
         self.module = module
         self.mesh = mesh
+        self.ignored_parameters = list(ignored_parameters)
+        ignored = {id(p) for p in self.ignored_parameters}
         unit_ids = {}
         for i, unit in enumerate(units):
             for p in unit.parameters():
@@ -38,6 +41,8 @@ class FullyShardedModule(nn.Module):
         groups = [[] for _ in range(len(units) + 1)]
         names = [[] for _ in range(len(units) + 1)]
         for name, p in module.named_parameters():
+            if id(p) in ignored:
+                continue
             k = unit_ids.get(id(p), 0)
             groups[k].append(p)
             names[k].append(name)
@@ -119,17 +124,21 @@ def _tensors(output):
 
 
 def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
-                reshard_after_forward: bool = True, mixed_precision=None) -> FullyShardedModule:
+                reshard_after_forward: bool = True, mixed_precision=None,
+                ignored_parameters=()) -> FullyShardedModule:
     """Shards ``module`` over the mesh's ``dp`` axis.
 
     ``units``: submodules gathered and freed as one piece (default: the entries of the
     largest ``nn.ModuleList``); the remaining parameters form the root unit, gathered for
     the whole forward and backward. ``zero_stage``: 1 (optimizer state), 2 (+ gradients),
     3 (+ parameters). ``mixed_precision``: compute dtype (e.g. ``torch.bfloat16``) with fp32
-    shards and fp32 gradient reduction.
+    shards and fp32 gradient reduction. ``ignored_parameters`` stay whole and unsynchronised
+    (the caller owns them, e.g. weights tied across pipeline stages); they are not in
+    ``parameters()`` but in ``ignored_parameters``.
     """
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage: expected 1, 2 or 3, got {zero_stage}")
     mesh = mesh if mesh is not None else device_mesh()
     units = _default_units(module) if units is None else list(units)
-    return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision)
+    return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
+                              ignored_parameters)

@@ -2,11 +2,16 @@
 // C++ engine the C++ frontend uses; Python keeps only module-tree work (hooks, wrappers).
 #include <torch/extension.h>
 
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "monarch/runtime/data_parallel.h"
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/pipeline.h"
+#include "monarch/runtime/tensor_parallel.h"
 #include "monarch/runtime/world.h"
 
 namespace py = pybind11;
@@ -40,10 +45,112 @@ at::ScalarType dtype_from_name(const std::string& name) {
   throw py::value_error("compute_dtype: expected float32, bfloat16 or float16, got '" + name + "'");
 }
 
+// Lets Python stand in for a stage's computation (the pipeline bench's timed stages).
+class PyStageWork : public StageWork {
+ public:
+  using StageWork::StageWork;
+  std::vector<at::Tensor> forward(int64_t stage, int64_t mb, std::vector<at::Tensor> inputs) override {
+    PYBIND11_OVERRIDE_PURE(std::vector<at::Tensor>, StageWork, forward, stage, mb, inputs);
+  }
+  std::vector<at::Tensor> backward(int64_t stage, int64_t mb, std::vector<at::Tensor> grads) override {
+    PYBIND11_OVERRIDE_PURE(std::vector<at::Tensor>, StageWork, backward, stage, mb, grads);
+  }
+  std::vector<at::Tensor> backward_input(int64_t stage, int64_t mb, std::vector<at::Tensor> grads) override {
+    PYBIND11_OVERRIDE_PURE(std::vector<at::Tensor>, StageWork, backward_input, stage, mb, grads);
+  }
+  void backward_weight(int64_t stage, int64_t mb) override {
+    PYBIND11_OVERRIDE_PURE(void, StageWork, backward_weight, stage, mb);
+  }
+};
+
+py::dict stats_to_dict(const PipelineStepStats& s) {
+  py::list trace;
+  for (const auto& a : s.trace) trace.append(py::make_tuple(planner::to_string(a.type), a.micro_batch, a.stage));
+  py::dict d;
+  d["trace"] = trace;
+  d["total_s"] = s.total_s;
+  d["compute_s"] = s.compute_s;
+  d["wait_s"] = s.wait_s;
+  return d;
+}
+
+void bind_tensor_parallel(py::module_& m) {
+  using py::arg;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("tp_copy_to_group", &tp::copy_to_group, arg("x"), arg("group"), nogil,
+        "Identity forward; all-reduce of the gradient in backward (enter a tensor-parallel region).");
+  m.def("tp_reduce_from_group", &tp::reduce_from_group, arg("x"), arg("group"), nogil,
+        "All-reduce forward; identity backward (leave a row-parallel region).");
+  m.def("tp_gather_from_group", &tp::gather_from_group, arg("x"), arg("group"), arg("dim"), nogil);
+  m.def("tp_scatter_to_group", &tp::scatter_to_group, arg("x"), arg("group"), arg("dim"), nogil);
+  m.def("tp_sequence_gather", &tp::sequence_gather, arg("x"), arg("group"), arg("dim"), nogil,
+        "Sequence parallel: all-gather along dim; reduce-scatter of the gradient.");
+  m.def("tp_sequence_reduce_scatter", &tp::sequence_reduce_scatter, arg("x"), arg("group"), arg("dim"), nogil,
+        "Sequence parallel: reduce-scatter along dim; all-gather of the gradient.");
+  m.def("vocab_parallel_embedding", &tp::vocab_parallel_embedding, arg("tokens"), arg("weight_shard"),
+        arg("vocab_start"), arg("group"), arg("sequence_dim") = -1, nogil);
+  m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, arg("logits_shard"), arg("targets"),
+        arg("vocab_start"), arg("group"), arg("ignore_index") = -100, nogil);
+  m.def("shard_tensor", &tp::shard_tensor, arg("full"), arg("dim"), arg("rank"), arg("size"),
+        arg("fused_parts") = 1, arg("what") = "tensor");
+  m.def("unshard_tensor", &tp::unshard_tensor, arg("shards"), arg("dim"), arg("fused_parts") = 1);
+}
+
+void bind_pipeline(py::module_& m) {
+  using py::arg;
+  py::class_<StageWork, PyStageWork>(m, "StageWork")
+      .def(py::init<>())
+      .def("forward", &StageWork::forward)
+      .def("backward", &StageWork::backward)
+      .def("backward_input", &StageWork::backward_input)
+      .def("backward_weight", &StageWork::backward_weight);
+
+  // The callables are Python functions: pybind takes the GIL around each call.
+  py::class_<AutogradStageWork, StageWork>(m, "AutogradStageWork")
+      .def(py::init<int64_t, int64_t, AutogradStageWork::ForwardFn, AutogradStageWork::LossFn, double,
+                    AutogradStageWork::ParametersFn, AutogradStageWork::BackwardHook>(),
+           arg("num_stages"), arg("micro_batches"), arg("forward_fn"), arg("loss_fn"), arg("loss_scale"),
+           arg("stage_parameters") = AutogradStageWork::ParametersFn(),
+           arg("before_backward") = AutogradStageWork::BackwardHook())
+      .def("losses", [](const AutogradStageWork& w) {
+        std::vector<double> out;
+        for (const auto& [mb, loss] : w.losses()) out.push_back(loss);
+        return out;
+      })
+      .def("reset", &AutogradStageWork::reset);
+
+  py::class_<PipelineExecutor>(m, "PipelineExecutor")
+      .def(py::init([](const planner::Schedule& schedule, std::shared_ptr<DeviceMesh> mesh) {
+             py::gil_scoped_release release;
+             return std::make_unique<PipelineExecutor>(schedule, mesh->group("pp"));
+           }),
+           arg("schedule"), arg("mesh"), py::keep_alive<1, 3>(),
+           "Checks the schedule on every pp rank (refusing it everywhere before any activation moves).")
+      .def_property_readonly("local_stages", &PipelineExecutor::local_stages)
+      .def_property_readonly("num_stages", [](const PipelineExecutor& e) { return e.schedule().num_stages(); })
+      .def("program", [](const PipelineExecutor& e) {
+        py::list out;
+        for (const auto& a : e.program()) out.append(py::make_tuple(planner::to_string(a.type), a.micro_batch, a.stage));
+        return out;
+      })
+      .def("run",
+           [](PipelineExecutor& e, StageWork& work, bool forward_only) {
+             PipelineStepStats stats;
+             {
+               py::gil_scoped_release release;
+               stats = e.run(work, forward_only);
+             }
+             return stats_to_dict(stats);
+           },
+           arg("work"), arg("forward_only") = false);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
-  m.doc() = "torch_monarch runtime: world, mesh, collectives, data-parallel and sharded engines";
+  m.doc() = "torch_monarch runtime: world, mesh, collectives, data-parallel, sharded, tensor- and pipeline-parallel engines";
+  // The planner's types (Schedule) are registered by torch_monarch._C.
+  py::module_::import("torch_monarch._C");
 
   py::class_<World, std::shared_ptr<World>>(m, "World")
       .def_static("init", [](double timeout_s) { return World::init(options_with_timeout(timeout_s)); },
@@ -78,6 +185,7 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("ranks", &Communicator::ranks)
       .def("all_reduce", &Communicator::all_reduce, py::arg("buffer"), py::arg("average") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce_max", &Communicator::all_reduce_max, py::arg("buffer"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("output"), py::arg("input"),
            py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &Communicator::all_gather, py::arg("output"), py::arg("input"),
@@ -109,7 +217,9 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("size", [](const DeviceMesh& d) { return d.size(); })
       .def("axis_size", py::overload_cast<const std::string&>(&DeviceMesh::size, py::const_))
       .def("coordinate", &DeviceMesh::coordinate)
-      .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal);
+      .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal)
+      .def_property_readonly("has_pipeline_ends_group", &DeviceMesh::has_pipeline_ends_group)
+      .def("pipeline_ends_group", &DeviceMesh::pipeline_ends_group, py::return_value_policy::reference_internal);
 
   py::class_<DataParallelOptions>(m, "DataParallelOptions")
       .def(py::init<>())
@@ -160,4 +270,7 @@ PYBIND11_MODULE(_runtime, m) {
       .def("full_parameters", &FullyShardEngine::full_parameters, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_units", &FullyShardEngine::num_units)
       .def_property_readonly("zero_stage", [](const FullyShardEngine& e) { return e.options().zero_stage; });
+
+  bind_tensor_parallel(m);
+  bind_pipeline(m);
 }

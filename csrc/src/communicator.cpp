@@ -94,6 +94,19 @@ Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   return Handle(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish));
 }
 
+Handle Communicator::all_reduce_max(at::Tensor buffer) {
+  require_flat(buffer, "all_reduce_max buffer");
+  TORCH_CHECK(buffer.scalar_type() == at::kFloat || buffer.scalar_type() == at::kDouble,
+              "monarch: all_reduce_max takes fp32 or fp64 buffers, got ", buffer.scalar_type());
+  const double n = size();
+  counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
+  if (size() == 1) return {};
+  std::vector<at::Tensor> tensors{buffer};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  return Handle(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer));
+}
+
 // Gloo (LibTorch 1.13) cannot reduce bf16. Same bytes as a ring all-reduce of the bf16
 // buffer: an all-to-all of 2-byte chunks (moved as fp16 bit patterns, no arithmetic), an fp32
 // sum of this rank's chunk, and an all-gather of the reduced bf16 chunks. The second phase
@@ -134,10 +147,12 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
     output.copy_(input.view(output.sizes()));
     return {};
   }
-  auto received = at::empty_like(input);
+  // Split sizes count rows of dim 0: move flat views so they count elements.
+  auto flat_input = input.view({-1});
+  auto received = at::empty_like(flat_input);
   std::vector<int64_t> splits(size(), output.numel());
   auto recv_bytes = transport(received);
-  auto send_bytes = transport(input);
+  auto send_bytes = transport(flat_input);
   auto work = group_->alltoall_base(recv_bytes, send_bytes, splits, splits);
   const int64_t chunk = output.numel();
   const int64_t parts = size();
@@ -204,8 +219,8 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
     return {};
   }
   std::vector<int64_t> splits(size(), input.numel() / size());
-  auto out_bytes = transport(output);
-  auto in_bytes = transport(input);
+  auto out_bytes = transport(output.view({-1}));  // split sizes count elements of flat views
+  auto in_bytes = transport(input.view({-1}));
   return Handle(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
                 describe(CollectiveKind::all_to_all, input));
 }

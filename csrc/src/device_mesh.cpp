@@ -43,6 +43,34 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
     auto group = world_->new_group(ranks, name.str());
     groups_[mesh.order[a]] = std::make_unique<Communicator>(group, ranks, world_->rank(), mesh.order[a]);
   }
+  // Every rank takes part in the id bookkeeping of the ends group, members or not.
+  if (mesh.pp > 2) {
+    const int pp_axis = axis_index("pp");
+    const int pp_coord = coords_[pp_axis];
+    if (pp_coord == 0 || pp_coord == sizes_[pp_axis] - 1) {
+      std::vector<int> c = coords_;
+      c[pp_axis] = 0;
+      const int first = rank_at(c);
+      c[pp_axis] = sizes_[pp_axis] - 1;
+      const int last = rank_at(c);
+      std::vector<int> ranks{first, last};
+      const std::string name = "pp_ends[" + std::to_string(first) + "," + std::to_string(last) + "]";
+      ends_ = std::make_unique<Communicator>(world_->new_group(ranks, name), ranks, world_->rank(), "pp_ends");
+    } else {
+      world_->skip_group();
+    }
+  }
+}
+
+bool DeviceMesh::has_pipeline_ends_group() const {
+  const int c = coords_[axis_index("pp")];
+  return mesh_.pp > 1 && (c == 0 || c == mesh_.pp - 1);
+}
+
+Communicator& DeviceMesh::pipeline_ends_group() {
+  TORCH_CHECK(has_pipeline_ends_group(), "monarch: rank ", rank(),
+              " is not at either end of the pipeline (pp coordinate ", coordinate("pp"), " of ", mesh_.pp, ")");
+  return mesh_.pp == 2 ? *groups_.at("pp") : *ends_;
 }
 
 int DeviceMesh::axis_index(const std::string& axis) const {

@@ -13,6 +13,7 @@ VOCAB, HIDDEN, HEADS, SEQ, LAYERS = 64, 32, 4, 16, 2
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
+        self.heads = HEADS  # tensor parallelism divides it (local heads)
         self.ln1 = nn.LayerNorm(HIDDEN)
         # No qkv bias: the key bias has an exactly-zero gradient, so its float gradient is
         # rounding noise that Adam turns into run-dependent updates.
@@ -23,34 +24,39 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
 
     def forward(self, x):
-        b, s, h = x.shape
-        d = h // HEADS
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, d).permute(2, 0, 3, 1, 4)
+        # Shapes come from the projections' outputs, not from x: under tensor parallelism
+        # they hold this rank's heads, under sequence parallelism x holds part of the sequence.
+        qkv = self.qkv(self.ln1(x))
+        b, s, _ = qkv.shape
+        d = HIDDEN // HEADS
+        q, k, v = qkv.view(b, s, 3, self.heads, d).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-2, -1) / math.sqrt(d)
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-        attended = (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, s, h)
+        attended = (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.proj(attended)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self):
+    def __init__(self, layers=LAYERS):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, HIDDEN)
         self.wpe = nn.Embedding(SEQ, HIDDEN)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
+        self.blocks = nn.ModuleList([Block() for _ in range(layers)])
         self.ln_f = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied output head
 
     def forward(self, tokens):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
         for block in self.blocks:
             x = block(x)
-        return self.ln_f(x) @ self.wte.weight.t()  # tied output head
+        return self.head(self.ln_f(x))
 
 
-def make_model(seed=1234):
+def make_model(seed=1234, layers=LAYERS):
     torch.manual_seed(seed)
-    return TinyGPT()
+    return TinyGPT(layers)
 
 
 def batch(step, global_batch):
@@ -70,16 +76,21 @@ def make_optimizer(params):
 STEPS, GLOBAL_BATCH = 10, 8
 
 
-def train_reference(steps=STEPS, global_batch=GLOBAL_BATCH):
+def train_reference(steps=STEPS, global_batch=GLOBAL_BATCH, with_grads=False, layers=LAYERS):
+    """Losses per step and the final state dict; with_grads adds the gradients of step 0."""
     torch.set_num_threads(1)
-    model = make_model()
+    model = make_model(layers=layers)
     opt = make_optimizer(model.parameters())
-    losses = []
+    losses, grads = [], {}
     for step in range(steps):
         inputs, targets = batch(step, global_batch)
         opt.zero_grad()
         loss = loss_fn(model(inputs), targets)
         loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads["head.weight"] = grads["wte.weight"]  # tied: one tensor, two names
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (losses, state, grads) if with_grads else (losses, state)

@@ -66,6 +66,8 @@ class Communicator {
 
   // Sum (or average) in place. bf16 buffers are summed in fp32 (see all_reduce_bf16).
   Handle all_reduce(at::Tensor buffer, bool average = false);
+  // Element-wise maximum in place (fp32/fp64; e.g. the vocab-parallel softmax's row max).
+  Handle all_reduce_max(at::Tensor buffer);
   // `input` holds size() equal chunks; `output` receives the sum of every rank's chunk
   // group_rank(). Gloo has no reduce-scatter in LibTorch 1.13: it runs as an all-to-all
   // plus a local sum, which sends the same (n-1)/n S bytes as a ring reduce-scatter.

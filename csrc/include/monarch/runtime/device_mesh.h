@@ -28,6 +28,11 @@ class DeviceMesh {
   int rank_at(const std::vector<int>& coordinates) const;
   // This rank's group along `axis` (the ranks that differ from it only in that coordinate).
   Communicator& group(const std::string& axis);
+  // Pipeline ends: this rank and its peer at the other end of the `pp` axis (first and
+  // last stage, same dp / tp coordinates), for weights tied between the embedding and the
+  // output head. Only ranks at pp coordinate 0 or pp-1 belong; with pp == 2 it is the pp group.
+  bool has_pipeline_ends_group() const;
+  Communicator& pipeline_ends_group();
   const std::shared_ptr<World>& world() const { return world_; }
 
  private:
@@ -37,6 +42,7 @@ class DeviceMesh {
   std::vector<int> sizes_;   // in mesh_.order
   std::vector<int> coords_;  // in mesh_.order
   std::map<std::string, std::unique_ptr<Communicator>> groups_;
+  std::unique_ptr<Communicator> ends_;
 };
 
 }  // namespace monarch

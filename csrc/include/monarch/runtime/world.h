@@ -49,6 +49,8 @@ class World {
   // member must create its groups in the same order (a per-world counter keeps the store
   // keys of successive groups with the same name apart).
   compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
+  // For ranks outside a group the others are creating: keeps group ids aligned everywhere.
+  void skip_group() const { ++groups_created_; }
 
  private:
   World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout);

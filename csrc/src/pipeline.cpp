@@ -1,0 +1,410 @@
+#include "monarch/runtime/pipeline.h"
+
+#include <chrono>
+#include <climits>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "monarch/planner/errors.h"
+
+namespace monarch {
+
+using planner::Action;
+using planner::ActionType;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Up to 16 tensors per message; slot 16 carries the shapes.
+constexpr int kTensorSlots = 16;
+constexpr int kMetaSlot = kTensorSlots;
+constexpr int kSlots = kTensorSlots + 1;
+constexpr int64_t kMetaLen = 256;
+
+uint64_t fingerprint(const planner::Schedule& s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over every field
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(static_cast<int64_t>(s.kind));
+  mix(s.ranks);
+  mix(s.virtual_stages);
+  mix(s.micro_batches);
+  for (const auto& prog : s.per_rank) {
+    mix(static_cast<int64_t>(prog.size()));
+    for (const auto& a : prog) {
+      mix(static_cast<int64_t>(a.type));
+      mix(a.micro_batch);
+      mix(a.stage);
+      mix(a.peer);
+    }
+  }
+  return h;
+}
+
+std::string describe(const Action& a) {
+  std::ostringstream out;
+  out << planner::to_string(a.type) << "(mb " << a.micro_batch << ", stage " << a.stage << ")";
+  return out.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// AutogradStageWork
+
+AutogradStageWork::AutogradStageWork(int64_t num_stages, int64_t micro_batches, ForwardFn forward_fn,
+                                     LossFn loss_fn, double loss_scale, ParametersFn stage_parameters,
+                                     BackwardHook before_backward)
+    : num_stages_(num_stages),
+      micro_batches_(micro_batches),
+      forward_fn_(std::move(forward_fn)),
+      loss_fn_(std::move(loss_fn)),
+      loss_scale_(loss_scale),
+      stage_parameters_(std::move(stage_parameters)),
+      before_backward_(std::move(before_backward)) {
+  TORCH_CHECK(forward_fn_, "monarch: AutogradStageWork needs a forward function");
+}
+
+void AutogradStageWork::reset() {
+  stash_.clear();
+  backwards_done_.clear();
+  losses_.clear();
+}
+
+std::vector<at::Tensor> AutogradStageWork::forward(int64_t stage, int64_t mb, std::vector<at::Tensor> inputs) {
+  auto outputs = forward_fn_(stage, mb, inputs);
+  const bool last = stage == num_stages_ - 1;
+  if (last && loss_fn_) {
+    auto loss = loss_fn_(mb, outputs);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1, "monarch: the loss function must return a scalar, got ",
+                loss.defined() ? loss.sizes() : at::IntArrayRef{});
+    losses_[mb] = loss.detach().item<double>();
+    outputs = {loss};
+  }
+  if (!at::GradMode::is_enabled()) return outputs;
+  Stash s;
+  for (auto& t : inputs) s.inputs.push_back(t);
+  if (last && loss_fn_) {
+    s.outputs = {outputs[0] * loss_scale_};
+    outputs = {outputs[0].detach()};
+  } else {
+    s.outputs = outputs;
+  }
+  stash_[{stage, mb}] = std::move(s);
+  return outputs;
+}
+
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> AutogradStageWork::roots(
+    Stash& s, const std::vector<at::Tensor>& grads) const {
+  std::vector<at::Tensor> outs, gs;
+  for (size_t i = 0; i < s.outputs.size(); ++i) {
+    const auto& o = s.outputs[i];
+    if (!o.defined() || !o.requires_grad()) continue;
+    if (grads.empty()) {  // last stage: the loss
+      outs.push_back(o);
+      gs.push_back(at::Tensor());
+    } else if (i < grads.size() && grads[i].defined()) {
+      outs.push_back(o);
+      gs.push_back(grads[i]);
+    }
+  }
+  return {outs, gs};
+}
+
+std::vector<at::Tensor> AutogradStageWork::input_grads(const Stash& s) const {
+  std::vector<at::Tensor> out;
+  for (const auto& t : s.inputs) {
+    if (t.defined() && t.requires_grad()) {
+      out.push_back(t.grad().defined() ? t.grad() : at::zeros_like(t));
+    } else {
+      out.push_back(at::Tensor());
+    }
+  }
+  return out;
+}
+
+void AutogradStageWork::note_backward(int64_t stage, int64_t mb) {
+  const int64_t done = ++backwards_done_[stage];
+  if (before_backward_) before_backward_(stage, mb, done == micro_batches_);
+}
+
+std::vector<at::Tensor> AutogradStageWork::backward(int64_t stage, int64_t mb, std::vector<at::Tensor> grads) {
+  auto it = stash_.find({stage, mb});
+  TORCH_CHECK(it != stash_.end(), "monarch: backward of micro-batch ", mb, " on stage ", stage,
+              " without its forward");
+  note_backward(stage, mb);
+  auto [outs, gs] = roots(it->second, grads);
+  if (!outs.empty()) torch::autograd::backward(outs, gs);
+  auto result = input_grads(it->second);
+  stash_.erase(it);
+  return result;
+}
+
+std::vector<at::Tensor> AutogradStageWork::backward_input(int64_t stage, int64_t mb, std::vector<at::Tensor> grads) {
+  auto it = stash_.find({stage, mb});
+  TORCH_CHECK(it != stash_.end(), "monarch: backward_input of micro-batch ", mb, " on stage ", stage,
+              " without its forward");
+  Stash& s = it->second;
+  s.grads = grads;
+  std::vector<at::Tensor> wanted;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < s.inputs.size(); ++i) {
+    if (s.inputs[i].defined() && s.inputs[i].requires_grad()) {
+      wanted.push_back(s.inputs[i]);
+      where.push_back(i);
+    }
+  }
+  std::vector<at::Tensor> result(s.inputs.size());
+  auto [outs, gs] = roots(s, grads);
+  if (!wanted.empty() && !outs.empty()) {
+    // Only the paths to the inputs run; the weights' gradients wait for backward_weight.
+    auto got = torch::autograd::grad(outs, wanted, gs, /*retain_graph=*/true, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+    for (size_t k = 0; k < where.size(); ++k) {
+      result[where[k]] = got[k].defined() ? got[k] : at::zeros_like(wanted[k]);
+    }
+  } else {
+    for (size_t k = 0; k < where.size(); ++k) result[where[k]] = at::zeros_like(wanted[k]);
+  }
+  return result;
+}
+
+void AutogradStageWork::backward_weight(int64_t stage, int64_t mb) {
+  auto it = stash_.find({stage, mb});
+  TORCH_CHECK(it != stash_.end(), "monarch: backward_weight of micro-batch ", mb, " on stage ", stage,
+              " without its forward");
+  note_backward(stage, mb);
+  std::vector<at::Tensor> params;
+  if (stage_parameters_) {
+    for (auto& p : stage_parameters_(stage)) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+  }
+  auto [outs, gs] = roots(it->second, it->second.grads);
+  // Autograd has no weight-only pass: this replays the stage's backward restricted to the
+  // parameters, so the input-gradient paths run twice (correct, not cheaper).
+  if (!outs.empty() && !params.empty()) {
+    torch::autograd::backward(outs, gs, /*retain_graph=*/false, /*create_graph=*/false, params);
+  }
+  stash_.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------
+// PipelineExecutor
+
+PipelineExecutor::PipelineExecutor(planner::Schedule schedule, Communicator& pp_group)
+    : schedule_(std::move(schedule)), group_(pp_group), rank_(pp_group.group_rank()) {
+  std::string problem;
+  if (schedule_.ranks != group_.size()) {
+    problem = "the schedule is for " + std::to_string(schedule_.ranks) + " pipeline ranks but the pp group has " +
+              std::to_string(group_.size());
+  } else if (static_cast<int64_t>(schedule_.per_rank.size()) != schedule_.ranks) {
+    problem = "the schedule has " + std::to_string(schedule_.per_rank.size()) + " programs for " +
+              std::to_string(schedule_.ranks) + " ranks";
+  } else if (schedule_.num_stages() * schedule_.micro_batches * 2 * kSlots > INT_MAX) {
+    problem = "too many (stage, micro-batch) pairs for message tags";
+  } else {
+    try {
+      planner::check_schedule(schedule_);
+    } catch (const planner::PlannerError& e) {
+      problem = e.what();
+    }
+  }
+  // Every rank learns whether every rank accepted the same schedule before any activation
+  // moves: [fingerprint, ok] from each rank.
+  auto mine = at::tensor({static_cast<int64_t>(fingerprint(schedule_)), int64_t{problem.empty()}}, at::kLong);
+  auto all = at::empty({group_.size(), 2}, at::kLong);
+  group_.all_gather(all, mine).wait();
+  TORCH_CHECK(problem.empty(), "monarch: pipeline rank ", rank_, " refuses the schedule before running it: ",
+              problem);
+  for (int r = 0; r < group_.size(); ++r) {
+    TORCH_CHECK(all[r][1].item<int64_t>() == 1, "monarch: pipeline rank ", r,
+                " refused the schedule (see its error); nothing was run");
+    TORCH_CHECK(all[r][0].item<int64_t>() == all[rank_][0].item<int64_t>(), "monarch: pipeline rank ", r,
+                " holds a different schedule than rank ", rank_, "; every rank must run the same action lists");
+  }
+}
+
+std::vector<int64_t> PipelineExecutor::local_stages() const {
+  std::vector<int64_t> out;
+  for (int64_t s = rank_; s < schedule_.num_stages(); s += schedule_.ranks) out.push_back(s);
+  return out;
+}
+
+int PipelineExecutor::tag(int64_t stage, int64_t mb, int direction, int slot) const {
+  return static_cast<int>(((stage * schedule_.micro_batches + mb) * 2 + direction) * kSlots + slot);
+}
+
+void PipelineExecutor::send_tensors(const std::vector<at::Tensor>& tensors, int peer, int64_t stage, int64_t mb,
+                                    int direction, bool with_meta) {
+  TORCH_CHECK(tensors.size() <= static_cast<size_t>(kTensorSlots), "monarch: stage ", stage, " passes ",
+              tensors.size(), " tensors to the next stage; at most ", kTensorSlots, " are supported");
+  if (with_meta) {
+    Meta m;
+    std::vector<int64_t> words{static_cast<int64_t>(tensors.size())};
+    for (const auto& t : tensors) {
+      TORCH_CHECK(t.defined(), "monarch: stage ", stage, " returned an undefined tensor for the next stage");
+      m.dtypes.push_back(t.scalar_type());
+      m.shapes.push_back(t.sizes().vec());
+      m.needs_grad.push_back(t.requires_grad() && at::isFloatingType(t.scalar_type()));
+      words.push_back(static_cast<int64_t>(t.scalar_type()));
+      words.push_back(m.needs_grad.back() ? 1 : 0);
+      words.push_back(t.dim());
+      for (auto d : t.sizes()) words.push_back(d);
+    }
+    TORCH_CHECK(static_cast<int64_t>(words.size()) <= kMetaLen, "monarch: stage ", stage,
+                " activations have too many dimensions to describe");
+    words.resize(kMetaLen, 0);
+    auto buf = at::tensor(words, at::kLong);
+    pending_sends_.emplace_back(group_.send(buf, peer, tag(stage, mb, direction, kMetaSlot)), buf);
+    meta_[stage] = std::move(m);
+  } else if (direction == 0) {
+    const Meta& m = meta_.at(stage);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(i < m.shapes.size() && tensors[i].sizes().vec() == m.shapes[i] &&
+                      tensors[i].scalar_type() == m.dtypes[i],
+                  "monarch: stage ", stage, " micro-batch ", mb, " output ", i, " has shape ", tensors[i].sizes(),
+                  " but the first micro-batch's was ", (i < m.shapes.size() ? at::IntArrayRef(m.shapes[i]) : at::IntArrayRef{}),
+                  "; all micro-batches of a step must have the same shape");
+    }
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) continue;
+    auto buf = tensors[i].detach().contiguous();
+    pending_sends_.emplace_back(group_.send(buf, peer, tag(stage, mb, direction, static_cast<int>(i))), buf);
+  }
+}
+
+std::vector<at::Tensor> PipelineExecutor::recv_tensors(int peer, int64_t stage, int64_t mb, int direction,
+                                                       bool with_meta, double& wait_s) {
+  auto start = Clock::now();
+  if (with_meta) {
+    auto buf = at::empty({kMetaLen}, at::kLong);
+    group_.recv(buf, peer, tag(stage, mb, direction, kMetaSlot)).wait();
+    auto w = buf.data_ptr<int64_t>();
+    Meta m;
+    int64_t k = 0;
+    const int64_t count = w[k++];
+    TORCH_CHECK(count >= 0 && count <= kTensorSlots, "monarch: corrupt activation header from pipeline rank ", peer);
+    for (int64_t i = 0; i < count; ++i) {
+      m.dtypes.push_back(static_cast<at::ScalarType>(w[k++]));
+      m.needs_grad.push_back(w[k++] != 0);
+      const int64_t ndim = w[k++];
+      m.shapes.emplace_back(w + k, w + k + ndim);
+      k += ndim;
+    }
+    meta_[stage] = std::move(m);
+  }
+  const Meta& m = meta_.at(stage);
+  std::vector<at::Tensor> out(m.shapes.size());
+  std::vector<Handle> handles;
+  for (size_t i = 0; i < m.shapes.size(); ++i) {
+    if (direction == 1 && !m.needs_grad[i]) continue;  // no gradient flows back for it
+    out[i] = at::empty(m.shapes[i], at::TensorOptions().dtype(m.dtypes[i]));
+    handles.push_back(group_.recv(out[i], peer, tag(stage, mb, direction, static_cast<int>(i))));
+  }
+  for (auto& h : handles) h.wait();
+  if (direction == 0) {
+    for (size_t i = 0; i < out.size(); ++i) out[i].requires_grad_(m.needs_grad[i] && at::GradMode::is_enabled());
+  }
+  wait_s += seconds_since(start);
+  return out;
+}
+
+PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
+  PipelineStepStats stats;
+  auto step_start = Clock::now();
+  meta_.clear();
+  std::map<int64_t, bool> meta_done[2];  // per boundary stage: header already sent/received
+  std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> inbox, outbox, grad_in, grad_out;
+  std::unique_ptr<at::NoGradGuard> no_grad;
+  if (forward_only) no_grad = std::make_unique<at::NoGradGuard>();
+
+  auto timed = [&](const Action& a, auto&& fn) {
+    auto t = Clock::now();
+    fn();
+    stats.compute_s += seconds_since(t);
+    stats.trace.push_back(a);
+  };
+
+  for (const Action& a : program()) {
+    const auto key = std::make_pair<int64_t, int64_t>(a.stage, a.micro_batch);
+    try {
+      switch (a.type) {
+        case ActionType::recv_activation: {
+          const int64_t from = a.stage - 1;
+          const bool first = !meta_done[0][from];
+          meta_done[0][from] = true;
+          inbox[key] = recv_tensors(a.peer, from, a.micro_batch, 0, first, stats.wait_s);
+          break;
+        }
+        case ActionType::forward:
+          timed(a, [&] {
+            std::vector<at::Tensor> in;
+            if (a.stage > 0) {
+              in = std::move(inbox.at(key));
+              inbox.erase(key);
+            }
+            outbox[key] = work.forward(a.stage, a.micro_batch, std::move(in));
+          });
+          break;
+        case ActionType::send_activation: {
+          const bool first = !meta_done[0][a.stage];
+          meta_done[0][a.stage] = true;
+          send_tensors(outbox.at(key), a.peer, a.stage, a.micro_batch, 0, first);
+          outbox.erase(key);
+          break;
+        }
+        case ActionType::recv_gradient:
+          if (forward_only) break;
+          grad_in[key] = recv_tensors(a.peer, a.stage, a.micro_batch, 1, false, stats.wait_s);
+          break;
+        case ActionType::backward:
+        case ActionType::backward_input:
+          if (forward_only) break;
+          timed(a, [&] {
+            std::vector<at::Tensor> g;
+            if (a.stage < schedule_.num_stages() - 1) {
+              g = std::move(grad_in.at(key));
+              grad_in.erase(key);
+            }
+            grad_out[key] = a.type == ActionType::backward ? work.backward(a.stage, a.micro_batch, std::move(g))
+                                                           : work.backward_input(a.stage, a.micro_batch, std::move(g));
+          });
+          break;
+        case ActionType::backward_weight:
+          if (forward_only) break;
+          timed(a, [&] { work.backward_weight(a.stage, a.micro_batch); });
+          break;
+        case ActionType::send_gradient:
+          if (forward_only) break;
+          send_tensors(grad_out.at(key), a.peer, a.stage - 1, a.micro_batch, 1, false);
+          grad_out.erase(key);
+          break;
+      }
+    } catch (const std::out_of_range&) {
+      TORCH_CHECK(false, "monarch: pipeline rank ", rank_, ": ", describe(a),
+                  " has no data (the action list is out of order)");
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "monarch: pipeline rank ", rank_, " failed at ", describe(a), ": ",
+                  e.what_without_backtrace());
+    }
+  }
+  auto t = Clock::now();
+  for (auto& [h, buf] : pending_sends_) h.wait();
+  pending_sends_.clear();
+  stats.wait_s += seconds_since(t);
+  stats.total_s = seconds_since(step_start);
+  return stats;
+}
+
+}  // namespace monarch

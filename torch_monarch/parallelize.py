@@ -1,0 +1,303 @@
+"""torch_monarch.parallelize: one model, any combination of pipeline (pp), data / fully
+sharded (dp) and tensor (tp) parallelism on one mesh, read from a Plan or given by hand.
+
+    model = parallelize(model, plan=plan)            # mesh, stages, schedule, ZeRO, SP from the plan
+    opt = torch.optim.AdamW(model.parameters())      # this rank's parameters (or shards)
+    for inputs, targets in data:                     # this dp rank's batch
+        opt.zero_grad()
+        loss = model.train_step(inputs, targets, loss_fn)   # same value on every rank
+        opt.step()
+
+Without a pipeline the result is also an ordinary module: ``loss_fn(model(x), y).backward()``.
+Under tensor parallelism the model returns logits split along the vocabulary: use
+``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
+"""
+
+import torch
+from torch import nn
+
+from . import _runtime
+from . import planner as _planner
+from .data_parallel import DataParallel
+from .distributed import device_mesh
+from .fully_shard import _default_units, fully_shard
+from .pipeline import split_model
+from .tensor_parallel import shard_spec, tensor_parallel
+
+
+def _plan_block_stages(plan, num_units):
+    blocks = [layer for layer in plan.layers if str(layer.kind).endswith("block")]
+    if len(blocks) != num_units:
+        raise ValueError(f"parallelize: the plan has {len(blocks)} transformer blocks, the model has {num_units}; "
+                         "the plan was made for another model")
+    return [int(layer.stage) for layer in blocks]
+
+
+def _schedule_kind(name):
+    return _planner._enum(_planner.ScheduleKind, name, "schedule") if isinstance(name, str) else name
+
+
+class ParallelModel(nn.Module):
+    """What ``parallelize`` returns. ``parameters()``: what this rank's optimizer steps on.
+    ``train_step``: one forward + backward over the local batch (micro-batched through the
+    pipeline schedule when pp > 1), gradients synchronised, loss returned on every rank."""
+
+    def __init__(self, model, mesh, *, schedule, micro_batches, virtual_stages, unit_stage, units, tp_plan,
+                 sequence_parallel, zero_stage, bucket_cap_mb, sequence_dim):
+        super().__init__()
+        self.mesh = mesh
+        self.pp, self.dp, self.tp = (mesh.axis_size(a) for a in ("pp", "dp", "tp"))
+        self.micro_batches = micro_batches
+        self.zero_stage = zero_stage
+        units = list(_default_units(model) if units is None else units)
+        if self.tp > 1:
+            tensor_parallel(model, mesh, tp_plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                            sequence_start=units[0] if units else None)
+        # Every name a parameter has (a tied weight has two), with how tp cut it.
+        self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
+                          for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
+                          if p is not None and shard_spec(p)}
+        self._executor = None
+        if self.pp > 1:
+            kind = _schedule_kind(schedule or "1f1b")
+            sched = _planner.make_schedule(kind, self.pp, micro_batches, virtual_stages)
+            self._executor = _runtime.PipelineExecutor(sched, mesh)
+            stages = split_model(model, self.pp * virtual_stages, units, unit_stage)
+            self.num_stages = len(stages)
+            self._local = list(self._executor.local_stages)
+            bad = [(n, s) for n, s, _ in stages.tied if not s <= {0, self.num_stages - 1}]
+            if bad:
+                raise ValueError(f"pipeline: weights {[n for n, _ in bad]} are shared by stages {[sorted(s) for _, s in bad]}; "
+                                 "only weights tied between the first and the last stage are supported")
+            tied_ids = {id(p) for _, _, p in stages.tied}
+            self._tied = [p for s in self._local for p in stages.modules[s].parameters() if id(p) in tied_ids]
+            self._stage_units = {s: stages.units_of(s) for s in self._local}
+            modules = {s: stages.modules[s] for s in self._local}
+        else:
+            self.num_stages = 1
+            self._local = [0]
+            self._tied = []
+            self._stage_units = {0: units}
+            modules = {0: model}
+        self._plain = modules  # unwrapped stage modules (names, ZB weight passes)
+        self._wrapped = {}
+        tied_ids = {id(p) for p in self._tied}
+        for s, m in modules.items():
+            if self.dp > 1 and zero_stage == 0:
+                self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=bucket_cap_mb, exclude=tied_ids)
+            elif self.dp > 1:
+                self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
+                                               ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids])
+            else:
+                self._wrapped[s] = m
+        self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
+        if self._tied and self.dp > 1:
+            self._broadcast_tied()
+
+    # -- what the optimizer sees ------------------------------------------------------
+    def parameters(self, recurse: bool = True):
+        seen = set()
+        for m in self.stages:
+            for p in list(m.parameters()) + (list(m.ignored_parameters) if hasattr(m, "ignored_parameters") else []):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_local_parameters(self):
+        """(name in the original model, tensor, tp shard spec or None) for every parameter
+        this rank holds whole along dp (all but ZeRO shards)."""
+        for s in self._local:
+            seen = set()
+            for name, p in self._plain[s].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p, self._tp_specs.get(name)
+
+    def local_state_dict(self):
+        """{name: tensor} of this rank's stages, whole along dp (ZeRO shards are gathered:
+        every dp rank must call it), split along tp as ``tp_spec(name)`` says."""
+        out = {}
+        for s in self._local:
+            w = self._wrapped[s]
+            out.update(w.state_dict() if hasattr(w, "sharded_state_dict") else w.state_dict())
+        return {k: v.detach() for k, v in out.items()}
+
+    def tp_spec(self, name):
+        return self._tp_specs.get(name)
+
+    @property
+    def local_stages(self):
+        return list(self._local)
+
+    @property
+    def executor(self):
+        return self._executor
+
+    # -- running ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.pp > 1:
+            raise RuntimeError("parallelize: a pipelined model runs through train_step() or predict(), "
+                               "not a direct forward")
+        return self.stages[0](*args, **kwargs)
+
+    def train_step(self, inputs, targets, loss_fn):
+        """Forward and backward of this dp rank's batch (``inputs`` and ``targets`` split into
+        the plan's micro-batches along dim 0); returns the mean loss of the global batch on
+        every rank. The caller zeroes gradients and steps the optimizer."""
+        m = self.micro_batches
+        xs, ys = _split(inputs, m, "inputs"), _split(targets, m, "targets")
+        if self.pp == 1:
+            total = 0.0
+            dp = self._wrapped[0]
+            for k in range(m):
+                sync = k == m - 1
+                if isinstance(dp, DataParallel):
+                    dp._engine.set_sync(sync)
+                loss = loss_fn(self.stages[0](*_as_tuple(xs[k])), ys[k]) / m
+                loss.backward()
+                total += loss.item()
+            if isinstance(dp, DataParallel):
+                dp._engine.set_sync(True)
+            self.last_stats = None
+        else:
+            total = self._pipeline_step(xs, ys, loss_fn)
+        return self._global_mean(total)
+
+    @torch.no_grad()
+    def predict(self, inputs):
+        """Forward only (inference) through the pipeline; returns the model's outputs for
+        the whole local batch on ranks of the last stage, None elsewhere."""
+        if self.pp == 1:
+            return self.stages[0](*_as_tuple(inputs))
+        xs = _split(inputs, self.micro_batches, "inputs")
+        outputs = {}
+
+        def forward(stage, mb, received):
+            out = self._run_stage(stage, mb, received, xs)
+            if stage == self.num_stages - 1:
+                outputs[mb] = out[0]
+            return out
+
+        work = _runtime.AutogradStageWork(self.num_stages, self.micro_batches, forward, None, 1.0)
+        self.last_stats = self._executor.run(work, forward_only=True)
+        if not outputs:
+            return None
+        return torch.cat([outputs[k] for k in sorted(outputs)], 0)
+
+    def _run_stage(self, stage, mb, received, xs):
+        module = self._wrapped[stage]
+        out = module(*_as_tuple(xs[mb])) if stage == 0 else module(*received)
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        for i, t in enumerate(out):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"pipeline: stage {stage} returns a {type(t).__name__} as value {i}; only "
+                                "tensors can cross a stage boundary")
+        return out
+
+    def _pipeline_step(self, xs, ys, loss_fn):
+        last = self.num_stages - 1
+
+        def forward(stage, mb, received):
+            return self._run_stage(stage, mb, received, xs)
+
+        def loss(mb, outputs):
+            return loss_fn(outputs[0], ys[mb])
+
+        def stage_parameters(stage):
+            return list(self._plain[stage].parameters())
+
+        def before_backward(stage, mb, is_last):
+            w = self._wrapped[stage]
+            if isinstance(w, DataParallel):
+                w._engine.set_sync(is_last)
+
+        work = _runtime.AutogradStageWork(self.num_stages, self.micro_batches, forward, loss,
+                                          1.0 / self.micro_batches, stage_parameters, before_backward)
+        self.last_stats = self._executor.run(work)
+        for w in self._wrapped.values():
+            if isinstance(w, DataParallel):
+                w._engine.set_sync(True)
+        self._sync_tied()
+        # The loss lives on the last stage: send it along pp.
+        value = torch.tensor([sum(work.losses()) / self.micro_batches if last in self._local else 0.0],
+                             dtype=torch.float64)
+        self.mesh.group("pp").broadcast(value, self.pp - 1).wait()
+        return value.item()
+
+    def _sync_tied(self):
+        """Weights tied between the first and last stage: both copies get the sum of both
+        stages' gradients (averaged over dp first), so identical optimizers keep them equal."""
+        if not self._tied:
+            return
+        for p in self._tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.contiguous()
+            if self.dp > 1:
+                self.mesh.group("dp").all_reduce(g, average=True).wait()
+            self.mesh.pipeline_ends_group().all_reduce(g).wait()
+            p.grad = g
+
+    def _broadcast_tied(self):
+        for p in self._tied:
+            with torch.no_grad():
+                buf = p.detach().contiguous().clone()
+                self.mesh.group("dp").broadcast(buf, 0).wait()
+                p.copy_(buf)
+
+    def _global_mean(self, value):
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.dp > 1:
+            self.mesh.group("dp").all_reduce(t, average=True).wait()
+        return t.item()
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _split(x, m, what):
+    if isinstance(x, tuple):
+        parts = [_split(t, m, what) for t in x]
+        return [tuple(p[k] for p in parts) for k in range(m)]
+    if x.shape[0] % m != 0:
+        raise ValueError(f"train_step: the local batch of {x.shape[0]} {what} does not split into {m} "
+                         f"micro-batches")
+    return list(x.chunk(m, 0))
+
+
+def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_batches=None, virtual_stages=None,
+                unit_stage=None, units=None, tp_plan=None, sequence_parallel=None, zero_stage=None,
+                bucket_cap_mb=None, sequence_dim=1) -> ParallelModel:
+    """Lays ``model`` out on the mesh. With a ``plan`` (torch_monarch.planner.Plan) the mesh,
+    block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
+    parallelism and bucket size are the plan's; keywords override them.
+
+    ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
+    ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
+    ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
+    Every rank must call it, with the same model (same initial weights are not required:
+    dp replicas start from dp rank 0's).
+    """
+    if plan is not None:
+        if mesh is None:
+            mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
+        elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):
+            raise ValueError(f"parallelize: the mesh (pp, dp, tp) = ({mesh.axis_size('pp')}, {mesh.axis_size('dp')}, "
+                             f"{mesh.axis_size('tp')}) differs from the plan's ({plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp})")
+        blocks = list(_default_units(model) if units is None else units)
+        schedule = schedule if schedule is not None else plan.schedule
+        micro_batches = micro_batches or plan.num_micro_batches
+        virtual_stages = virtual_stages or plan.virtual_stages
+        unit_stage = unit_stage if unit_stage is not None else (
+            _plan_block_stages(plan, len(blocks)) if plan.mesh.pp > 1 else None)
+        sequence_parallel = plan.sequence_parallel if sequence_parallel is None else sequence_parallel
+        zero_stage = plan.zero_stage if zero_stage is None else zero_stage
+        bucket_cap_mb = bucket_cap_mb or plan.dp_bucket_bytes / (1024 * 1024)
+    mesh = mesh if mesh is not None else device_mesh()
+    if schedule is not None and str(schedule).endswith("none"):
+        schedule = None
+    return ParallelModel(model, mesh, schedule=schedule, micro_batches=micro_batches or 1,
+                         virtual_stages=virtual_stages or 1, unit_stage=unit_stage, units=units,
+                         tp_plan=tp_plan, sequence_parallel=bool(sequence_parallel), zero_stage=zero_stage or 0,
+                         bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim)

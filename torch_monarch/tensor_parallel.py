@@ -1,0 +1,366 @@
+"""Tensor parallelism over the mesh's ``tp`` axis (Megatron-LM, Shoeybi et al. 2019), with
+optional sequence parallelism (Korthikanti et al. 2022).
+
+The collectives are the C++ autograd functions of ``torch_monarch._runtime`` (the same ones
+the C++ frontend uses); this module only swaps submodules of a Python module tree.
+
+    model = tensor_parallel(model, mesh)                      # default plan for GPT/Llama-style names
+    logits = model(tokens)                                    # this rank's vocabulary slice
+    loss = vocab_parallel_cross_entropy(logits, targets, mesh)
+"""
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from . import _runtime
+
+
+# ---------------------------------------------------------------------------------------
+# Styles: how one module is split.
+
+@dataclass(frozen=True)
+class Colwise:
+    """Output features split over tp (weight rows). ``fused_parts``: the weight stacks that
+    many equal parts (q|k|v = 3, gate|up = 2), each split separately. ``gather_output``
+    all-gathers the output features (otherwise the output stays split)."""
+    fused_parts: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Input features split over tp (weight columns); the partial outputs are all-reduced
+    (reduce-scattered along the sequence under sequence parallelism)."""
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    """Embedding rows (the vocabulary) split over tp."""
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """Output head split along the vocabulary: logits stay split (use
+    ``vocab_parallel_cross_entropy``) unless ``gather_output``."""
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Not split (every tp rank holds it whole)."""
+
+
+HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads")
+KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
+
+_FUSED3 = {"qkv", "c_attn", "wqkv", "query_key_value", "in_proj"}
+_FUSED2 = {"gate_up_proj", "w13", "fc1_gate"}
+_COLWISE = {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value", "q", "k", "v",
+            "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h", "up", "gate"}
+_ROWWISE = {"o_proj", "out_proj", "proj", "c_proj", "wo", "o", "dense", "fc2", "down_proj", "w2", "fc_out",
+            "dense_4h_to_h", "down"}
+
+
+def default_plan(model: nn.Module):
+    """A tp plan from module names, as Megatron / Llama / GPT-2 / HF models spell them:
+    fused q|k|v and gated projections column-parallel by parts, q/k/v/up/gate column-parallel,
+    output / down projections row-parallel, the largest embedding split along the vocabulary
+    and a Linear producing the vocabulary (tied or not) as a vocabulary-parallel head.
+    Everything else is replicated. Returns {qualified name: style}."""
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for _, m in embeddings), default=None)
+    plan = {}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+            plan[name] = VocabEmbedding()
+        elif isinstance(module, nn.Linear):
+            if vocab is not None and module.out_features == vocab:
+                plan[name] = VocabHead()
+            elif leaf in _FUSED3:
+                plan[name] = Colwise(fused_parts=3)
+            elif leaf in _FUSED2:
+                plan[name] = Colwise(fused_parts=2)
+            elif leaf in _COLWISE:
+                plan[name] = Colwise()
+            elif leaf in _ROWWISE:
+                plan[name] = Rowwise()
+    return plan
+
+
+# ---------------------------------------------------------------------------------------
+# Modules
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's rows (output features) split: this rank holds rows
+    [rank * out/tp, (rank + 1) * out/tp) of each fused part. The input is replicated (its
+    gradient is all-reduced) or, under sequence parallelism, all-gathered along
+    ``sequence_dim``."""
+
+    def __init__(self, weight, bias, group, gather_output=False, sequence_parallel=False, sequence_dim=1,
+                 fused_parts=1):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
+        self.group = group
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+        self.fused_parts = fused_parts
+
+    @classmethod
+    def from_linear(cls, linear, group, fused_parts=1, gather_output=False, sequence_parallel=False,
+                    sequence_dim=1, name="linear", shared=None):
+        weight = _shard_param(linear.weight, 0, group, fused_parts, name, shared)
+        bias = None if linear.bias is None else _shard_param(linear.bias, 0, group, fused_parts, name, shared)
+        return cls(weight, bias, group, gather_output, sequence_parallel, sequence_dim, fused_parts)
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = _runtime.tp_sequence_gather(x, self.group, self.sequence_dim)
+        else:
+            x = _runtime.tp_copy_to_group(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = _runtime.tp_gather_from_group(y.contiguous(), self.group, -1)
+        return y
+
+    def extra_repr(self):
+        return (f"in={self.weight.shape[1]}, out_shard={self.weight.shape[0]}, tp={self.group.size}, "
+                f"fused_parts={self.fused_parts}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's columns (input features) split; the input arrives split (the
+    output of a column-parallel layer). The bias is added once, after the reduction."""
+
+    def __init__(self, weight, bias, group, sequence_parallel=False, sequence_dim=1):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+
+    @classmethod
+    def from_linear(cls, linear, group, sequence_parallel=False, sequence_dim=1, name="linear", shared=None):
+        weight = _shard_param(linear.weight, 1, group, 1, name, shared)
+        bias = None if linear.bias is None else linear.bias
+        return cls(weight, bias, group, sequence_parallel, sequence_dim)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = _runtime.tp_sequence_reduce_scatter(y.contiguous(), self.group, self.sequence_dim)
+        else:
+            y = _runtime.tp_reduce_from_group(y, self.group)
+        if self.bias is not None:
+            # Under sequence parallelism each rank adds the bias to its own tokens, so its
+            # gradient is a partial sum: enter it through copy_to_group (sums in backward).
+            bias = _runtime.tp_copy_to_group(self.bias, self.group) if self.sequence_parallel else self.bias
+            y = y + bias
+        return y
+
+    def extra_repr(self):
+        return (f"in_shard={self.weight.shape[1]}, out={self.weight.shape[0]}, tp={self.group.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split: this rank looks up tokens in
+    [vocab_start, vocab_start + rows) and the partial results are summed over tp."""
+
+    def __init__(self, weight, vocab_start, group, padding_idx=None):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.vocab_start = vocab_start
+        self.group = group
+        self.padding_idx = padding_idx
+
+    @classmethod
+    def from_embedding(cls, emb, group, name="embedding", shared=None):
+        weight = _shard_param(emb.weight, 0, group, 1, name, shared)
+        return cls(weight, group.rank * weight.shape[0], group, emb.padding_idx)
+
+    def forward(self, tokens):
+        return _runtime.vocab_parallel_embedding(tokens, self.weight, self.vocab_start, self.group)
+
+    def extra_repr(self):
+        return f"rows={self.weight.shape[0]} from {self.vocab_start}, dim={self.weight.shape[1]}, tp={self.group.size}"
+
+
+class SequenceScatter(nn.Module):
+    """Enters the sequence-parallel region: keeps this rank's slice of the sequence (the
+    gradient is all-gathered)."""
+
+    def __init__(self, group, sequence_dim=1):
+        super().__init__()
+        self.group = group
+        self.sequence_dim = sequence_dim
+
+    def forward(self, x):
+        return _runtime.tp_scatter_to_group(x.contiguous(), self.group, self.sequence_dim)
+
+
+def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of logits split along the vocabulary over tp (the output of a
+    ``VocabHead``), without forming full-vocabulary rows on any rank. ``reduction``: 'mean'
+    (over targets != ignore_index), 'sum' or 'none'."""
+    group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
+    start = group.rank * logits.shape[-1]
+    losses = _runtime.vocab_parallel_cross_entropy(logits.contiguous(), targets, start, group, ignore_index)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if reduction != "mean":
+        raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return losses.sum() / count
+
+
+# ---------------------------------------------------------------------------------------
+# Rewriting a module tree
+
+def _shard_param(param, dim, group, fused_parts, name, shared):
+    """This rank's slice of ``param``; a parameter shared by several modules (tied weights)
+    is sharded once and the same shard Parameter is returned for every module."""
+    if shared is not None and id(param) in shared:
+        return shared[id(param)]
+    with torch.no_grad():
+        shard = _runtime.shard_tensor(param.detach(), dim, group.rank, group.size, fused_parts, name)
+    out = nn.Parameter(shard, requires_grad=param.requires_grad)
+    out._monarch_tp = (dim, fused_parts)  # how it was cut, for state dicts and tests
+    if shared is not None:
+        shared[id(param)] = out
+    return out
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _set_submodule(root, name, new):
+    parent_name, _, leaf = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def _check_head_counts(model, plan, tp):
+    """Attention modules keep their head counts as attributes; divide them by tp where a
+    child is column-split, refusing a tp that does not divide them."""
+    split_parents = {name.rpartition(".")[0] for name, style in plan.items() if isinstance(style, Colwise)}
+    for parent_name in sorted(split_parents):
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for attr in HEAD_COUNT_ATTRIBUTES + KV_HEAD_COUNT_ATTRIBUTES:
+            count = getattr(parent, attr, None)
+            if isinstance(count, int) and not isinstance(count, bool):
+                if count % tp != 0:
+                    raise ValueError(f"tensor parallel: tp={tp} does not divide {attr}={count} of module "
+                                     f"'{parent_name or '<root>'}' (legal tp: {_divisors(count)})")
+    return split_parents
+
+
+def _find_norms(model):
+    return [name for name, m in model.named_modules()
+            if name and ("norm" in type(m).__name__.lower()) and any(True for _ in m.parameters(recurse=False))]
+
+
+def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
+                    sequence_start=None):
+    """Splits ``model`` in place over the mesh's ``tp`` axis and returns it.
+
+    ``plan``: {module name or glob: style} (``Colwise``, ``Rowwise``, ``VocabEmbedding``,
+    ``VocabHead``, ``Replicate``); default ``default_plan(model)``. Attention head counts
+    (``heads``, ``num_heads``, ``n_kv_heads``, ...) of modules with a column-split child are
+    divided by tp, so attention code that reads them (and reshapes with -1) runs on its
+    local heads. Weights shared between modules (tied embedding and head) stay shared.
+
+    ``sequence_parallel``: activations outside the attention / MLP cores (norms, residuals,
+    dropout) are split along ``sequence_dim``; the sequence is split at the input of
+    ``sequence_start`` (default: the first entry of the largest ModuleList, i.e. the first
+    block); column-parallel layers all-gather it and row-parallel ones reduce-scatter.
+    Gradients of replicated norm weights are summed over tp.
+    """
+    group = mesh.group("tp")
+    tp = group.size
+    base = default_plan(model) if plan is None else {}
+    if plan is not None:
+        for pattern, style in plan.items():
+            matched = [n for n, _ in model.named_modules() if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                raise ValueError(f"tensor parallel plan: '{pattern}' matches no module of {type(model).__name__}")
+            for n in matched:
+                base[n] = style
+    plan = {n: s for n, s in base.items() if not isinstance(s, Replicate)}
+    if tp == 1:
+        return model
+    _check_head_counts(model, plan, tp)
+    shared = {}
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if isinstance(style, VocabEmbedding):
+            if not isinstance(module, nn.Embedding):
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, VocabEmbedding needs nn.Embedding")
+            new = VocabParallelEmbedding.from_embedding(module, group, name=name, shared=shared)
+        elif isinstance(style, (Colwise, VocabHead)):
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, {type(style).__name__} needs nn.Linear")
+            parts = style.fused_parts if isinstance(style, Colwise) else 1
+            new = ColumnParallelLinear.from_linear(module, group, fused_parts=parts,
+                                                   gather_output=style.gather_output,
+                                                   sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                                   name=name, shared=shared)
+        elif isinstance(style, Rowwise):
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, Rowwise needs nn.Linear")
+            new = RowParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel,
+                                                sequence_dim=sequence_dim, name=name, shared=shared)
+        else:
+            raise ValueError(f"tensor parallel: unknown style {style!r} for '{name}'")
+        _set_submodule(model, name, new)
+    for parent_name in {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        for attr in HEAD_COUNT_ATTRIBUTES + KV_HEAD_COUNT_ATTRIBUTES:
+            count = getattr(parent, attr, None)
+            if isinstance(count, int) and not isinstance(count, bool):
+                setattr(parent, attr, count // tp)
+    if sequence_parallel:
+        _enable_sequence_parallel(model, group, sequence_dim, sequence_start)
+    model._monarch_tp_group = group
+    return model
+
+
+def _enable_sequence_parallel(model, group, sequence_dim, sequence_start):
+    if sequence_start is None:
+        from .fully_shard import _default_units
+        units = _default_units(model)
+        if not units:
+            raise ValueError("sequence parallel: no ModuleList of blocks found; pass sequence_start=<module>")
+        sequence_start = units[0]
+    scatter = SequenceScatter(group, sequence_dim)
+    sequence_start.register_forward_pre_hook(lambda _m, args: (scatter(args[0]),) + tuple(args[1:]))
+    # Norms see only this rank's tokens: their weight gradients are partial sums.
+    for name in _find_norms(model):
+        for p in model.get_submodule(name).parameters(recurse=False):
+            p.register_hook(_sum_over(group))
+            p._monarch_sequence_parallel = True
+
+
+def _sum_over(group):
+    def hook(grad):
+        out = grad.contiguous().clone()
+        group.all_reduce(out).wait()
+        return out
+    return hook
+
+
+def shard_spec(param):
+    """(dim, fused_parts) if ``param`` is a tensor-parallel shard, else None."""
+    return getattr(param, "_monarch_tp", None)
