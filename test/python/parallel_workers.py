@@ -25,10 +25,100 @@ def parse(layout):
     return cfg
 
 
+def save(result):
+    torch.save(result, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt"))
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # the message is what the test checks
+        return str(e)
+    return None
+
+
+def bad_schedule(world):
+    """An action list with a receive removed on one rank, then ranks holding different
+    schedules: both must be refused on every rank before anything runs."""
+    from torch_monarch import planner
+    mesh = torch_monarch.device_mesh(pp=world.size)
+    broken = planner.make_schedule(planner.ScheduleKind.one_f_one_b, world.size, 4, 1)
+    programs = broken.per_rank
+    programs[1] = [a for a in programs[1] if not (a.type == planner.ActionType.recv_activation and a.micro_batch == 2)]
+    broken.per_rank = programs
+    errors = {"broken": error_of(lambda: torch_monarch._runtime.PipelineExecutor(broken, mesh))}
+    kind = planner.ScheduleKind.gpipe if world.rank == 1 else planner.ScheduleKind.one_f_one_b
+    mine = planner.make_schedule(kind, world.size, 4, 1)
+    errors["different"] = error_of(lambda: torch_monarch._runtime.PipelineExecutor(mine, mesh))
+    save(errors)
+
+
+def bad_tensor_parallel(world):
+    """tp=3 against a model whose heads (4), vocabulary (64) or hidden width do not divide."""
+    from torch import nn
+    from torch_monarch.tensor_parallel import Colwise, tensor_parallel
+    mesh = torch_monarch.device_mesh(tp=world.size)
+    errors = {
+        "heads": error_of(lambda: tensor_parallel(make_model(), mesh)),
+        "vocab": error_of(lambda: tensor_parallel(nn.ModuleDict({"wte": nn.Embedding(64, 12)}), mesh)),
+        "hidden": error_of(lambda: tensor_parallel(nn.ModuleDict({"fc1": nn.Linear(12, 10)}), mesh,
+                                                   plan={"fc1": Colwise()})),
+    }
+    save(errors)
+
+
+def predict(world):
+    """Forward-only through a 2-stage pipeline: the last stage's logits equal the model's."""
+    mesh = torch_monarch.device_mesh(pp=world.size)
+    pm = parallelize(make_model(layers=4), mesh, schedule="1f1b", micro_batches=4)
+    inputs, _ = batch(0, GLOBAL_BATCH)
+    out = pm.predict(inputs)
+    want = make_model(layers=4)(inputs)
+    save({"diff": None if out is None else (out - want).abs().max().item(),
+          "trace": pm.last_stats["trace"], "is_last": mesh.coordinate("pp") == world.size - 1})
+
+
+def vocab_loss(world):
+    """The vocabulary-parallel loss of a head alone, with every tensor any operation
+    produces (forward and backward) watched for a full-vocabulary dimension."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch_monarch.tensor_parallel import VocabHead, tensor_parallel, vocab_parallel_cross_entropy
+    from torch import nn
+    vocab, hidden, tokens = 96, 8, 24
+    mesh = torch_monarch.device_mesh(tp=world.size)
+    torch.manual_seed(5)
+    head = nn.ModuleDict({"head": nn.Linear(hidden, vocab, bias=False)})
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    targets = torch.randint(vocab, (tokens,))
+    targets[3] = -100  # ignored
+    tensor_parallel(head, mesh, plan={"head": VocabHead()})
+
+    widths = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    widths.append(max(t.shape, default=0))
+            return out
+
+    with Watch():
+        loss = vocab_parallel_cross_entropy(head["head"](x), targets, mesh)
+        loss.backward()
+    save({"loss": loss.item(), "x_grad": x.grad, "weight_grad": head["head"].weight.grad,
+          "widest": max(widths), "ops": len(widths), "tp_rank": mesh.coordinate("tp")})
+
+
 def main(layout):
     torch.set_num_threads(1)
+    world = torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
+    special = {"bad_schedule": bad_schedule, "bad_tensor_parallel": bad_tensor_parallel, "predict": predict,
+               "vocab_loss": vocab_loss}
+    if layout in special:
+        special[layout](world)
+        return 0
     cfg = parse(layout)
-    torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
     mesh = torch_monarch.device_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
     model = make_model(layers=cfg["layers"])
     pm = parallelize(model, mesh, schedule=cfg["schedule"] if cfg["pp"] > 1 else None,
@@ -61,7 +151,7 @@ def main(layout):
         "tp_rank": mesh.coordinate("tp"), "tp": tp, "pp_rank": mesh.coordinate("pp"),
         "trace": trace, "program": program, "local_stages": pm.local_stages,
     }
-    torch.save(result, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt"))
+    save(result)
     return 0
 
 
