@@ -88,10 +88,16 @@ class FullyShardedModule(nn.Module):
         return self._engine.zero_stage
 
     def state_dict(self, *args, **kwargs):
-        full = dict(zip(self._names, self._engine.full_parameters()))
+        by_id = {}
+        params = dict(self.module.named_parameters())
+        for name, value in zip(self._names, self._engine.full_parameters()):
+            by_id[id(params[name])] = value
+        # Every name of a parameter (a tied weight has one per module) maps to its full value.
+        aliases = {f"{m}.{n}" if m else n: id(p) for m, mod in self.module.named_modules()
+                   for n, p in mod._parameters.items() if p is not None}
         out = OrderedDict()
         for name, value in self.module.state_dict().items():
-            out[name] = full[name] if name in full else value
+            out[name] = by_id.get(aliases.get(name), value)
         return out
 
     def sharded_state_dict(self):

@@ -110,11 +110,38 @@ def vocab_loss(world):
           "widest": max(widths), "ops": len(widths), "tp_rank": mesh.coordinate("tp")})
 
 
+def from_plan(world):
+    """The layout comes from the planner: a pinned plan for the tiny GPT (pp=2, tp=2, 1F1B,
+    4 micro-batches, sequence parallel), through JSON and back, then parallelize(plan=...)."""
+    from torch_monarch import planner
+    from tiny_gpt import HEADS, HIDDEN, SEQ, VOCAB
+    graph = planner.transformer(layers=4, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOCAB,
+                                tied_embeddings=True, dtype="fp32", name="tiny-gpt")
+    plan = planner.evaluate(graph, planner.cluster("cpu", world.size), planner.training(GLOBAL_BATCH),
+                            tp=2, pp=2, dp=1, zero=0, micro_batch=2, schedule="1f1b", recompute="none",
+                            sequence_parallel=True, allow_over_memory=True)
+    plan = planner.loads(planner.dumps(plan))
+    wrong = error_of(lambda: parallelize(make_model(layers=2), plan=plan))
+    model = make_model(layers=4)
+    pm = parallelize(model, plan=plan)
+    mesh = pm.mesh
+    opt = make_optimizer(pm.parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = batch(step, GLOBAL_BATCH)
+        opt.zero_grad()
+        losses.append(pm.train_step(inputs, targets, lambda lg, y: vocab_parallel_cross_entropy(lg, y, mesh)))
+        opt.step()
+    save({"losses": losses, "state": pm.local_state_dict(), "specs": {n: pm.tp_spec(n) for n in pm.local_state_dict()},
+          "tp_rank": mesh.coordinate("tp"), "tp": mesh.axis_size("tp"), "micro_batches": pm.micro_batches,
+          "summary": plan.summary(), "wrong_model": wrong, "sequence_parallel": plan.sequence_parallel})
+
+
 def main(layout):
     torch.set_num_threads(1)
     world = torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
     special = {"bad_schedule": bad_schedule, "bad_tensor_parallel": bad_tensor_parallel, "predict": predict,
-               "vocab_loss": vocab_loss}
+               "vocab_loss": vocab_loss, "from_plan": from_plan}
     if layout in special:
         special[layout](world)
         return 0

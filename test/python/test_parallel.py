@@ -199,3 +199,20 @@ def test_pipeline_cuts_only_where_the_model_allows():
     stages = split_model(model, 2)
     mid = stages.modules[0](x)
     assert torch.equal(stages.modules[1](*mid), model(x))
+
+
+def test_layout_read_from_a_plan():
+    # pp=2 x tp=2 with sequence parallelism and 4 micro-batches, all taken from a pinned
+    # plan that went through JSON; a plan for a 4-block model is refused by a 2-block one.
+    ref_losses, ref_state, _ = reference(4)
+    results = run_ok(4, "from_plan")
+    for rank, res in enumerate(results):
+        assert res["summary"].startswith("pp=2 dp=1 tp=2") and res["sequence_parallel"]
+        assert res["micro_batches"] == 4
+        assert "the plan has 4 transformer blocks, the model has 2" in res["wrong_model"]
+        for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
+            assert got == pytest.approx(want, rel=LOSS_REL), f"rank {rank}: loss of step {step}"
+        for pname, got in res["state"].items():
+            want = expected_slice(ref_state[pname], res["specs"].get(pname), res, pname)
+            norm_rel = ((got - want).norm() / max(want.norm().item(), 1e-6)).item()
+            assert norm_rel <= PARAM_NORM_REL, f"rank {rank}: {pname} differs by {norm_rel} in norm"
