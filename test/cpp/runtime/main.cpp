@@ -2,16 +2,21 @@
 #define CATCH_CONFIG_RUNNER
 #include "catch_with_torch.h"
 
+#include <cstdlib>
 #include <iostream>
 
 #include "harness.h"
+#include "parallel_models.h"
 #include "training.h"
 
 int main(int argc, char** argv) {
   const std::string scenario = monarch::testing::worker_scenario();
   if (!scenario.empty()) {
     try {
-      return monarch::testing::run_worker(scenario);
+      const char* rank = std::getenv("RANK");
+      const std::string out = monarch::testing::worker_output_dir() + "/rank" + (rank ? rank : "0") + ".pt";
+      const int rc = monarch::testing::run_parallel_worker(scenario, out);
+      return rc != -1 ? rc : monarch::testing::run_worker(scenario);
     } catch (const c10::Error& e) {
       std::cerr << "worker error: " << e.what_without_backtrace() << "\n";
       return 1;
