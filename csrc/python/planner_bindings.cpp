@@ -579,6 +579,21 @@ void bind_search(py::module_& m) {
   m.def("evaluate_layout", &evaluate_layout, py::arg("graph"), py::arg("cluster"), py::arg("training"),
         py::arg("pins"), py::arg("allow_over_memory") = false, py::call_guard<py::gil_scoped_release>(),
         "Scores one fully pinned layout.");
+  m.def(
+      "tp_bytes_per_step",
+      [](const ModelGraph& graph, const TrainingConfig& training, int64_t tp, int64_t micro_batch_size,
+         int64_t num_micro_batches, bool sequence_parallel, Recompute recompute) {
+        Layout l;
+        l.tp = tp;
+        l.micro_batch_size = micro_batch_size;
+        l.num_micro_batches = num_micro_batches;
+        l.sequence_parallel = sequence_parallel;
+        l.recompute = recompute;
+        return tp_bytes_per_step(graph, training, l);
+      },
+      py::arg("graph"), py::arg("training"), py::arg("tp"), py::arg("micro_batch_size"),
+      py::arg("num_micro_batches") = 1, py::arg("sequence_parallel") = false, py::arg("recompute") = Recompute::none,
+      "Bytes one tp rank sends in tensor-parallel collectives per step, over all layers (ring volumes).");
 }
 
 // ---------------------------------------------------------------------------------------

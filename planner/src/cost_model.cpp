@@ -115,6 +115,20 @@ double layer_params_per_tp_rank(const Layer& layer, int64_t tp) {
   return static_cast<double>(layer.params) / split_divisor(layer, tp);
 }
 
+double tp_bytes_per_step(const ModelGraph& graph, const TrainingConfig& training, const Layout& layout) {
+  if (layout.tp <= 1) return 0.0;
+  double bytes = 0;
+  for (const auto& layer : graph.layers) {
+    if (!is_split(layer)) continue;
+    const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
+    const auto [fwd, bwd] = tp_all_reduces(layer);
+    const double again = (layout.recompute == Recompute::full && layer.recomputable) ? fwd : 0;
+    const double message = act_scale * tp_message_bytes(layer, layout.micro_batch_size);
+    bytes += (fwd + bwd + again) * ring_bytes_per_rank(Collective::all_reduce, message, layout.tp);
+  }
+  return bytes * static_cast<double>(layout.num_micro_batches);
+}
+
 std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
                                    const TrainingConfig& training, const Layout& layout) {
   const double flops_per_s = cluster.peak_flops(training.compute_dtype) * cluster.matmul_efficiency;

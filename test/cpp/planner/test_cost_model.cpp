@@ -377,3 +377,32 @@ TEST_CASE("each tied group's gradient is all-reduced among the ranks holding it"
   const Prediction same_stage = predict(g, two_stage_plan(g, cluster, 1, 3, false));
   CHECK(same_stage.time.dp_comm == one.time.dp_comm);
 }
+
+TEST_CASE("tensor-parallel bytes per step: Megatron's all-reduces as ring volumes", "[cost_model][tp]") {
+  TransformerConfig c;
+  c.layers = 2;
+  c.hidden = 64;
+  c.heads = 4;
+  c.seq = 32;
+  c.vocab = 128;
+  c.dtype = DType::fp32;
+  const ModelGraph g = build_transformer(c);
+  TrainingConfig t;
+  t.global_batch = 8;
+  t.activation_bytes = 4;
+  Layout l;
+  l.tp = 2;
+  l.micro_batch_size = 4;
+  l.num_micro_batches = 2;
+  // Per micro-batch: 2 forward + 2 backward all-reduces per block, 1 for the embedding, 1
+  // for the head's input gradient, each of b*s*h fp32 values; ring: 2(t-1)/t of it.
+  const double message = 4.0 * 32 * 64 * 4;
+  const double expected = (2 * 4 + 1 + 1) * message * 2 * (2 - 1) / 2.0 * 2;
+  CHECK_THAT(tp_bytes_per_step(g, t, l), WithinRel(expected, 1e-12));
+  // Full recompute runs the forward all-reduces of every recomputable layer again: the
+  // blocks' two each and the embedding's (the graph marks only the head as not recomputed).
+  l.recompute = Recompute::full;
+  CHECK_THAT(tp_bytes_per_step(g, t, l), WithinRel(expected + (2 * 2 + 1) * message * 2, 1e-12));
+  l.tp = 1;
+  CHECK(tp_bytes_per_step(g, t, l) == 0.0);
+}

@@ -83,6 +83,13 @@ struct Layout {
 std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
                                    const TrainingConfig& training, const Layout& layout);
 
+// Bytes one tp rank sends in tensor-parallel collectives per optimizer step, over every
+// layer of the graph (a pipeline rank sends its stages' share): Megatron's all-reduces per
+// layer (tp_all_reduces) on the layer's activation, as ring volumes 2(t-1)/t S, for each of
+// the step's micro-batches, plus the forward's again under full recompute. Under sequence
+// parallelism each all-reduce is an all-gather plus a reduce-scatter: the same volume.
+double tp_bytes_per_step(const ModelGraph& graph, const TrainingConfig& training, const Layout& layout);
+
 // Memory and per-micro-batch time of one virtual stage made of layers [first, last].
 struct StageEstimate {
   StageCosts costs;            // per micro-batch, for the schedule simulation
