@@ -49,6 +49,7 @@ demo: build
 bench: build python
 	$(BUILD)/bin/bench_planner bench/results/planner.json
 	$(VENV)/bin/python bench/bench_data_parallel.py --out bench/results/data_parallel.json
+	$(VENV)/bin/python bench/bench_parallel.py --out bench/results/parallel.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

@@ -71,6 +71,7 @@ make_schedule = _P.make_schedule
 check_schedule = _P.check_schedule
 simulate = _P.simulate
 closed_form_bubble_fraction = _P.closed_form_bubble_fraction
+tp_bytes_per_step = _P.tp_bytes_per_step
 
 
 def _enum(enum_type, value, field):

@@ -23,6 +23,7 @@
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/plan.h"
 #include "monarch/planner/report.h"
+#include "monarch/planner/cost_model.h"
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/search.h"
 #include "monarch/planner/training_config.h"
