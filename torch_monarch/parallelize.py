@@ -52,7 +52,7 @@ class ParallelModel(nn.Module):
         units = list(_default_units(model) if units is None else units)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                            sequence_start=units[0] if units else None)
+                            units=units)
         # Every name a parameter has (a tied weight has two), with how tp cut it.
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()

@@ -273,7 +273,7 @@ def _find_norms(model):
 
 
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
-                    sequence_start=None):
+                    units=None, rng=None):
     """Splits ``model`` in place over the mesh's ``tp`` axis and returns it.
 
     ``plan``: {module name or glob: style} (``Colwise``, ``Rowwise``, ``VocabEmbedding``,
@@ -287,6 +287,12 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     ``sequence_start`` (default: the first entry of the largest ModuleList, i.e. the first
     block); column-parallel layers all-gather it and row-parallel ones reduce-scatter.
     Gradients of replicated norm weights are summed over tp.
+
+    Dropout: masks on activations that differ across tp (attention-probability dropouts
+    next to column-split projections; under sequence parallelism every dropout in the
+    blocks) draw from ``rng`` (a ``TensorParallelRNG``; default seeded from
+    ``torch.initial_seed()`` and the tp rank); the others use the default generator, which
+    the caller seeds alike on every tp rank (``seed_tensor_parallel_rng``).
     """
     group = mesh.group("tp")
     tp = group.size
@@ -331,19 +337,21 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
             count = getattr(parent, attr, None)
             if isinstance(count, int) and not isinstance(count, bool):
                 setattr(parent, attr, count // tp)
+    from .fully_shard import _default_units
+    units = list(_default_units(model) if units is None else units)
     if sequence_parallel:
-        _enable_sequence_parallel(model, group, sequence_dim, sequence_start)
+        if not units:
+            raise ValueError("sequence parallel: no ModuleList of blocks found; pass units=[...] (the blocks)")
+        _enable_sequence_parallel(model, group, sequence_dim, units[0])
+    if rng is None:
+        rng = TensorParallelRNG(torch.initial_seed(), group.rank)
+    split_parents = {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}
+    model._monarch_forked_dropouts = _fork_split_dropouts(model, rng, sequence_parallel, units, split_parents)
     model._monarch_tp_group = group
     return model
 
 
 def _enable_sequence_parallel(model, group, sequence_dim, sequence_start):
-    if sequence_start is None:
-        from .fully_shard import _default_units
-        units = _default_units(model)
-        if not units:
-            raise ValueError("sequence parallel: no ModuleList of blocks found; pass sequence_start=<module>")
-        sequence_start = units[0]
     scatter = SequenceScatter(group, sequence_dim)
     sequence_start.register_forward_pre_hook(lambda _m, args: (scatter(args[0]),) + tuple(args[1:]))
     # Norms see only this rank's tokens: their weight gradients are partial sums.
@@ -359,6 +367,88 @@ def _sum_over(group):
         group.all_reduce(out).wait()
         return out
     return hook
+
+
+# ---------------------------------------------------------------------------------------
+# Randomness (dropout) under tensor parallelism, as Megatron-LM arranges it: where the tp
+# ranks hold the same activations (the replicated residual stream without sequence
+# parallelism) their dropout masks must be equal, so the default generator is seeded alike
+# on every tp rank; where they hold different pieces (attention heads, sequence shards) the
+# masks must differ, so those dropouts draw from a second generator seeded per tp rank.
+
+_TP_SEED_OFFSET = 2718
+
+
+class TensorParallelRNG:
+    """The per-tp-rank generator: ``with rng.fork():`` draws from it (CPU default generator
+    swapped in and out), leaving the default generator's sequence untouched."""
+
+    def __init__(self, seed, tp_rank):
+        self.seed = seed
+        self.tp_rank = tp_rank
+        self._state = torch.Generator().manual_seed(seed + _TP_SEED_OFFSET + tp_rank).get_state()
+
+    def fork(self):
+        return _Forked(self)
+
+
+class _Forked:
+    def __init__(self, rng):
+        self.rng = rng
+
+    def __enter__(self):
+        self.saved = torch.get_rng_state()
+        torch.set_rng_state(self.rng._state)
+
+    def __exit__(self, *exc):
+        self.rng._state = torch.get_rng_state()
+        torch.set_rng_state(self.saved)
+        return False
+
+
+def seed_tensor_parallel_rng(mesh, seed):
+    """Seeds the default generator with ``seed`` on every rank (equal masks across tp) and
+    returns the per-tp-rank generator for regions split over tp."""
+    torch.manual_seed(seed)
+    return TensorParallelRNG(seed, mesh.coordinate("tp"))
+
+
+class ForkedDropout(nn.Module):
+    """A dropout drawing from the per-tp-rank generator (its input differs across tp)."""
+
+    def __init__(self, dropout, rng):
+        super().__init__()
+        self.p = dropout.p
+        self.inplace = dropout.inplace
+        self.rng = rng
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng.fork():
+            return F.dropout(x, self.p, True, self.inplace)
+
+
+def _fork_split_dropouts(model, rng, sequence_parallel, units, split_parents):
+    """Dropouts on activations that differ across tp draw per rank: under sequence
+    parallelism every dropout inside the blocks; otherwise those in modules with a
+    column-split child named like attention-probability dropouts."""
+    unit_ids = {id(u) for u in units}
+    inside = set()
+    for name, m in model.named_modules():
+        if id(m) in unit_ids:
+            inside.update(f"{name}.{n}" if n else name for n, _ in m.named_modules())
+    forked = []
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, nn.Dropout) or not name:
+            continue
+        parent = name.rpartition(".")[0]
+        leaf = name.rpartition(".")[2].lower()
+        attention = parent in split_parents and ("attn" in leaf or "attention" in leaf or "prob" in leaf)
+        if attention or (sequence_parallel and name in inside):
+            _set_submodule(model, name, ForkedDropout(m, rng))
+            forked.append(name)
+    return forked
 
 
 def shard_spec(param):

@@ -137,11 +137,45 @@ def from_plan(world):
           "summary": plan.summary(), "wrong_model": wrong, "sequence_parallel": plan.sequence_parallel})
 
 
+def tp_dropout(world):
+    """Dropout masks under tp: attention-probability dropouts (and, under sequence
+    parallelism, every dropout in the blocks) differ across tp ranks; the others match."""
+    from torch import nn
+    from torch_monarch.tensor_parallel import Colwise, seed_tensor_parallel_rng, tensor_parallel
+    mesh = torch_monarch.device_mesh(tp=world.size)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = 2
+            self.qkv = nn.Linear(8, 24)
+            self.attn_dropout = nn.Dropout(0.5)
+            self.resid_dropout = nn.Dropout(0.5)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb_dropout = nn.Dropout(0.5)
+            self.blocks = nn.ModuleList([Attention()])
+
+    out = {}
+    for sp in (False, True):
+        rng = seed_tensor_parallel_rng(mesh, 1234)
+        m = tensor_parallel(Model(), mesh, plan={"blocks.0.qkv": Colwise(fused_parts=3)}, sequence_parallel=sp,
+                            rng=rng)
+        m.train()
+        ones = torch.ones(256)
+        out[sp] = {"attn": m.blocks[0].attn_dropout(ones), "resid": m.blocks[0].resid_dropout(ones),
+                   "emb": m.emb_dropout(ones), "after": torch.rand(8), "forked": m._monarch_forked_dropouts}
+    save(out)
+
+
 def main(layout):
     torch.set_num_threads(1)
     world = torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
     special = {"bad_schedule": bad_schedule, "bad_tensor_parallel": bad_tensor_parallel, "predict": predict,
-               "vocab_loss": vocab_loss, "from_plan": from_plan}
+               "vocab_loss": vocab_loss, "from_plan": from_plan,
+               "tp_dropout": tp_dropout}
     if layout in special:
         special[layout](world)
         return 0

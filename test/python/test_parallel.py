@@ -216,3 +216,18 @@ def test_layout_read_from_a_plan():
             want = expected_slice(ref_state[pname], res["specs"].get(pname), res, pname)
             norm_rel = ((got - want).norm() / max(want.norm().item(), 1e-6)).item()
             assert norm_rel <= PARAM_NORM_REL, f"rank {rank}: {pname} differs by {norm_rel} in norm"
+
+
+def test_dropout_masks_differ_where_activations_are_split_and_match_elsewhere():
+    r0, r1 = run_ok(2, "tp_dropout", timeout=60)
+    no_sp, sp = r0[False], r0[True]
+    assert no_sp["forked"] == ["blocks.0.attn_dropout"]
+    assert sp["forked"] == ["blocks.0.attn_dropout", "blocks.0.resid_dropout"]
+    for mode in (False, True):
+        a, b = r0[mode], r1[mode]
+        assert not torch.equal(a["attn"], b["attn"]), "attention dropout masks must differ across tp"
+        assert torch.equal(a["emb"], b["emb"]), "embedding dropout acts on replicated activations"
+        assert torch.equal(a["after"], b["after"]), "forked draws must not disturb the default generator"
+        assert 0.2 < (a["attn"] == 0).float().mean() < 0.8  # it is dropout (p=0.5, rescaled by 2)
+    assert torch.equal(r0[False]["resid"], r1[False]["resid"])      # replicated residual stream
+    assert not torch.equal(r0[True]["resid"], r1[True]["resid"])    # sequence shards differ
