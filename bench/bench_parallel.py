@@ -98,8 +98,8 @@ def tp_worker(cfg):
     import torch
     import torch_monarch
     from torch_monarch import planner
-    from torch_monarch.parallelize import parallelize
-    from torch_monarch.tensor_parallel import vocab_parallel_cross_entropy
+    from torch_monarch.hybrid import parallelize
+    from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
     from tiny_gpt import GLOBAL_BATCH, HEADS, HIDDEN, SEQ, VOCAB, batch, make_model, make_optimizer
 
     torch.set_num_threads(1)

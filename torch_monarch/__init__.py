@@ -2,7 +2,8 @@
 
 The planner (``torch_monarch.planner``) is pure C++ behind pybind11 and does not need
 torch: ``import torch_monarch`` never imports torch. The runtime (``init``,
-``device_mesh``, ``DataParallel``, ``fully_shard``) loads torch on first use.
+``device_mesh``, ``DataParallel``, ``fully_shard``, ``tensor_parallel``, ``parallelize``)
+loads torch on first use.
 """
 
 __version__ = "0.1.0"
@@ -14,8 +15,12 @@ _RUNTIME = {
     "device_mesh": "distributed",
     "mesh_from_plan": "distributed",
     "DataParallel": "data_parallel",
-    "fully_shard": "fully_shard",
-    "FullyShardedModule": "fully_shard",
+    "fully_shard": "sharded",
+    "FullyShardedModule": "sharded",
+    "tensor_parallel": "tensor_parallel_modules",
+    "vocab_parallel_cross_entropy": "tensor_parallel_modules",
+    "parallelize": "hybrid",
+    "ParallelModel": "hybrid",
 }
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import fx, nn
 
-from .fully_shard import _default_units
+from .sharded import _default_units
 
 
 # Tensor factories called with a traced value (torch.arange(tokens.shape[1])) are not

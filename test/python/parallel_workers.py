@@ -12,8 +12,8 @@ import sys
 import torch
 
 import torch_monarch
-from torch_monarch.parallelize import parallelize
-from torch_monarch.tensor_parallel import vocab_parallel_cross_entropy
+
+from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
 from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optimizer
 
 
@@ -56,7 +56,7 @@ def bad_schedule(world):
 def bad_tensor_parallel(world):
     """tp=3 against a model whose heads (4), vocabulary (64) or hidden width do not divide."""
     from torch import nn
-    from torch_monarch.tensor_parallel import Colwise, tensor_parallel
+    from torch_monarch.tensor_parallel_modules import Colwise, tensor_parallel
     mesh = torch_monarch.device_mesh(tp=world.size)
     errors = {
         "heads": error_of(lambda: tensor_parallel(make_model(), mesh)),
@@ -70,7 +70,7 @@ def bad_tensor_parallel(world):
 def predict(world):
     """Forward-only through a 2-stage pipeline: the last stage's logits equal the model's."""
     mesh = torch_monarch.device_mesh(pp=world.size)
-    pm = parallelize(make_model(layers=4), mesh, schedule="1f1b", micro_batches=4)
+    pm = torch_monarch.parallelize(make_model(layers=4), mesh, schedule="1f1b", micro_batches=4)
     inputs, _ = batch(0, GLOBAL_BATCH)
     out = pm.predict(inputs)
     want = make_model(layers=4)(inputs)
@@ -82,7 +82,7 @@ def vocab_loss(world):
     """The vocabulary-parallel loss of a head alone, with every tensor any operation
     produces (forward and backward) watched for a full-vocabulary dimension."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch_monarch.tensor_parallel import VocabHead, tensor_parallel, vocab_parallel_cross_entropy
+    from torch_monarch.tensor_parallel_modules import VocabHead, tensor_parallel, vocab_parallel_cross_entropy
     from torch import nn
     vocab, hidden, tokens = 96, 8, 24
     mesh = torch_monarch.device_mesh(tp=world.size)
@@ -121,9 +121,9 @@ def from_plan(world):
                             tp=2, pp=2, dp=1, zero=0, micro_batch=2, schedule="1f1b", recompute="none",
                             sequence_parallel=True, allow_over_memory=True)
     plan = planner.loads(planner.dumps(plan))
-    wrong = error_of(lambda: parallelize(make_model(layers=2), plan=plan))
+    wrong = error_of(lambda: torch_monarch.parallelize(make_model(layers=2), plan=plan))
     model = make_model(layers=4)
-    pm = parallelize(model, plan=plan)
+    pm = torch_monarch.parallelize(model, plan=plan)
     mesh = pm.mesh
     opt = make_optimizer(pm.parameters())
     losses = []
@@ -141,7 +141,7 @@ def tp_dropout(world):
     """Dropout masks under tp: attention-probability dropouts (and, under sequence
     parallelism, every dropout in the blocks) differ across tp ranks; the others match."""
     from torch import nn
-    from torch_monarch.tensor_parallel import Colwise, seed_tensor_parallel_rng, tensor_parallel
+    from torch_monarch.tensor_parallel_modules import Colwise, seed_tensor_parallel_rng, tensor_parallel
     mesh = torch_monarch.device_mesh(tp=world.size)
 
     class Attention(nn.Module):
@@ -182,7 +182,7 @@ def main(layout):
     cfg = parse(layout)
     mesh = torch_monarch.device_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
     model = make_model(layers=cfg["layers"])
-    pm = parallelize(model, mesh, schedule=cfg["schedule"] if cfg["pp"] > 1 else None,
+    pm = torch_monarch.parallelize(model, mesh, schedule=cfg["schedule"] if cfg["pp"] > 1 else None,
                      micro_batches=cfg["m"], virtual_stages=cfg["v"], sequence_parallel=bool(cfg["sp"]),
                      zero_stage=cfg["zero"])
     opt = make_optimizer(pm.parameters())

@@ -231,3 +231,14 @@ def test_dropout_masks_differ_where_activations_are_split_and_match_elsewhere():
         assert 0.2 < (a["attn"] == 0).float().mean() < 0.8  # it is dropout (p=0.5, rescaled by 2)
     assert torch.equal(r0[False]["resid"], r1[False]["resid"])      # replicated residual stream
     assert not torch.equal(r0[True]["resid"], r1[True]["resid"])    # sequence shards differ
+
+
+def test_top_level_names_stay_the_functions():
+    import torch_monarch
+    import torch_monarch.hybrid  # noqa: F401  (importing the implementation modules must not shadow them)
+    import torch_monarch.sharded  # noqa: F401
+    import torch_monarch.tensor_parallel_modules  # noqa: F401
+    for _ in range(2):
+        assert torch_monarch.parallelize.__name__ == "parallelize"
+        assert torch_monarch.fully_shard.__name__ == "fully_shard"
+        assert torch_monarch.tensor_parallel.__name__ == "tensor_parallel"

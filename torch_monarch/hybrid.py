@@ -20,9 +20,9 @@ from . import _runtime
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
-from .fully_shard import _default_units, fully_shard
+from .sharded import _default_units, fully_shard
 from .pipeline import split_model
-from .tensor_parallel import shard_spec, tensor_parallel
+from .tensor_parallel_modules import shard_spec, tensor_parallel
 
 
 def _plan_block_stages(plan, num_units):

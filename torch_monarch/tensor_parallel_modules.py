@@ -337,7 +337,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
             count = getattr(parent, attr, None)
             if isinstance(count, int) and not isinstance(count, bool):
                 setattr(parent, attr, count // tp)
-    from .fully_shard import _default_units
+    from .sharded import _default_units
     units = list(_default_units(model) if units is None else units)
     if sequence_parallel:
         if not units:
