@@ -49,6 +49,7 @@ class ParallelModel(nn.Module):
         self.pp, self.dp, self.tp = (mesh.axis_size(a) for a in ("pp", "dp", "tp"))
         self.micro_batches = micro_batches
         self.zero_stage = zero_stage
+        self.last_stats = None  # the executor's statistics of the last pipelined step
         units = list(_default_units(model) if units is None else units)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
@@ -69,8 +70,9 @@ class ParallelModel(nn.Module):
             if bad:
                 raise ValueError(f"pipeline: weights {[n for n, _ in bad]} are shared by stages {[sorted(s) for _, s in bad]}; "
                                  "only weights tied between the first and the last stage are supported")
-            tied_ids = {id(p) for _, _, p in stages.tied}
-            self._tied = [p for s in self._local for p in stages.modules[s].parameters() if id(p) in tied_ids]
+            local_ids = {id(p) for s in self._local for p in stages.modules[s].parameters()}
+            # In stages.tied's order, the same on every rank: the two ends pair them up.
+            self._tied = [p for _, _, p in stages.tied if id(p) in local_ids]
             self._stage_units = {s: stages.units_of(s) for s in self._local}
             modules = {s: stages.modules[s] for s in self._local}
         else:
@@ -80,6 +82,7 @@ class ParallelModel(nn.Module):
             self._stage_units = {0: units}
             modules = {0: model}
         self._plain = modules  # unwrapped stage modules (names, ZB weight passes)
+        self._sync_initial_replicas()
         self._wrapped = {}
         tied_ids = {id(p) for p in self._tied}
         for s, m in modules.items():
@@ -91,8 +94,7 @@ class ParallelModel(nn.Module):
             else:
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
-        if self._tied and self.dp > 1:
-            self._broadcast_tied()
+
 
     # -- what the optimizer sees ------------------------------------------------------
     def parameters(self, recurse: bool = True):
@@ -238,12 +240,29 @@ class ParallelModel(nn.Module):
             self.mesh.pipeline_ends_group().all_reduce(g).wait()
             p.grad = g
 
-    def _broadcast_tied(self):
-        for p in self._tied:
+    def _sync_initial_replicas(self):
+        """Copies that must stay equal start equal: parameters and buffers tp did not split
+        from tp rank 0, weights tied between the pipeline's ends from the first stage (dp
+        replicas of everything else are broadcast by the data-parallel / sharded wrappers)."""
+        def broadcast(tensors, group):
             with torch.no_grad():
-                buf = p.detach().contiguous().clone()
-                self.mesh.group("dp").broadcast(buf, 0).wait()
-                p.copy_(buf)
+                for t in tensors:
+                    buf = t.detach().contiguous().clone()
+                    group.broadcast(buf, 0).wait()
+                    t.copy_(buf)
+
+        if self.tp > 1:
+            seen, replicated = set(), []
+            for s in self._local:
+                for t in list(self._plain[s].parameters()) + list(self._plain[s].buffers()):
+                    if id(t) not in seen and shard_spec(t) is None:
+                        seen.add(id(t))
+                        replicated.append(t)
+            broadcast(replicated, self.mesh.group("tp"))
+        if self._tied:
+            broadcast(self._tied, self.mesh.pipeline_ends_group())
+            if self.dp > 1:  # the dp wrappers leave tied weights to this engine
+                broadcast(self._tied, self.mesh.group("dp"))
 
     def _global_mean(self, value):
         t = torch.tensor([value], dtype=torch.float64)
@@ -276,8 +295,11 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_
     ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
     ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
-    Every rank must call it, with the same model (same initial weights are not required:
-    dp replicas start from dp rank 0's).
+    Every rank must call it, with the same model architecture; initial weights may differ:
+    replicas start from one rank's (dp replicas from dp rank 0's, parameters tp does not
+    split from tp rank 0's, weights tied between the pipeline's ends from the first
+    stage's). Split weights are cut from each rank's own full weight, so seed alike across
+    tp if the split model should equal the unsplit one.
     """
     if plan is not None:
         if mesh is None:

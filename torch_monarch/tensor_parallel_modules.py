@@ -58,7 +58,10 @@ class Replicate:
 HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads")
 KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
 
-_FUSED3 = {"qkv", "c_attn", "wqkv", "query_key_value", "in_proj"}
+# Fused projections laid out as [q; k; v] (or [gate; up]) along the output features, each
+# part split separately. GPT-NeoX / BLOOM's query_key_value interleaves per head and GQA
+# fused weights have unequal parts: those need an explicit plan, not a guess.
+_FUSED3 = {"qkv", "c_attn"}
 _FUSED2 = {"gate_up_proj", "w13", "fc1_gate"}
 _COLWISE = {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value", "q", "k", "v",
             "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "dense_h_to_4h", "up", "gate"}
@@ -189,7 +192,8 @@ class VocabParallelEmbedding(nn.Module):
         return cls(weight, group.rank * weight.shape[0], group, emb.padding_idx)
 
     def forward(self, tokens):
-        return _runtime.vocab_parallel_embedding(tokens, self.weight, self.vocab_start, self.group)
+        pad = -1 if self.padding_idx is None else self.padding_idx
+        return _runtime.vocab_parallel_embedding(tokens, self.weight, self.vocab_start, self.group, -1, pad)
 
     def extra_repr(self):
         return f"rows={self.weight.shape[0]} from {self.vocab_start}, dim={self.weight.shape[1]}, tp={self.group.size}"
@@ -206,6 +210,9 @@ class SequenceScatter(nn.Module):
 
     def forward(self, x):
         return _runtime.tp_scatter_to_group(x.contiguous(), self.group, self.sequence_dim)
+
+
+_TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceScatter)
 
 
 def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-100, reduction="mean"):
@@ -267,11 +274,6 @@ def _check_head_counts(model, plan, tp):
     return split_parents
 
 
-def _find_norms(model):
-    return [name for name, m in model.named_modules()
-            if name and ("norm" in type(m).__name__.lower()) and any(True for _ in m.parameters(recurse=False))]
-
-
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
                     units=None, rng=None):
     """Splits ``model`` in place over the mesh's ``tp`` axis and returns it.
@@ -283,10 +285,11 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     local heads. Weights shared between modules (tied embedding and head) stay shared.
 
     ``sequence_parallel``: activations outside the attention / MLP cores (norms, residuals,
-    dropout) are split along ``sequence_dim``; the sequence is split at the input of
-    ``sequence_start`` (default: the first entry of the largest ModuleList, i.e. the first
-    block); column-parallel layers all-gather it and row-parallel ones reduce-scatter.
-    Gradients of replicated norm weights are summed over tp.
+    dropout) are split along ``sequence_dim``; the sequence is split at the input of the
+    first of ``units`` (the blocks; default: the entries of the largest ModuleList);
+    column-parallel layers all-gather it and row-parallel ones reduce-scatter. Gradients of
+    replicated parameters used on sequence shards (in the blocks and after them: norms and
+    anything tp did not split) are summed over tp.
 
     Dropout: masks on activations that differ across tp (attention-probability dropouts
     next to column-split projections; under sequence parallelism every dropout in the
@@ -342,7 +345,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     if sequence_parallel:
         if not units:
             raise ValueError("sequence parallel: no ModuleList of blocks found; pass units=[...] (the blocks)")
-        _enable_sequence_parallel(model, group, sequence_dim, units[0])
+        _enable_sequence_parallel(model, group, sequence_dim, units)
     if rng is None:
         rng = TensorParallelRNG(torch.initial_seed(), group.rank)
     split_parents = {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}
@@ -351,22 +354,59 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     return model
 
 
-def _enable_sequence_parallel(model, group, sequence_dim, sequence_start):
+def _enable_sequence_parallel(model, group, sequence_dim, units):
     scatter = SequenceScatter(group, sequence_dim)
-    sequence_start.register_forward_pre_hook(lambda _m, args: (scatter(args[0]),) + tuple(args[1:]))
-    # Norms see only this rank's tokens: their weight gradients are partial sums.
-    for name in _find_norms(model):
-        for p in model.get_submodule(name).parameters(recurse=False):
-            p.register_hook(_sum_over(group))
-            p._monarch_sequence_parallel = True
+    units[0].register_forward_pre_hook(lambda _m, args: (scatter(args[0]),) + tuple(args[1:]))
+    # Inside the blocks and after them every rank sees only its tokens: the gradients of
+    # replicated parameters used there (norms, gates, anything tp did not split) are
+    # partial sums. Before the first block the sequence is still whole: nothing to sum.
+    for module in _sequence_parallel_region(model, units):
+        if isinstance(module, _TP_MODULES):
+            continue  # split weights; the row-parallel bias is summed in its forward
+        if any(p is not None and shard_spec(p) is None for p in module._parameters.values()):
+            _sum_parameter_gradients_over(module, group)
 
 
-def _sum_over(group):
-    def hook(grad):
-        out = grad.contiguous().clone()
-        group.all_reduce(out).wait()
-        return out
-    return hook
+def _sequence_parallel_region(model, units):
+    """The modules inside the blocks, and those registered after the last block (final
+    norm, head: module registration follows execution in GPT / Llama-style models)."""
+    unit_ids = {id(u) for u in units}
+    inside, after, seen_last = [], [], False
+    last = units[-1]
+    for name, m in model.named_modules():
+        if id(m) in unit_ids:
+            inside.extend(m.modules())
+            if m is last:
+                seen_last = True
+            continue
+        if seen_last and not any(m is x for x in inside):
+            after.append(m)
+    return inside + after
+
+
+def _sum_parameter_gradients_over(module, group):
+    """Makes ``module`` use its own parameters through ``copy_to_group`` (identity forward,
+    all-reduce of the gradient in backward), so the gradient that reaches the parameter, and
+    any data-parallel hook on it, is already summed over the group. Done by swapping the
+    module's class for a subclass whose forward substitutes the parameters for the call:
+    names, state dicts and the module's own forward stay as they were. (A tensor hook would
+    not do: in torch 1.13 C++ hooks, such as the data-parallel engine's, see the gradient
+    before Python hooks change it.)"""
+    cls = type(module)
+
+    def forward(self, *args, **kwargs):
+        originals = dict(self._parameters)
+        try:
+            for key, p in originals.items():
+                if p is not None:
+                    self._parameters[key] = _runtime.tp_copy_to_group(p, group)
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            self._parameters.update(originals)
+
+    module.__class__ = type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward})
+    for p in module.parameters(recurse=False):
+        p._monarch_sequence_parallel = True
 
 
 # ---------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ void bind_tensor_parallel(py::module_& m) {
   m.def("tp_sequence_reduce_scatter", &tp::sequence_reduce_scatter, arg("x"), arg("group"), arg("dim"), nogil,
         "Sequence parallel: reduce-scatter along dim; all-gather of the gradient.");
   m.def("vocab_parallel_embedding", &tp::vocab_parallel_embedding, arg("tokens"), arg("weight_shard"),
-        arg("vocab_start"), arg("group"), arg("sequence_dim") = -1, nogil);
+        arg("vocab_start"), arg("group"), arg("sequence_dim") = -1, arg("padding_idx") = -1, nogil);
   m.def("vocab_parallel_cross_entropy", &tp::vocab_parallel_cross_entropy, arg("logits_shard"), arg("targets"),
         arg("vocab_start"), arg("group"), arg("ignore_index") = -100, nogil);
   m.def("shard_tensor", &tp::shard_tensor, arg("full"), arg("dim"), arg("rank"), arg("size"),

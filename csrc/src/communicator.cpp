@@ -158,7 +158,9 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   const int64_t parts = size();
   return Handle(work, describe(CollectiveKind::reduce_scatter, input),
                 [output, received, chunk, parts]() mutable {
-                  output.view({-1}).copy_(received.view({parts, chunk}).to(at::kFloat).sum(0));
+                  // Low-precision sums in fp32; fp64 stays fp64.
+                  auto wide = at::promote_types(received.scalar_type(), at::kFloat);
+                  output.view({-1}).copy_(received.view({parts, chunk}).to(wide).sum(0));
                 });
 }
 

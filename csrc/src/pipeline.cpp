@@ -265,7 +265,9 @@ void PipelineExecutor::send_tensors(const std::vector<at::Tensor>& tensors, int 
                 " activations have too many dimensions to describe");
     words.resize(kMetaLen, 0);
     auto buf = at::tensor(words, at::kLong);
-    pending_sends_.emplace_back(group_.send(buf, peer, tag(stage, mb, direction, kMetaSlot)), buf);
+    // The header's tag names the boundary, not the micro-batch: it matches whichever
+    // micro-batch each side happens to handle first.
+    pending_sends_.emplace_back(group_.send(buf, peer, tag(stage, 0, direction, kMetaSlot)), buf);
     meta_[stage] = std::move(m);
   } else if (direction == 0) {
     const Meta& m = meta_.at(stage);
@@ -289,7 +291,7 @@ std::vector<at::Tensor> PipelineExecutor::recv_tensors(int peer, int64_t stage, 
   auto start = Clock::now();
   if (with_meta) {
     auto buf = at::empty({kMetaLen}, at::kLong);
-    group_.recv(buf, peer, tag(stage, mb, direction, kMetaSlot)).wait();
+    group_.recv(buf, peer, tag(stage, 0, direction, kMetaSlot)).wait();
     auto w = buf.data_ptr<int64_t>();
     Meta m;
     int64_t k = 0;
@@ -324,6 +326,9 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   PipelineStepStats stats;
   auto step_start = Clock::now();
   meta_.clear();
+  // A step that failed part-way leaves sends behind; Gloo's work objects own their buffers,
+  // and waiting on them could block on a peer that gave up too.
+  pending_sends_.clear();
   std::map<int64_t, bool> meta_done[2];  // per boundary stage: header already sent/received
   std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> inbox, outbox, grad_in, grad_out;
   std::unique_ptr<at::NoGradGuard> no_grad;
@@ -334,6 +339,18 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
     fn();
     stats.compute_s += seconds_since(t);
     stats.trace.push_back(a);
+  };
+
+  // What an earlier action of this program left for `a`; a missing entry means the list
+  // runs an action before the one that produces its input.
+  auto take = [&](std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>>& box, const Action& a,
+                  const char* what) {
+    auto it = box.find({a.stage, a.micro_batch});
+    TORCH_CHECK(it != box.end(), "monarch: pipeline rank ", rank_, ": ", describe(a), " finds no ", what,
+                " (the action list runs it before the action producing it)");
+    auto out = std::move(it->second);
+    box.erase(it);
+    return out;
   };
 
   for (const Action& a : program()) {
@@ -350,18 +367,14 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
         case ActionType::forward:
           timed(a, [&] {
             std::vector<at::Tensor> in;
-            if (a.stage > 0) {
-              in = std::move(inbox.at(key));
-              inbox.erase(key);
-            }
+            if (a.stage > 0) in = take(inbox, a, "received activations");
             outbox[key] = work.forward(a.stage, a.micro_batch, std::move(in));
           });
           break;
         case ActionType::send_activation: {
           const bool first = !meta_done[0][a.stage];
           meta_done[0][a.stage] = true;
-          send_tensors(outbox.at(key), a.peer, a.stage, a.micro_batch, 0, first);
-          outbox.erase(key);
+          send_tensors(take(outbox, a, "forward output"), a.peer, a.stage, a.micro_batch, 0, first);
           break;
         }
         case ActionType::recv_gradient:
@@ -373,10 +386,7 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           if (forward_only) break;
           timed(a, [&] {
             std::vector<at::Tensor> g;
-            if (a.stage < schedule_.num_stages() - 1) {
-              g = std::move(grad_in.at(key));
-              grad_in.erase(key);
-            }
+            if (a.stage < schedule_.num_stages() - 1) g = take(grad_in, a, "received gradients");
             grad_out[key] = a.type == ActionType::backward ? work.backward(a.stage, a.micro_batch, std::move(g))
                                                            : work.backward_input(a.stage, a.micro_batch, std::move(g));
           });
@@ -387,13 +397,9 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           break;
         case ActionType::send_gradient:
           if (forward_only) break;
-          send_tensors(grad_out.at(key), a.peer, a.stage - 1, a.micro_batch, 1, false);
-          grad_out.erase(key);
+          send_tensors(take(grad_out, a, "input gradients"), a.peer, a.stage - 1, a.micro_batch, 1, false);
           break;
       }
-    } catch (const std::out_of_range&) {
-      TORCH_CHECK(false, "monarch: pipeline rank ", rank_, ": ", describe(a),
-                  " has no data (the action list is out of order)");
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "monarch: pipeline rank ", rank_, " failed at ", describe(a), ": ",
                   e.what_without_backtrace());

@@ -131,7 +131,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             int64_t vocab_start, int64_t group_handle, int64_t ignore_index) {
     Communicator& group = from_handle(group_handle);
     const int64_t local = logits.size(-1);
-    auto x = logits.reshape({-1, local}).to(at::kFloat);
+    auto x = logits.reshape({-1, local}).to(at::promote_types(logits.scalar_type(), at::kFloat));
     auto t = targets.reshape({-1}).to(at::kLong);
     TORCH_CHECK(x.size(0) == t.size(0), "monarch: vocab_parallel_cross_entropy: ", x.size(0),
                 " rows of logits but ", t.size(0), " targets");
@@ -158,9 +158,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     auto saved = ctx->get_saved_variables();
     auto softmax = saved[0], local_t = saved[1], mine = saved[2], ignored = saved[3];
-    auto g = grads[0].reshape({-1}).to(at::kFloat).masked_fill(ignored, 0);
+    auto g = grads[0].reshape({-1}).to(softmax.scalar_type()).masked_fill(ignored, 0);
     auto grad = softmax.clone();
-    grad.scatter_add_(1, local_t.unsqueeze(1), mine.to(at::kFloat).neg().unsqueeze(1));
+    grad.scatter_add_(1, local_t.unsqueeze(1), mine.to(softmax.scalar_type()).neg().unsqueeze(1));
     grad.mul_(g.unsqueeze(1));
     auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     auto shape = ctx->saved_data["shape"].toIntVector();
@@ -194,11 +194,15 @@ at::Tensor sequence_reduce_scatter(const at::Tensor& x, Communicator& group, int
 }
 
 at::Tensor vocab_parallel_embedding(const at::Tensor& tokens, const at::Tensor& weight_shard,
-                                    int64_t vocab_start, Communicator& group, int64_t sequence_dim) {
+                                    int64_t vocab_start, Communicator& group, int64_t sequence_dim,
+                                    int64_t padding_idx) {
   const int64_t rows = weight_shard.size(0);
   auto outside = tokens.lt(vocab_start).logical_or(tokens.ge(vocab_start + rows));
   auto local = (tokens - vocab_start).masked_fill(outside, 0);
-  auto partial = at::embedding(weight_shard, local).masked_fill(outside.unsqueeze(-1), 0);
+  // Out-of-range tokens read row 0 and are zeroed below (no gradient reaches row 0 from them).
+  const bool pad_here = padding_idx >= vocab_start && padding_idx < vocab_start + rows;
+  auto partial = at::embedding(weight_shard, local, pad_here ? padding_idx - vocab_start : -1)
+                     .masked_fill(outside.unsqueeze(-1), 0);
   if (sequence_dim >= 0) return sequence_reduce_scatter(partial, group, sequence_dim);
   return reduce_from_group(partial, group);
 }

@@ -18,7 +18,8 @@ from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optim
 
 
 def parse(layout):
-    cfg = {"pp": 1, "dp": 1, "tp": 1, "schedule": "1f1b", "m": 1, "v": 1, "sp": 0, "zero": 0, "layers": 2}
+    cfg = {"pp": 1, "dp": 1, "tp": 1, "schedule": "1f1b", "m": 1, "v": 1, "sp": 0, "zero": 0, "layers": 2,
+           "direct": 0, "perturb": 0}
     for item in layout.split(","):
         key, value = item.split("=")
         cfg[key] = value if key == "schedule" else int(value)
@@ -106,8 +107,14 @@ def vocab_loss(world):
     with Watch():
         loss = vocab_parallel_cross_entropy(head["head"](x), targets, mesh)
         loss.backward()
+    # padding_idx: its row gets no gradient (token 5 lives on tp rank 0).
+    from torch_monarch.tensor_parallel_modules import VocabEmbedding
+    emb = nn.ModuleDict({"wte": nn.Embedding(vocab, hidden, padding_idx=5)})
+    tensor_parallel(emb, mesh, plan={"wte": VocabEmbedding()})
+    emb["wte"](torch.tensor([[5, 6, 60, 5]])).sum().backward()
     save({"loss": loss.item(), "x_grad": x.grad, "weight_grad": head["head"].weight.grad,
-          "widest": max(widths), "ops": len(widths), "tp_rank": mesh.coordinate("tp")})
+          "widest": max(widths), "ops": len(widths), "tp_rank": mesh.coordinate("tp"),
+          "emb_grad": emb["wte"].weight.grad})
 
 
 def from_plan(world):
@@ -182,6 +189,16 @@ def main(layout):
     cfg = parse(layout)
     mesh = torch_monarch.device_mesh(pp=cfg["pp"], dp=cfg["dp"], tp=cfg["tp"])
     model = make_model(layers=cfg["layers"])
+    if cfg["perturb"]:
+        # Copies that parallelize must make equal start different: everything tp does not
+        # split on tp ranks > 0, and the output head's tied copy on later pipeline ranks.
+        with torch.no_grad():
+            if mesh.coordinate("tp") > 0:
+                for name, p in model.named_parameters():
+                    if "ln" in name or "wpe" in name or name.endswith("proj.bias") or name.endswith("fc2.bias"):
+                        p.add_(0.5)
+            if mesh.coordinate("pp") > 0 and cfg["tp"] == 1:
+                model.wte.weight.add_(0.5)
     pm = torch_monarch.parallelize(model, mesh, schedule=cfg["schedule"] if cfg["pp"] > 1 else None,
                      micro_batches=cfg["m"], virtual_stages=cfg["v"], sequence_parallel=bool(cfg["sp"]),
                      zero_stage=cfg["zero"])
@@ -200,7 +217,15 @@ def main(layout):
         inputs, targets = batch(step, GLOBAL_BATCH)
         x, y = inputs[dp_rank * local:(dp_rank + 1) * local], targets[dp_rank * local:(dp_rank + 1) * local]
         opt.zero_grad()
-        losses.append(pm.train_step(x, y, loss))
+        if cfg["direct"]:
+            # Without a pipeline the wrapped model is an ordinary module.
+            step_loss = loss(pm(x), y)
+            step_loss.backward()
+            t = torch.tensor([step_loss.item()], dtype=torch.float64)
+            mesh.group("dp").all_reduce(t, average=True).wait()
+            losses.append(t.item())
+        else:
+            losses.append(pm.train_step(x, y, loss))
         if step == 0 and cfg["zero"] == 0:
             grads = {n: p.grad.detach().clone() for n, p, _ in pm.named_local_parameters() if p.grad is not None}
         opt.step()

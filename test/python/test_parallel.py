@@ -43,6 +43,9 @@ LAYOUTS = {
     "pp4_interleaved": (4, "pp=4,m=4,layers=8,schedule=interleaved_1f1b,v=2"),
     "pp4_zb_h1": (4, "pp=4,m=4,layers=4,schedule=zb_h1"),
     "dp2_tp2": (4, "dp=2,tp=2"),
+    "dp2_tp2_sp_direct": (4, "dp=2,tp=2,sp=1,direct=1"),
+    "tp2_replicas_start_different": (2, "tp=2,sp=1,perturb=1"),
+    "pp2_tied_copies_start_different": (2, "pp=2,m=4,layers=4,perturb=1"),
     "pp2_fsdp2": (4, "pp=2,dp=2,zero=3,m=2,layers=4"),
     "pp2_tp2": (4, "pp=2,tp=2,m=4,layers=4"),
     "pp2_dp2_tp2": (8, "pp=2,dp=2,tp=2,m=2,layers=4,schedule=1f1b"),
@@ -155,6 +158,11 @@ def test_vocab_parallel_loss_never_holds_the_full_vocabulary():
         assert torch.allclose(res["x_grad"], x.grad, atol=1e-6)
         rows = slice(res["tp_rank"] * vocab // 2, (res["tp_rank"] + 1) * vocab // 2)
         assert torch.allclose(res["weight_grad"], head.weight.grad[rows], atol=1e-6)
+    # Embedding with padding_idx=5 looked up [5, 6, 60, 5]: rows 6 (rank 0) and 60 - 48 = 12
+    # (rank 1) get gradient one, the padding row none.
+    g0, g1 = results[0]["emb_grad"], results[1]["emb_grad"]
+    assert g0[5].abs().sum() == 0 and torch.all(g0[6] == 1) and torch.all(g1[12] == 1)
+    assert g0.abs().sum() == g0[6].abs().sum() and g1.abs().sum() == g1[12].abs().sum()
 
 
 def test_the_width_watch_sees_a_full_vocabulary_loss():

@@ -35,6 +35,8 @@ class PipelineParallel {
     for (int64_t s : executor_.local_stages()) {
       TORCH_CHECK(stages_.count(s), "monarch: PipelineParallel: rank ", mesh.rank(), " runs stage ", s,
                   " but no function was given for it");
+      TORCH_CHECK(parameters_.count(s), "monarch: PipelineParallel: rank ", mesh.rank(), " runs stage ", s,
+                  " but no parameter list was given for it (ZB-H1's weight pass needs it)");
     }
   }
 
@@ -52,7 +54,10 @@ class PipelineParallel {
         [&](int64_t stage, int64_t mb, const std::vector<at::Tensor>& in) {
           return stages_.at(stage)(stage == 0 ? std::vector<at::Tensor>{xs[mb]} : in);
         },
-        [&](int64_t mb, const std::vector<at::Tensor>& out) { return loss_fn(out.at(0), ys[mb]); },
+        [&](int64_t mb, const std::vector<at::Tensor>& out) {
+          TORCH_CHECK(!out.empty(), "monarch: PipelineParallel: the last stage returned no output");
+          return loss_fn(out[0], ys[mb]);
+        },
         1.0 / static_cast<double>(m), [&](int64_t stage) { return parameters_.at(stage); },
         [&](int64_t stage, int64_t, bool is_last) {
           auto it = data_parallel_.find(stage);

@@ -82,9 +82,10 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
     torch::NoGradGuard no_grad;
     weight = register_parameter("weight", tp::shard_tensor(full->weight, 0, group.group_rank(), group.size(), 1, name));
     vocab_start_ = group.group_rank() * weight.size(0);
+    padding_idx_ = full->options.padding_idx().value_or(-1);
   }
   at::Tensor forward(const at::Tensor& tokens) {
-    return tp::vocab_parallel_embedding(tokens, weight, vocab_start_, group_);
+    return tp::vocab_parallel_embedding(tokens, weight, vocab_start_, group_, -1, padding_idx_);
   }
   int64_t vocab_start() const { return vocab_start_; }
   at::Tensor weight;
@@ -92,6 +93,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
  private:
   Communicator& group_;
   int64_t vocab_start_ = 0;
+  int64_t padding_idx_ = -1;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 

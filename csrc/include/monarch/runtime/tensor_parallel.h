@@ -30,16 +30,17 @@ at::Tensor sequence_reduce_scatter(const at::Tensor& x, Communicator& group, int
 // The embedding of `tokens` through this rank's rows [vocab_start, vocab_start + rows) of
 // the table: tokens outside the range give zeros, and the partial results are summed over
 // the group (all-reduce), or reduce-scattered along `sequence_dim` (>= 0) under sequence
-// parallelism.
+// parallelism. `padding_idx` (>= 0): that token's row gets no gradient, as nn.Embedding.
 at::Tensor vocab_parallel_embedding(const at::Tensor& tokens, const at::Tensor& weight_shard,
                                     int64_t vocab_start, Communicator& group,
-                                    int64_t sequence_dim = -1);
+                                    int64_t sequence_dim = -1, int64_t padding_idx = -1);
 
 // Per-token cross-entropy of logits split along the vocabulary (last dim: this rank's
 // columns [vocab_start, vocab_start + local)), without ever forming full-vocabulary rows:
-// the row max, the sum of exponentials and the target logit are each all-reduced over the
-// group (three collectives of one number per token). Targets equal to `ignore_index` give
-// loss 0 and no gradient. Returns a tensor shaped like `targets`.
+// the row max (an all-reduce-max of one number per token), then the sum of exponentials
+// and the target logit (one all-reduce of two numbers per token). Computed in fp32 (fp64
+// logits stay fp64). Targets equal to `ignore_index` give loss 0 and no gradient. Returns
+// a tensor shaped like `targets`.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_shard, const at::Tensor& targets,
                                         int64_t vocab_start, Communicator& group,
                                         int64_t ignore_index = -100);
