@@ -75,13 +75,22 @@ class ParallelModel(nn.Module):
             self._tied = [p for _, _, p in stages.tied if id(p) in local_ids]
             self._stage_units = {s: stages.units_of(s) for s in self._local}
             modules = {s: stages.modules[s] for s in self._local}
+            stage_modules = stages.modules
         else:
             self.num_stages = 1
             self._local = [0]
             self._tied = []
             self._stage_units = {0: units}
             modules = {0: model}
+            stage_modules = [model]
         self._plain = modules  # unwrapped stage modules (names, ZB weight passes)
+        # Every entry of the (tp-split) model's state dict: its local shape and dtype and the
+        # first stage holding it, so full_state_dict() can collect it from its owner.
+        self._entries = {}
+        for stage, m in enumerate(stage_modules):
+            for name, t in m.state_dict().items():
+                if name not in self._entries:
+                    self._entries[name] = (tuple(t.shape), t.dtype, stage)
         self._sync_initial_replicas()
         self._wrapped = {}
         tied_ids = {id(p) for p in self._tied}
@@ -123,6 +132,30 @@ class ParallelModel(nn.Module):
             w = self._wrapped[s]
             out.update(w.state_dict() if hasattr(w, "sharded_state_dict") else w.state_dict())
         return {k: v.detach() for k, v in out.items()}
+
+    def full_state_dict(self):
+        """The whole model's state dict on every rank, under the original names and shapes
+        (loads into the unwrapped model): each entry is broadcast along pp from the rank
+        holding its stage and, if tp split it, all-gathered along tp. Collective: every rank
+        must call it. Memory: the whole model on every rank."""
+        local = self.local_state_dict()
+        pp_rank = self.mesh.coordinate("pp")
+        out = {}
+        for name, (shape, dtype, stage) in self._entries.items():
+            owner = stage % self.pp
+            if owner == pp_rank:
+                t = local[name].contiguous().clone()
+            else:
+                t = torch.empty(shape, dtype=dtype)
+            if self.pp > 1:
+                self.mesh.group("pp").broadcast(t, owner).wait()
+            spec = self._tp_specs.get(name)
+            if spec is not None and self.tp > 1:
+                stacked = torch.empty((self.tp,) + tuple(t.shape), dtype=t.dtype)
+                self.mesh.group("tp").all_gather(stacked, t).wait()
+                t = _runtime.unshard_tensor(list(stacked.unbind(0)), spec[0], spec[1])
+            out[name] = t
+        return out
 
     def tp_spec(self, name):
         return self._tp_specs.get(name)

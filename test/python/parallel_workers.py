@@ -229,6 +229,9 @@ def main(layout):
         if step == 0 and cfg["zero"] == 0:
             grads = {n: p.grad.detach().clone() for n, p, _ in pm.named_local_parameters() if p.grad is not None}
         opt.step()
+    full = pm.full_state_dict()
+    fresh = make_model(seed=99, layers=cfg["layers"])
+    fresh.load_state_dict(full)  # strict: every name, every shape of the unwrapped model
     trace = pm.last_stats["trace"] if pm.last_stats else []
     program = pm.executor.program() if pm.executor else []
     result = {
@@ -236,6 +239,7 @@ def main(layout):
         "specs": {n: pm.tp_spec(n) for n in pm.local_state_dict()},
         "tp_rank": mesh.coordinate("tp"), "tp": tp, "pp_rank": mesh.coordinate("pp"),
         "trace": trace, "program": program, "local_stages": pm.local_stages,
+        "full": full if int(os.environ["RANK"]) == 0 else None,
     }
     save(result)
     return 0

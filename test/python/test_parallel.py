@@ -116,6 +116,12 @@ def test_parity_with_one_process(name):
             assert res["tp"] > 1
     # Together the ranks hold every parameter of the model.
     assert covered == set(ref_state), f"{name}: parameters nobody holds: {set(ref_state) - covered}"
+    # And full_state_dict() puts them back together (it also loaded into a plain model).
+    full = results[0]["full"]
+    assert set(full) == set(ref_state)
+    for pname, want in ref_state.items():
+        norm_rel = ((full[pname] - want).norm() / max(want.norm().item(), 1e-6)).item()
+        assert norm_rel <= PARAM_NORM_REL, f"{name}: full_state_dict()[{pname!r}] differs by {norm_rel}"
 
 
 def test_inconsistent_action_lists_are_refused_on_every_rank_before_running():
