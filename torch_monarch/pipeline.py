@@ -111,16 +111,21 @@ def split_model(model: nn.Module, num_stages: int, units=None, unit_stage=None) 
     if not units:
         raise ValueError(f"pipeline: {type(model).__name__} has no ModuleList of blocks to cut at; "
                          "pass units=[...] (the blocks, in order)")
+    names = {id(m): n for n, m in model.named_modules()}
+    unit_names = [names.get(id(u), f"<block {i}: not a submodule>") for i, u in enumerate(units)]
     if unit_stage is None:
-        unit_stage = boundaries_from_sizes(even_split(len(units), num_stages))
+        try:
+            unit_stage = boundaries_from_sizes(even_split(len(units), num_stages))
+        except ValueError as e:
+            raise ValueError(f"{e}; the model can only be cut between its blocks {unit_names}") from None
     unit_stage = list(unit_stage)
     if len(unit_stage) != len(units):
         raise ValueError(f"pipeline: {len(unit_stage)} stage assignments for {len(units)} blocks")
     if unit_stage[0] != 0 or any(b < a for a, b in zip(unit_stage, unit_stage[1:])) or \
             sorted(set(unit_stage)) != list(range(num_stages)):
-        raise ValueError(f"pipeline: stage assignment {unit_stage} must start at 0, never decrease and use "
-                         f"every stage 0..{num_stages - 1} (a stage may only be cut between blocks)")
-    names = {id(m): n for n, m in model.named_modules()}
+        raise ValueError(f"pipeline: stage assignment {unit_stage} for blocks {unit_names} must start at 0, "
+                         f"never decrease and use every stage 0..{num_stages - 1} (a stage may only be cut "
+                         "between consecutive blocks)")
     unit_index = {}
     for i, u in enumerate(units):
         if id(u) not in names:
@@ -141,8 +146,10 @@ def split_model(model: nn.Module, num_stages: int, units=None, unit_stage=None) 
             current = num_stages - 1
         stage_of[node] = current
     if seen_units != list(range(len(units))):
-        raise ValueError(f"pipeline: the blocks do not run once each in order (trace saw {seen_units}); "
-                         "the model cannot be cut into a chain of stages at its blocks")
+        ran = [unit_names[i] for i in seen_units]
+        raise ValueError(f"pipeline: the blocks do not run once each in order (forward runs {ran}, "
+                         f"registered {unit_names}); the model cannot be cut into a chain of stages at them; "
+                         "pass units=[...] in execution order")
 
     def is_attr(n):
         return n.op == "get_attr"

@@ -201,11 +201,12 @@ class _Chain(torch.nn.Module):
 
 
 def test_pipeline_cuts_only_where_the_model_allows():
-    with pytest.raises(ValueError, match=r"2 blocks cannot fill 4 stages \(legal stage counts: 1..2\)"):
+    with pytest.raises(ValueError, match=r"2 blocks cannot fill 4 stages \(legal stage counts: 1..2\); "
+                                         r"the model can only be cut between its blocks \['blocks.0', 'blocks.1'\]"):
         split_model(_Chain(2), 4)
     with pytest.raises(ValueError, match=r"must start at 0, never decrease"):
         split_model(_Chain(3), 2, unit_stage=[0, 1, 0])
-    with pytest.raises(ValueError, match=r"do not run once each in order"):
+    with pytest.raises(ValueError, match=r"do not run once each in order \(forward runs \['blocks.1', 'blocks.0'\]"):
         split_model(_Chain(2, reverse=True), 2)
     stages = split_model(_Chain(4), 2)
     x = torch.randn(3, 4)
