@@ -99,6 +99,10 @@ def default_plan(model: nn.Module):
 # ---------------------------------------------------------------------------------------
 # Modules
 
+def _as_parameter(t):
+    return t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (output features) split: this rank holds rows
     [rank * out/tp, (rank + 1) * out/tp) of each fused part. The input is replicated (its
@@ -108,8 +112,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight, bias, group, gather_output=False, sequence_parallel=False, sequence_dim=1,
                  fused_parts=1):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
-        self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
+        self.weight = _as_parameter(weight)
+        self.bias = _as_parameter(bias)
         self.group = group
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
@@ -145,8 +149,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, weight, bias, group, sequence_parallel=False, sequence_dim=1):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
-        self.bias = None if bias is None else (bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias))
+        self.weight = _as_parameter(weight)
+        self.bias = _as_parameter(bias)
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
@@ -181,7 +185,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, weight, vocab_start, group, padding_idx=None):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.weight = _as_parameter(weight)
         self.vocab_start = vocab_start
         self.group = group
         self.padding_idx = padding_idx
