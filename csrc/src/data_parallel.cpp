@@ -4,11 +4,29 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <functional>
 #include <sstream>
 
 namespace monarch {
+namespace {
+
+// Runs `fn` after a gradient accumulator has updated its parameter's .grad.
+struct AfterAccumulation : torch::autograd::FunctionPostHook {
+  explicit AfterAccumulation(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    fn_();
+    return outputs;
+  }
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
 namespace {
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -34,18 +52,15 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
   build_buckets(options_.bucket_bytes);
   ready_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) {
-    hook_ids_.push_back(params_[i].register_hook([this, i](const at::Tensor& grad) { on_gradient(i, grad); }));
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(accumulator, "monarch::DataParallel: parameter ", i, " is not a leaf tensor");
+    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<AfterAccumulation>([this, i] { on_gradient(i); })));
+    accumulators_.push_back(std::move(accumulator));
   }
 }
 
 DataParallelEngine::~DataParallelEngine() {
-  for (size_t i = 0; i < params_.size() && i < hook_ids_.size(); ++i) {
-    try {
-      params_[i].remove_hook(hook_ids_[i]);
-    } catch (...) {
-      // The tensor may already be gone with its module; nothing to undo then.
-    }
-  }
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
 // Buckets are filled in reverse registration order: gradients of the last layers arrive
@@ -85,7 +100,7 @@ std::vector<int64_t> DataParallelEngine::bucket_sizes_bytes() const {
   return out;
 }
 
-void DataParallelEngine::on_gradient(size_t index, const at::Tensor& grad) {
+void DataParallelEngine::on_gradient(size_t index) {
   if (!sync_) return;  // no_sync: autograd accumulates into .grad as usual
   if (!callback_queued_) {
     callback_queued_ = true;
@@ -98,14 +113,8 @@ void DataParallelEngine::on_gradient(size_t index, const at::Tensor& grad) {
   Bucket& b = buckets_[s.bucket];
   const at::Tensor& p = params_[index];
   auto view = b.flat.narrow(0, s.offset, p.numel()).view(p.sizes());
-  // The gradient .grad will hold after this backward: what no_sync steps accumulated plus
-  // this one.
-  const at::Tensor& accumulated = p.grad();
-  if (accumulated.defined()) {
-    at::add_out(view, accumulated, grad);
-  } else {
-    view.copy_(grad);
-  }
+  // .grad after accumulation: what no_sync steps accumulated plus this backward's.
+  view.copy_(p.grad());
   ready_[index] = true;
   if (--b.pending == 0) launch_ready_buckets();
 }

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_harness import launch
-from tiny_gpt import train_reference
+from tiny_gpt import GLOBAL_BATCH, batch, loss_fn, make_model, train_reference
 
 REL = 1e-5
 
@@ -104,3 +104,14 @@ def test_bad_setups_are_refused():
     r = launch(2, "mesh_too_big")
     assert r.codes[0] == 1
     assert "does not match the world size 2" in r.errors[0], r.describe()
+
+
+def test_data_parallel_averages_what_user_gradient_hooks_produce():
+    model = make_model()
+    inputs, targets = batch(0, GLOBAL_BATCH)
+    loss_fn(model(inputs), targets).backward()
+    for rank, result in enumerate(run_ok(2, "dp_user_hook")):
+        for name, p in model.named_parameters():
+            want = 2 * p.grad
+            diff = (result["grads"][name] - want).abs().max().item()
+            assert diff <= 1e-5 * max(want.abs().max().item(), 1e-6), f"rank {rank}: {name} differs by {diff}"

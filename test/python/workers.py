@@ -119,6 +119,19 @@ def main(scenario):
         result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
     elif scenario.startswith("zero"):
         result = train_sharded(mesh, int(scenario[4]))
+    elif scenario == "dp_user_hook":
+        # A user's gradient hook registered before wrapping (doubling every gradient): the
+        # engine must average what the hook produced, as DDP does.
+        model = make_model()
+        for p in model.parameters():
+            p.register_hook(lambda g: 2 * g)
+        wrapped = torch_monarch.DataParallel(model, mesh=mesh)
+        dp = mesh.group("dp")
+        local = GLOBAL_BATCH // dp.size
+        inputs, targets = batch(0, GLOBAL_BATCH)
+        x, y = inputs[dp.rank * local:(dp.rank + 1) * local], targets[dp.rank * local:(dp.rank + 1) * local]
+        loss_fn(wrapped(x), y).backward()
+        result = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     elif scenario == "dp_mismatch":
         model = make_model()
         if mesh.group("dp").rank == 1:

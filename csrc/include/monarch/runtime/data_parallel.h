@@ -8,6 +8,10 @@
 #include <memory>
 #include <vector>
 
+namespace torch::autograd {
+struct Node;
+}
+
 #include "monarch/runtime/communicator.h"
 
 namespace monarch {
@@ -55,7 +59,7 @@ class DataParallelEngine {
   };
 
   void build_buckets(int64_t bucket_bytes);
-  void on_gradient(size_t index, const at::Tensor& grad);
+  void on_gradient(size_t index);
   void launch_ready_buckets();
   void finish_backward();
   void reset_backward_state();
@@ -66,7 +70,10 @@ class DataParallelEngine {
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
   std::vector<bool> ready_;
-  std::vector<unsigned> hook_ids_;
+  // Hooks run after each parameter's gradient accumulator (as DDP's reducer): they see the
+  // gradient after any tensor hooks a user registered changed it, whenever registered.
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // held: the tensor holds them weakly
+  std::vector<uintptr_t> hook_keys_;
   size_t next_launch_ = 0;
   bool callback_queued_ = false;
   bool sync_ = true;
