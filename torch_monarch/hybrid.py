@@ -15,6 +15,7 @@ Under tensor parallelism the model returns logits split along the vocabulary: us
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime
 from . import planner as _planner
@@ -104,7 +105,6 @@ class ParallelModel(nn.Module):
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
 
-
     # -- what the optimizer sees ------------------------------------------------------
     def parameters(self, recurse: bool = True):
         seen = set()
@@ -130,7 +130,7 @@ class ParallelModel(nn.Module):
         out = {}
         for s in self._local:
             w = self._wrapped[s]
-            out.update(w.state_dict() if hasattr(w, "sharded_state_dict") else w.state_dict())
+            out.update(w.state_dict())
         return {k: v.detach() for k, v in out.items()}
 
     def full_state_dict(self):
@@ -156,6 +156,38 @@ class ParallelModel(nn.Module):
                 t = _runtime.unshard_tensor(list(stacked.unbind(0)), spec[0], spec[1])
             out[name] = t
         return out
+
+    def state_dict(self, *args, **kwargs):
+        """The whole model's state dict (``full_state_dict()``): loads into the unwrapped
+        model, as ``torch.save(model.state_dict())`` users expect. Collective."""
+        return self.full_state_dict()
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Loads a whole-model state dict (e.g. from the unwrapped model): every rank copies
+        its slice (its stages, its tp shard) into its parameters and buffers. ZeRO-sharded
+        stages load through ``sharded`` state dicts instead (refused here)."""
+        if self.dp > 1 and self.zero_stage > 0:
+            raise NotImplementedError("parallelize: load_state_dict of a ZeRO-sharded layout is not supported; "
+                                      "load the unwrapped model before parallelize()")
+        missing = [n for n in self._entries if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in self._entries]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"parallelize: load_state_dict: missing {missing}, unexpected {unexpected}")
+        tp_rank = self.mesh.coordinate("tp")
+        for s in self._local:
+            for name, t in self._plain[s].state_dict(keep_vars=True).items():
+                if name not in state_dict:
+                    continue
+                value = state_dict[name]
+                spec = self._tp_specs.get(name)
+                if spec is not None:
+                    value = _runtime.shard_tensor(value.detach(), spec[0], tp_rank, self.tp, spec[1], name)
+                if tuple(value.shape) != tuple(t.shape):
+                    raise RuntimeError(f"parallelize: load_state_dict: {name} has shape {tuple(value.shape)}, "
+                                       f"this rank holds {tuple(t.shape)}")
+                t.copy_(value)
+        return _IncompatibleKeys(missing, unexpected)
 
     def tp_spec(self, name):
         return self._tp_specs.get(name)

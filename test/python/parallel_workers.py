@@ -229,9 +229,18 @@ def main(layout):
         if step == 0 and cfg["zero"] == 0:
             grads = {n: p.grad.detach().clone() for n, p, _ in pm.named_local_parameters() if p.grad is not None}
         opt.step()
-    full = pm.full_state_dict()
+    full = pm.state_dict()  # the whole model, like the unwrapped model's
     fresh = make_model(seed=99, layers=cfg["layers"])
     fresh.load_state_dict(full)  # strict: every name, every shape of the unwrapped model
+    reload_diff = None
+    if cfg["zero"] == 0:
+        # Round trip: load a different whole model, then the trained one back.
+        before = {k: v.clone() for k, v in pm.local_state_dict().items()}
+        pm.load_state_dict(make_model(seed=99, layers=cfg["layers"]).state_dict())
+        changed = any(not torch.equal(before[k], v) for k, v in pm.local_state_dict().items())
+        pm.load_state_dict(full)
+        reload_diff = max((before[k] - v).abs().max().item() for k, v in pm.local_state_dict().items())
+        assert changed, "loading another model changed nothing"
     trace = pm.last_stats["trace"] if pm.last_stats else []
     program = pm.executor.program() if pm.executor else []
     result = {
@@ -239,7 +248,7 @@ def main(layout):
         "specs": {n: pm.tp_spec(n) for n in pm.local_state_dict()},
         "tp_rank": mesh.coordinate("tp"), "tp": tp, "pp_rank": mesh.coordinate("pp"),
         "trace": trace, "program": program, "local_stages": pm.local_stages,
-        "full": full if int(os.environ["RANK"]) == 0 else None,
+        "full": full if int(os.environ["RANK"]) == 0 else None, "reload_diff": reload_diff,
     }
     save(result)
     return 0
