@@ -13,6 +13,8 @@ Under tensor parallelism the model returns logits split along the vocabulary: us
 ``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
 """
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
@@ -164,29 +166,35 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Loads a whole-model state dict (e.g. from the unwrapped model): every rank copies
-        its slice (its stages, its tp shard) into its parameters and buffers. ZeRO-sharded
-        stages load through ``sharded`` state dicts instead (refused here)."""
-        if self.dp > 1 and self.zero_stage > 0:
-            raise NotImplementedError("parallelize: load_state_dict of a ZeRO-sharded layout is not supported; "
-                                      "load the unwrapped model before parallelize()")
+        """Loads a whole-model state dict (e.g. from the unwrapped model): every rank keeps
+        its slice (its stages, its tp shard, and under ZeRO its dp shard of every unit)."""
         missing = [n for n in self._entries if n not in state_dict]
         unexpected = [n for n in state_dict if n not in self._entries]
         if strict and (missing or unexpected):
             raise RuntimeError(f"parallelize: load_state_dict: missing {missing}, unexpected {unexpected}")
         tp_rank = self.mesh.coordinate("tp")
         for s in self._local:
-            for name, t in self._plain[s].state_dict(keep_vars=True).items():
+            # This stage's entries, cut to this rank's tp slices.
+            mine = {}
+            for name in self._plain[s].state_dict().keys():
                 if name not in state_dict:
                     continue
-                value = state_dict[name]
+                value = state_dict[name].detach()
                 spec = self._tp_specs.get(name)
                 if spec is not None:
-                    value = _runtime.shard_tensor(value.detach(), spec[0], tp_rank, self.tp, spec[1], name)
-                if tuple(value.shape) != tuple(t.shape):
+                    value = _runtime.shard_tensor(value, spec[0], tp_rank, self.tp, spec[1], name)
+                shape = self._entries[name][0]
+                if tuple(value.shape) != shape:
                     raise RuntimeError(f"parallelize: load_state_dict: {name} has shape {tuple(value.shape)}, "
-                                       f"this rank holds {tuple(t.shape)}")
-                t.copy_(value)
+                                       f"this rank holds {shape}")
+                mine[name] = value
+            wrapped = self._wrapped[s]
+            if hasattr(wrapped, "sharded_state_dict"):
+                wrapped.load_state_dict(mine, strict=False)  # ZeRO: keeps this rank's slice of each unit
+            else:
+                held = self._plain[s].state_dict(keep_vars=True)
+                for name, value in mine.items():
+                    held[name].copy_(value)
         return _IncompatibleKeys(missing, unexpected)
 
     def tp_spec(self, name):
@@ -215,16 +223,14 @@ class ParallelModel(nn.Module):
         xs, ys = _split(inputs, m, "inputs"), _split(targets, m, "targets")
         if self.pp == 1:
             total = 0.0
-            dp = self._wrapped[0]
+            model = self._wrapped[0]
             for k in range(m):
-                sync = k == m - 1
-                if isinstance(dp, DataParallel):
-                    dp._engine.set_sync(sync)
-                loss = loss_fn(self.stages[0](*_as_tuple(xs[k])), ys[k]) / m
-                loss.backward()
+                # Gradient accumulation: data parallelism syncs on the last micro-batch only.
+                last = k == m - 1
+                with contextlib.nullcontext() if last or not isinstance(model, DataParallel) else model.no_sync():
+                    loss = loss_fn(model(*_as_tuple(xs[k])), ys[k]) / m
+                    loss.backward()
                 total += loss.item()
-            if isinstance(dp, DataParallel):
-                dp._engine.set_sync(True)
             self.last_stats = None
         else:
             total = self._pipeline_step(xs, ys, loss_fn)
@@ -262,8 +268,6 @@ class ParallelModel(nn.Module):
         return out
 
     def _pipeline_step(self, xs, ys, loss_fn):
-        last = self.num_stages - 1
-
         def forward(stage, mb, received):
             return self._run_stage(stage, mb, received, xs)
 
@@ -280,42 +284,20 @@ class ParallelModel(nn.Module):
 
         work = _runtime.AutogradStageWork(self.num_stages, self.micro_batches, forward, loss,
                                           1.0 / self.micro_batches, stage_parameters, before_backward)
-        self.last_stats = self._executor.run(work)
+        mean_loss, self.last_stats = self._executor.train_step(work)  # the loss, sent along pp
         for w in self._wrapped.values():
             if isinstance(w, DataParallel):
                 w._engine.set_sync(True)
-        self._sync_tied()
-        # The loss lives on the last stage: send it along pp.
-        value = torch.tensor([sum(work.losses()) / self.micro_batches if last in self._local else 0.0],
-                             dtype=torch.float64)
-        self.mesh.group("pp").broadcast(value, self.pp - 1).wait()
-        return value.item()
-
-    def _sync_tied(self):
-        """Weights tied between the first and last stage: both copies get the sum of both
-        stages' gradients (averaged over dp first), so identical optimizers keep them equal."""
-        if not self._tied:
-            return
-        for p in self._tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            g = p.grad.contiguous()
-            if self.dp > 1:
-                self.mesh.group("dp").all_reduce(g, average=True).wait()
-            self.mesh.pipeline_ends_group().all_reduce(g).wait()
-            p.grad = g
+        if self._tied:
+            # Both copies of a weight tied between the ends take the same optimizer step.
+            _runtime.sync_tied_gradients(self._tied, self.mesh.group("dp") if self.dp > 1 else None,
+                                         self.mesh.pipeline_ends_group())
+        return mean_loss
 
     def _sync_initial_replicas(self):
         """Copies that must stay equal start equal: parameters and buffers tp did not split
         from tp rank 0, weights tied between the pipeline's ends from the first stage (dp
         replicas of everything else are broadcast by the data-parallel / sharded wrappers)."""
-        def broadcast(tensors, group):
-            with torch.no_grad():
-                for t in tensors:
-                    buf = t.detach().contiguous().clone()
-                    group.broadcast(buf, 0).wait()
-                    t.copy_(buf)
-
         if self.tp > 1:
             seen, replicated = set(), []
             for s in self._local:
@@ -323,11 +305,11 @@ class ParallelModel(nn.Module):
                     if id(t) not in seen and shard_spec(t) is None:
                         seen.add(id(t))
                         replicated.append(t)
-            broadcast(replicated, self.mesh.group("tp"))
+            _runtime.broadcast_from_root(replicated, self.mesh.group("tp"))
         if self._tied:
-            broadcast(self._tied, self.mesh.pipeline_ends_group())
+            _runtime.broadcast_from_root(self._tied, self.mesh.pipeline_ends_group())
             if self.dp > 1:  # the dp wrappers leave tied weights to this engine
-                broadcast(self._tied, self.mesh.group("dp"))
+                _runtime.broadcast_from_root(self._tied, self.mesh.group("dp"))
 
     def _global_mean(self, value):
         t = torch.tensor([value], dtype=torch.float64)

@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime
 from .distributed import device_mesh
@@ -46,6 +47,8 @@ class FullyShardedModule(nn.Module):
             k = unit_ids.get(id(p), 0)
             groups[k].append(p)
             names[k].append(name)
+        self._unit_names = names  # per unit, in the order the engine packs them
+        self._unit_numels = [[p.numel() for p in group] for group in groups]  # before stage 3 frees them
         self._names = [n for group in names for n in group]
         options = _runtime.FullyShardOptions()
         options.zero_stage = zero_stage
@@ -99,6 +102,38 @@ class FullyShardedModule(nn.Module):
         for name, value in self.module.state_dict().items():
             out[name] = by_id.get(aliases.get(name), value)
         return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Loads a whole (unsharded) state dict, as ``state_dict()`` returns it or the
+        unwrapped model saves it: each rank keeps its slice of every unit (the parameters
+        refresh from the shards before the next forward); buffers and ignored parameters,
+        whole on every rank, are copied."""
+        sharded = set(self._names)
+        expected = list(self.module.state_dict().keys())
+        missing = [n for n in expected if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"fully_shard: load_state_dict: missing {missing}, unexpected {unexpected}")
+        rank, world = self.mesh.coordinate("dp"), self.mesh.axis_size("dp")
+        params = dict(self.module.named_parameters())
+        for names, numels, shard in zip(self._unit_names, self._unit_numels, self._shards):
+            n = shard.numel()
+            flat = torch.zeros(n * world, dtype=shard.dtype)
+            flat[rank * n:(rank + 1) * n].copy_(shard)  # what a non-strict load leaves out stays
+            offset = 0
+            for name, numel in zip(names, numels):
+                if name in state_dict:
+                    flat[offset:offset + numel].copy_(state_dict[name].reshape(-1))
+                offset += numel
+            shard.copy_(flat[rank * n:(rank + 1) * n])  # bumps the version: parameters refresh
+        aliases = {f"{m}.{k}" if m else k: id(p) for m, mod in self.module.named_modules()
+                   for k, p in mod._parameters.items() if p is not None}
+        sharded_ids = {id(params[n]) for n in sharded}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if name in state_dict and aliases.get(name) not in sharded_ids:
+                t.detach().copy_(state_dict[name])
+        return _IncompatibleKeys(missing, unexpected)
 
     def sharded_state_dict(self):
         """This rank's fp32 shards (one per unit) with where they belong: each rank saves

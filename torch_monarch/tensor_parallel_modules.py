@@ -263,11 +263,11 @@ def _set_submodule(root, name, new):
     setattr(parent, leaf, new)
 
 
-def _check_head_counts(model, plan, tp):
-    """Attention modules keep their head counts as attributes; divide them by tp where a
-    child is column-split, refusing a tp that does not divide them."""
-    split_parents = {name.rpartition(".")[0] for name, style in plan.items() if isinstance(style, Colwise)}
-    for parent_name in sorted(split_parents):
+def _head_count_attributes(model, plan, tp):
+    """(module, attribute, count) for every head count of a module with a column-split
+    child, refusing a tp that does not divide one (attention reads them for its reshapes)."""
+    found = []
+    for parent_name in sorted({n.rpartition(".")[0] for n, style in plan.items() if isinstance(style, Colwise)}):
         parent = model.get_submodule(parent_name) if parent_name else model
         for attr in HEAD_COUNT_ATTRIBUTES + KV_HEAD_COUNT_ATTRIBUTES:
             count = getattr(parent, attr, None)
@@ -275,7 +275,8 @@ def _check_head_counts(model, plan, tp):
                 if count % tp != 0:
                     raise ValueError(f"tensor parallel: tp={tp} does not divide {attr}={count} of module "
                                      f"'{parent_name or '<root>'}' (legal tp: {_divisors(count)})")
-    return split_parents
+                found.append((parent, attr, count))
+    return found
 
 
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -314,7 +315,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     plan = {n: s for n, s in base.items() if not isinstance(s, Replicate)}
     if tp == 1:
         return model
-    _check_head_counts(model, plan, tp)
+    head_counts = _head_count_attributes(model, plan, tp)  # checked before anything changes
     shared = {}
     for name, style in plan.items():
         module = model.get_submodule(name)
@@ -338,12 +339,8 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
         else:
             raise ValueError(f"tensor parallel: unknown style {style!r} for '{name}'")
         _set_submodule(model, name, new)
-    for parent_name in {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}:
-        parent = model.get_submodule(parent_name) if parent_name else model
-        for attr in HEAD_COUNT_ATTRIBUTES + KV_HEAD_COUNT_ATTRIBUTES:
-            count = getattr(parent, attr, None)
-            if isinstance(count, int) and not isinstance(count, bool):
-                setattr(parent, attr, count // tp)
+    for parent, attr, count in head_counts:
+        setattr(parent, attr, count // tp)  # the local heads
     from .sharded import _default_units
     units = list(_default_units(model) if units is None else units)
     if sequence_parallel:
@@ -354,7 +351,6 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
         rng = TensorParallelRNG(torch.initial_seed(), group.rank)
     split_parents = {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}
     model._monarch_forked_dropouts = _fork_split_dropouts(model, rng, sequence_parallel, units, split_parents)
-    model._monarch_tp_group = group
     return model
 
 
@@ -409,8 +405,6 @@ def _sum_parameter_gradients_over(module, group):
             self._parameters.update(originals)
 
     module.__class__ = type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward})
-    for p in module.parameters(recurse=False):
-        p._monarch_sequence_parallel = True
 
 
 # ---------------------------------------------------------------------------------------

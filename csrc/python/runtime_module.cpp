@@ -11,6 +11,7 @@
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/fully_shard.h"
 #include "monarch/runtime/pipeline.h"
+#include "monarch/runtime/replicas.h"
 #include "monarch/runtime/tensor_parallel.h"
 #include "monarch/runtime/world.h"
 
@@ -116,8 +117,7 @@ void bind_pipeline(py::module_& m) {
         std::vector<double> out;
         for (const auto& [mb, loss] : w.losses()) out.push_back(loss);
         return out;
-      })
-      .def("reset", &AutogradStageWork::reset);
+      });
 
   py::class_<PipelineExecutor>(m, "PipelineExecutor")
       .def(py::init([](const planner::Schedule& schedule, std::shared_ptr<DeviceMesh> mesh) {
@@ -142,7 +142,23 @@ void bind_pipeline(py::module_& m) {
              }
              return stats_to_dict(stats);
            },
-           arg("work"), arg("forward_only") = false);
+           arg("work"), arg("forward_only") = false)
+      .def("train_step",
+           [](PipelineExecutor& e, AutogradStageWork& work) {
+             PipelineStepStats stats;
+             double loss;
+             {
+               py::gil_scoped_release release;
+               loss = e.train_step(work, &stats);
+             }
+             return py::make_tuple(loss, stats_to_dict(stats));
+           },
+           arg("work"), "One training step; returns (mean loss on every pp rank, step statistics).");
+  m.def("broadcast_from_root", &broadcast_from_root, arg("tensors"), arg("group"),
+        py::call_guard<py::gil_scoped_release>(), "Overwrites every tensor with the group's rank 0's values.");
+  m.def("sync_tied_gradients", &sync_tied_gradients, arg("params"), arg("dp"), arg("ends"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Gradients of weights tied across pipeline ends: averaged over dp (None: skip), summed over the ends.");
 }
 
 }  // namespace

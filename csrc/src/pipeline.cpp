@@ -74,12 +74,6 @@ AutogradStageWork::AutogradStageWork(int64_t num_stages, int64_t micro_batches, 
   TORCH_CHECK(forward_fn_, "monarch: AutogradStageWork needs a forward function");
 }
 
-void AutogradStageWork::reset() {
-  stash_.clear();
-  backwards_done_.clear();
-  losses_.clear();
-}
-
 std::vector<at::Tensor> AutogradStageWork::forward(int64_t stage, int64_t mb, std::vector<at::Tensor> inputs) {
   auto outputs = forward_fn_(stage, mb, inputs);
   const bool last = stage == num_stages_ - 1;
@@ -411,6 +405,17 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   stats.wait_s += seconds_since(t);
   stats.total_s = seconds_since(step_start);
   return stats;
+}
+
+double PipelineExecutor::train_step(AutogradStageWork& work, PipelineStepStats* stats) {
+  PipelineStepStats s = run(work);
+  if (stats != nullptr) *stats = std::move(s);
+  const bool last_here = rank_ == schedule_.ranks - 1;
+  double sum = 0;
+  for (const auto& [mb, loss] : work.losses()) sum += loss;
+  auto value = at::tensor({last_here ? sum / static_cast<double>(schedule_.micro_batches) : 0.0}, at::kDouble);
+  group_.broadcast(value, static_cast<int>(schedule_.ranks - 1)).wait();
+  return value.item<double>();
 }
 
 }  // namespace monarch

@@ -38,4 +38,18 @@ void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& g
   for (auto& h : pending) h.wait();
 }
 
+void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator& ends) {
+  at::NoGradGuard no_grad;
+  for (auto p : params) {
+    if (!p.grad().defined()) {
+      p.mutable_grad() = at::zeros_like(p);
+    } else if (!p.grad().is_contiguous()) {
+      p.mutable_grad() = p.grad().contiguous();
+    }
+    auto g = p.grad();
+    if (dp != nullptr) dp->all_reduce(g, /*average=*/true).wait();
+    ends.all_reduce(g).wait();
+  }
+}
+
 }  // namespace monarch

@@ -232,15 +232,13 @@ def main(layout):
     full = pm.state_dict()  # the whole model, like the unwrapped model's
     fresh = make_model(seed=99, layers=cfg["layers"])
     fresh.load_state_dict(full)  # strict: every name, every shape of the unwrapped model
-    reload_diff = None
-    if cfg["zero"] == 0:
-        # Round trip: load a different whole model, then the trained one back.
-        before = {k: v.clone() for k, v in pm.local_state_dict().items()}
-        pm.load_state_dict(make_model(seed=99, layers=cfg["layers"]).state_dict())
-        changed = any(not torch.equal(before[k], v) for k, v in pm.local_state_dict().items())
-        pm.load_state_dict(full)
-        reload_diff = max((before[k] - v).abs().max().item() for k, v in pm.local_state_dict().items())
-        assert changed, "loading another model changed nothing"
+    # Round trip: load a different whole model, then the trained one back.
+    before = {k: v.clone() for k, v in pm.local_state_dict().items()}
+    pm.load_state_dict(make_model(seed=99, layers=cfg["layers"]).state_dict())
+    changed = any(not torch.equal(before[k], v) for k, v in pm.local_state_dict().items())
+    pm.load_state_dict(full)
+    reload_diff = max((before[k] - v).abs().max().item() for k, v in pm.local_state_dict().items())
+    assert changed, "loading another model changed nothing"
     trace = pm.last_stats["trace"] if pm.last_stats else []
     program = pm.executor.program() if pm.executor else []
     result = {

@@ -77,6 +77,7 @@ def test_fully_shard_parity_and_memory(reference, stage, ranks):
         assert f["held_grad"] == (f["total"] if stage == 1 else 0), who
         assert f["logits_diff"] <= 1e-6, who
         assert f["sharded_reload_diff"] == 0, who
+        assert f["other_model_loaded"] and f["full_reload_diff"] == 0, who
 
 
 def test_fully_shard_mixed_precision(reference):

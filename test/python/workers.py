@@ -90,6 +90,11 @@ def train_sharded(mesh, stage, mixed_precision=None):
     model.load_sharded_state_dict(saved)
     facts["sharded_reload_diff"] = max((s.detach() - b).abs().max().item() for s, b in zip(shards, before))
     state = model.state_dict()
+    # Whole-model round trip: load another model's full state dict, then this one back.
+    model.load_state_dict(make_model(seed=99).state_dict())
+    facts["other_model_loaded"] = any(not torch.equal(s.detach(), b) for s, b in zip(shards, before))
+    model.load_state_dict(state)
+    facts["full_reload_diff"] = max((s.detach() - b).abs().max().item() for s, b in zip(shards, before))
     # The full state dict loads into the plain model and computes the same logits.
     fresh = make_model(seed=99)
     fresh.load_state_dict(state)

@@ -27,8 +27,7 @@ class PipelineParallel {
   PipelineParallel(planner::Schedule schedule, DeviceMesh& mesh, std::map<int64_t, StageFn> stages,
                    std::map<int64_t, std::vector<at::Tensor>> parameters,
                    std::map<int64_t, DataParallelEngine*> data_parallel = {})
-      : mesh_(mesh),
-        executor_(std::move(schedule), mesh.group("pp")),
+      : executor_(std::move(schedule), mesh.group("pp")),
         stages_(std::move(stages)),
         parameters_(std::move(parameters)),
         data_parallel_(std::move(data_parallel)) {
@@ -48,7 +47,6 @@ class PipelineParallel {
                 " micro-batches");
     auto xs = inputs.chunk(m, 0);
     auto ys = targets.chunk(m, 0);
-    const int64_t last = executor_.schedule().num_stages() - 1;
     AutogradStageWork work(
         executor_.schedule().num_stages(), m,
         [&](int64_t stage, int64_t mb, const std::vector<at::Tensor>& in) {
@@ -63,20 +61,15 @@ class PipelineParallel {
           auto it = data_parallel_.find(stage);
           if (it != data_parallel_.end()) it->second->set_sync(is_last);
         });
-    stats_ = executor_.run(work);
+    const double loss = executor_.train_step(work, &stats_);
     for (auto& [stage, engine] : data_parallel_) engine->set_sync(true);
-    double sum = 0;
-    for (const auto& [mb, loss] : work.losses()) sum += loss;
-    auto value = at::tensor({stages_.count(last) ? sum / static_cast<double>(m) : 0.0}, at::kDouble);
-    mesh_.group("pp").broadcast(value, static_cast<int>(executor_.schedule().ranks - 1)).wait();
-    return value.item<double>();
+    return loss;
   }
 
   PipelineExecutor& executor() { return executor_; }
   const PipelineStepStats& last_stats() const { return stats_; }
 
  private:
-  DeviceMesh& mesh_;
   PipelineExecutor executor_;
   std::map<int64_t, StageFn> stages_;
   std::map<int64_t, std::vector<at::Tensor>> parameters_;

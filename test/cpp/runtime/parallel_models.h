@@ -14,7 +14,7 @@ namespace monarch::testing {
 // head; trained 5 steps with SGD. Parameters in the order
 // embedding, up.weight, up.bias, down.weight, down.bias, head.weight.
 struct TpModelConfig {
-  int64_t vocab = 32, hidden = 16, ffn = 64, batch = 4, seq = 6;
+  int64_t vocab = 32, hidden = 16, ffn = 64, batch = 4, seq = 8;
   int steps = 5;
   double lr = 0.5;
 };

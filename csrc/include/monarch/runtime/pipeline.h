@@ -57,7 +57,6 @@ class AutogradStageWork : public StageWork {
 
   // Unscaled micro-batch losses computed on this rank (last stage), in micro-batch order.
   const std::map<int64_t, double>& losses() const { return losses_; }
-  void reset();
 
  private:
   struct Stash {
@@ -105,6 +104,10 @@ class PipelineExecutor {
   // boundary per step (first micro-batch) and reused for the remaining micro-batches and
   // for the gradients.
   PipelineStepStats run(StageWork& work, bool forward_only = false);
+
+  // One training step: run(work), then the mean of the last stage's micro-batch losses,
+  // broadcast from the last pipeline rank so every pp rank returns it.
+  double train_step(AutogradStageWork& work, PipelineStepStats* stats = nullptr);
 
  private:
   struct Meta {

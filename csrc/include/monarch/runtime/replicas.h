@@ -17,4 +17,10 @@ void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& 
 // Overwrites every tensor with the group's root's values (empty tensors are skipped).
 void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& group);
 
+// Weights tied across pipeline stages (an embedding shared with the output head), one copy
+// per end: each copy's gradient becomes the average over `dp` (when given) summed over
+// `ends`, so identical optimizers keep the copies equal. A missing gradient counts as zeros.
+// Every rank of both groups passes its copies in the same order.
+void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator& ends);
+
 }  // namespace monarch
