@@ -6,6 +6,7 @@
 #include "monarch/planner/collectives.h"
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/model_graph.h"
+#include "test_configs.h"
 
 using namespace monarch::planner;
 using Catch::Matchers::WithinRel;
@@ -89,8 +90,7 @@ TEST_CASE("Megatron FLOPs formula (Narayanan et al. 2021)", "[cost_model][flops]
   for (const auto& [layers, hidden, heads, seq, vocab] :
        std::vector<std::tuple<int, int, int, int, int>>{
            {96, 12288, 96, 2048, 51200}, {128, 25600, 160, 2048, 51200}, {4, 256, 8, 128, 1000}}) {
-    TransformerConfig c;
-    c.layers = layers; c.hidden = hidden; c.heads = heads; c.seq = seq; c.vocab = vocab;
+    TransformerConfig c = transformer_config(layers, hidden, heads, seq, vocab);
     const ModelGraph g = build_transformer(c);
     CHECK_THAT(narayanan_flops_per_step(g, 8), WithinRel(narayanan_flops_per_iteration(8, seq, layers, hidden, vocab), 1e-12));
     // Model FLOPs (no recompute): 72 B s l h^2 (1 + s/6h) + 6 B s h V (Korthikanti et al.).
@@ -228,8 +228,7 @@ TEST_CASE("predicted memory of a pinned plan adds up", "[cost_model]") {
 TEST_CASE("the pre-simulation bound never exceeds the simulated step time", "[cost_model][bound]") {
   // predict_if_faster may skip the simulation only when the layout cannot win; if its bound
   // were above the real time the search could drop the best plan.
-  TransformerConfig c;
-  c.layers = 24; c.hidden = 2048; c.heads = 16; c.seq = 1024; c.vocab = 32000;
+  TransformerConfig c = transformer_config(24, 2048, 16, 1024, 32000);
   const ModelGraph g = build_transformer(c);
   uint64_t seed = 7;
   auto next = [&] { seed = seed * 6364136223846793005ULL + 1442695040888963407ULL; return seed >> 33; };
@@ -319,12 +318,7 @@ TEST_CASE("estimated in-flight micro-batches match the simulated schedules",
 
 TEST_CASE("p2p transfers and buffers are the stage output's tp shard with sequence parallelism",
           "[cost_model]") {
-  TransformerConfig c;
-  c.layers = 4;
-  c.hidden = 1024;
-  c.heads = 16;
-  c.seq = 512;
-  c.vocab = 32000;
+  TransformerConfig c = transformer_config(4, 1024, 16, 512, 32000);
   const ModelGraph g = build_transformer(c);
   const Cluster cluster = cluster_preset("a100-80gb", 4);
   // Stage 0: embedding and the four blocks (the most loaded rank); stage 1: norm and head.
@@ -349,13 +343,7 @@ TEST_CASE("p2p transfers and buffers are the stage output's tp shard with sequen
 }
 
 TEST_CASE("each tied group's gradient is all-reduced among the ranks holding it", "[cost_model]") {
-  TransformerConfig c;
-  c.layers = 4;
-  c.hidden = 1024;
-  c.heads = 16;
-  c.seq = 512;
-  c.vocab = 32000;
-  c.tied_embeddings = true;
+  TransformerConfig c = transformer_config(4, 1024, 16, 512, 32000, /*tied=*/true);
   ModelGraph g = build_transformer(c);
   const Cluster cluster = cluster_preset("a100-80gb", 2);
   // dp = 1, ZeRO 0: the end-of-step communication is only the tied all-reduces.
@@ -379,12 +367,7 @@ TEST_CASE("each tied group's gradient is all-reduced among the ranks holding it"
 }
 
 TEST_CASE("tensor-parallel bytes per step: Megatron's all-reduces as ring volumes", "[cost_model][tp]") {
-  TransformerConfig c;
-  c.layers = 2;
-  c.hidden = 64;
-  c.heads = 4;
-  c.seq = 32;
-  c.vocab = 128;
+  TransformerConfig c = transformer_config(2, 64, 4, 32, 128);
   c.dtype = DType::fp32;
   const ModelGraph g = build_transformer(c);
   TrainingConfig t;

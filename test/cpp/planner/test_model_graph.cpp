@@ -7,12 +7,12 @@
 #include "monarch/planner/cluster.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/model_graph.h"
+#include "test_configs.h"
 
 using namespace monarch::planner;
 
 TEST_CASE("transformer builder lays out embedding, blocks, norm, head", "[model_graph]") {
-  TransformerConfig c;
-  c.layers = 3; c.hidden = 64; c.heads = 4; c.seq = 32; c.vocab = 100; c.tied_embeddings = true;
+  TransformerConfig c = transformer_config(3, 64, 4, 32, 100, /*tied=*/true);
   const ModelGraph g = build_transformer(c);
   REQUIRE(g.layers.size() == 6);
   CHECK(g.layers[0].kind == LayerKind::embedding);
@@ -37,8 +37,7 @@ TEST_CASE("transformer builder lays out embedding, blocks, norm, head", "[model_
 }
 
 TEST_CASE("bad hyperparameters name the field", "[model_graph][errors]") {
-  TransformerConfig c;
-  c.layers = 2; c.hidden = 100; c.heads = 3; c.seq = 8; c.vocab = 10;
+  TransformerConfig c = transformer_config(2, 100, 3, 8, 10);
   CHECK_THROWS_WITH(build_transformer(c), Catch::Contains("transformer.hidden") && Catch::Contains("heads=3"));
   c.hidden = 96; c.kv_heads = 2;
   CHECK_THROWS_WITH(build_transformer(c), Catch::Contains("transformer.kv_heads"));
@@ -76,12 +75,7 @@ TEST_CASE("cluster presets", "[cluster]") {
 
 TEST_CASE("hyperparameters whose counts overflow are refused naming the field",
           "[model_graph][errors]") {
-  TransformerConfig c;
-  c.layers = 2;
-  c.hidden = 64;
-  c.heads = 4;
-  c.seq = 16;
-  c.vocab = 100;
+  TransformerConfig c = transformer_config(2, 64, 4, 16, 100);
   // vocab * hidden and 4 * hidden used to overflow int64 silently.
   TransformerConfig wide = c;
   wide.hidden = 4000000000;
@@ -119,13 +113,7 @@ TEST_CASE("hyperparameters whose counts overflow are refused naming the field",
 }
 
 TEST_CASE("validate(ModelGraph) names the broken field", "[model_graph][errors]") {
-  TransformerConfig c;
-  c.layers = 2;
-  c.hidden = 64;
-  c.heads = 4;
-  c.seq = 16;
-  c.vocab = 100;
-  c.tied_embeddings = true;
+  TransformerConfig c = transformer_config(2, 64, 4, 16, 100, /*tied=*/true);
   const ModelGraph good = build_transformer(c);
   REQUIRE_NOTHROW(validate(good));
   auto field_of = [](const ModelGraph& g) -> std::string {

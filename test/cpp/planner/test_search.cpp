@@ -5,6 +5,7 @@
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/search.h"
+#include "test_configs.h"
 
 using namespace monarch::planner;
 
@@ -112,8 +113,7 @@ TEST_CASE("impossible requests name the constraint", "[search][errors]") {
                     Catch::Contains("no layout fits") && Catch::Contains("smallest need found"));
   CHECK_THROWS_AS(search(g, cluster_preset("a100-80gb", 8), batch(1536)), InfeasibleError);
   // No pipeline allowed, tp cannot split 3 heads, and dp=2 cannot split a batch of 3.
-  TransformerConfig tiny;
-  tiny.layers = 1; tiny.hidden = 66; tiny.heads = 3; tiny.seq = 16; tiny.vocab = 7;
+  TransformerConfig tiny = transformer_config(1, 66, 3, 16, 7);
   TrainingConfig no_pipeline = batch(3);
   no_pipeline.allow_pipeline_parallel = false;
   CHECK_THROWS_WITH(search(build_transformer(tiny), cluster_preset("a100-80gb", 2), no_pipeline),
@@ -134,12 +134,7 @@ TEST_CASE("small models stay on few devices' worth of parallelism", "[search]") 
 namespace {
 
 ModelGraph tiny_model(int64_t layers = 2) {
-  TransformerConfig c;
-  c.layers = layers;
-  c.hidden = 64;
-  c.heads = 4;
-  c.seq = 16;
-  c.vocab = 100;
+  TransformerConfig c = transformer_config(layers, 64, 4, 16, 100);
   return build_transformer(c);
 }
 
@@ -168,13 +163,7 @@ TEST_CASE("a negative number of alternatives is refused", "[search][errors]") {
 TEST_CASE("a tied embedding counts once in memory", "[search][memory]") {
   // 400000 x 1024 embedding tied to the head: 0.41 B parameters, 6.1 GiB of model state
   // once, 12.2 GiB if counted twice; the CPU preset has 7.5 GiB usable.
-  TransformerConfig c;
-  c.layers = 1;
-  c.hidden = 1024;
-  c.heads = 8;
-  c.seq = 16;
-  c.vocab = 400000;
-  c.tied_embeddings = true;
+  TransformerConfig c = transformer_config(1, 1024, 8, 16, 400000, /*tied=*/true);
   const ModelGraph g = build_transformer(c);
   const Cluster cluster = cluster_preset("cpu", 1);
   const Plan p = search(g, cluster, batch(1));
