@@ -11,6 +11,18 @@ using namespace monarch::planner;
 
 namespace {
 
+// Pins for one fully given layout (what evaluate_layout scores).
+Pins layout_pins(int64_t tp, int64_t pp, int64_t dp, int64_t zero, int64_t micro_batch, ScheduleKind schedule) {
+  Pins pins;
+  pins.tp = tp;
+  pins.pp = pp;
+  pins.dp = dp;
+  pins.zero_stage = zero;
+  pins.micro_batch_size = micro_batch;
+  pins.schedule = schedule;
+  return pins;
+}
+
 ModelGraph gpt3() {
   TransformerConfig c;
   c.name = "gpt3-175b";
@@ -31,13 +43,7 @@ TrainingConfig batch(int64_t b) {
 // Narayanan et al. 2021, Table 2 (PTD-P row): GPT-3 175B, batch 1536, 384 A100s, t=8, p=12,
 // 1F1B with activation recomputation: 153 TFLOP/s per GPU.
 Pins narayanan_layout() {
-  Pins pins;
-  pins.tp = 8;
-  pins.pp = 12;
-  pins.dp = 4;
-  pins.zero_stage = 0;
-  pins.micro_batch_size = 1;
-  pins.schedule = ScheduleKind::one_f_one_b;
+  Pins pins = layout_pins(8, 12, 4, 0, 1, ScheduleKind::one_f_one_b);
   pins.recompute = Recompute::full;
   pins.sequence_parallel = false;  // came later (Korthikanti et al. 2022)
   return pins;
@@ -188,13 +194,7 @@ TEST_CASE("a compute dtype without peak FLOP/s is refused", "[search][errors]") 
   const Cluster a100 = cluster_preset("a100-80gb", 2);
   CHECK_THROWS_WITH(search(tiny_model(), a100, fp8),
                     "cluster.peak_flops_fp8: must be > 0 for compute_dtype fp8");
-  Pins pins;
-  pins.tp = 1;
-  pins.pp = 1;
-  pins.dp = 2;
-  pins.zero_stage = 0;
-  pins.micro_batch_size = 1;
-  pins.schedule = ScheduleKind::none;
+  Pins pins = layout_pins(1, 1, 2, 0, 1, ScheduleKind::none);
   CHECK_THROWS_AS(evaluate_layout(tiny_model(), a100, fp8, pins, true), ValidationError);
   // fp16 shares the bf16 peak, and the message names that field.
   Cluster no_bf16 = a100;
@@ -258,13 +258,7 @@ TEST_CASE("a malformed graph is refused before it is indexed", "[search][errors]
   g.tied_groups.push_back({0, 99});
   CHECK_THROWS_WITH(search(g, cluster_preset("cpu", 1), batch(8)),
                     Catch::StartsWith("tied_groups[0][1]: layer 99 is outside [0, 5)"));
-  Pins pins;
-  pins.tp = 1;
-  pins.pp = 1;
-  pins.dp = 1;
-  pins.zero_stage = 0;
-  pins.micro_batch_size = 1;
-  pins.schedule = ScheduleKind::none;
+  Pins pins = layout_pins(1, 1, 1, 0, 1, ScheduleKind::none);
   CHECK_THROWS_AS(evaluate_layout(g, cluster_preset("cpu", 1), batch(8), pins), ValidationError);
 }
 
@@ -273,13 +267,7 @@ TEST_CASE("interleaved chunks share their rank's buffers", "[search][memory]") {
   // memory. Each of the v chunks gets 1/v of the memory, so it must be charged 1/v of the
   // rank's buffers, not all of them.
   const ModelGraph g = tiny_model(8);
-  Pins pins;
-  pins.tp = 1;
-  pins.pp = 2;
-  pins.dp = 1;
-  pins.zero_stage = 0;
-  pins.micro_batch_size = 64;
-  pins.schedule = ScheduleKind::interleaved_1f1b;
+  Pins pins = layout_pins(1, 2, 1, 0, 64, ScheduleKind::interleaved_1f1b);
   pins.virtual_stages = 2;
   pins.recompute = Recompute::full;
   Cluster cluster = cluster_preset("cpu", 2);
