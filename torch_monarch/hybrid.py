@@ -349,17 +349,20 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_
     tp if the split model should equal the unsplit one.
     """
     if plan is not None:
+        # Everything checked against the model first, locally: a plan for another model is
+        # refused on every rank before any group is created.
+        blocks = list(_default_units(model) if units is None else units)
+        plan_stages = _plan_block_stages(plan, len(blocks))
         if mesh is None:
             mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
         elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):
             raise ValueError(f"parallelize: the mesh (pp, dp, tp) = ({mesh.axis_size('pp')}, {mesh.axis_size('dp')}, "
                              f"{mesh.axis_size('tp')}) differs from the plan's ({plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp})")
-        blocks = list(_default_units(model) if units is None else units)
         schedule = schedule if schedule is not None else plan.schedule
         micro_batches = micro_batches or plan.num_micro_batches
         virtual_stages = virtual_stages or plan.virtual_stages
-        unit_stage = unit_stage if unit_stage is not None else (
-            _plan_block_stages(plan, len(blocks)) if plan.mesh.pp > 1 else None)
+        if unit_stage is None and plan.mesh.pp > 1:
+            unit_stage = plan_stages
         sequence_parallel = plan.sequence_parallel if sequence_parallel is None else sequence_parallel
         zero_stage = plan.zero_stage if zero_stage is None else zero_stage
         bucket_cap_mb = bucket_cap_mb or plan.dp_bucket_bytes / (1024 * 1024)
