@@ -9,6 +9,7 @@ can be given in the CMAKE_ARGS environment variable (e.g. CMAKE_ARGS="-G Ninja")
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -62,6 +63,12 @@ class CMakeBuild(build_ext):
             subprocess.run(cmd, check=True)
         if not os.path.exists(ext_path):
             raise RuntimeError(f"CMake did not produce {ext_path}")
+        # Also beside the sources, as an editable install would place it: run from the
+        # clone's root, `import torch_monarch` finds the source folder first, and it must
+        # work there too (the module's file name carries the interpreter's tag).
+        in_tree = os.path.join(ext.source_dir, *ext.name.split(".")[:-1], os.path.basename(ext_path))
+        if os.path.abspath(in_tree) != ext_path:
+            shutil.copy2(ext_path, in_tree)
 
 
 def _have_torch():

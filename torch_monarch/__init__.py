@@ -2,8 +2,8 @@
 
 The planner (``torch_monarch.planner``) is pure C++ behind pybind11 and does not need
 torch: ``import torch_monarch`` never imports torch. The runtime (``init``,
-``device_mesh``, ``DataParallel``, ``fully_shard``, ``tensor_parallel``, ``parallelize``)
-loads torch on first use.
+``device_mesh``, ``DataParallel``, ``fully_shard``, ``tensor_parallel``, ``parallelize``,
+``plan``, ``read_model``, ``meta_init``, ``cluster``) loads torch on first use.
 """
 
 __version__ = "0.1.0"
@@ -21,14 +21,22 @@ _RUNTIME = {
     "vocab_parallel_cross_entropy": "tensor_parallel_modules",
     "parallelize": "hybrid",
     "ParallelModel": "hybrid",
+    "plan": "api",
+    "check_plan": "api",
+    "read_model": "graph",
+    "meta_init": "compat",
+    "cluster": None,
+    "graph": None,
 }
 
 
 def __getattr__(name):
     if name in _RUNTIME:
         import importlib
+        if _RUNTIME[name] is None:  # a submodule
+            return importlib.import_module(f".{name}", __name__)
         module = importlib.import_module(f".{_RUNTIME[name]}", __name__)
-        return getattr(module, name)
+        return getattr(module, "meta_device" if name == "meta_init" else name)
     raise AttributeError(f"module 'torch_monarch' has no attribute {name!r}")
 
 

@@ -332,10 +332,23 @@ def _split(x, m, what):
     return list(x.chunk(m, 0))
 
 
-def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_batches=None, virtual_stages=None,
-                unit_stage=None, units=None, tp_plan=None, sequence_parallel=None, zero_stage=None,
-                bucket_cap_mb=None, sequence_dim=1) -> ParallelModel:
-    """Lays ``model`` out on the mesh. With a ``plan`` (torch_monarch.planner.Plan) the mesh,
+def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, global_batch=None, cluster=None,
+                dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
+                virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
+                zero_stage=None, bucket_cap_mb=None, sequence_dim=1) -> ParallelModel:
+    """Lays ``model`` out on the mesh.
+
+    With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
+    model is read on the meta device, the machine detected and its links probed, rank 0 plans
+    (``tp``, ``pp``, ``dp``, ``zero_stage``, ``micro_batch``, ``schedule``, ``virtual_stages``,
+    ``sequence_parallel`` pin choices) and broadcasts the plan, so every rank lays the model
+    out alike. The plan is on the result as ``.plan``.
+
+    A ``plan`` passed in (or loaded from edited JSON) is first checked against the model (with
+    ``example_input``: layer by layer) and the world; every difference is listed in one
+    ValueError before any group is created.
+
+    With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
     parallelism and bucket size are the plan's; keywords override them.
 
@@ -348,9 +361,28 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_
     stage's). Split weights are cut from each rank's own full weight, so seed alike across
     tp if the split model should equal the unsplit one.
     """
+    from .api import check_plan, plan_for_job
+    from .distributed import init
+    info = None
+    if plan is None and example_input is not None:
+        if global_batch is None:
+            raise ValueError("parallelize: planning needs global_batch= (samples per optimizer step, all ranks together)")
+        pins = {k: v for k, v in dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, micro_batch=micro_batch,
+                                         schedule=schedule, virtual_stages=virtual_stages,
+                                         sequence_parallel=sequence_parallel).items() if v is not None}
+        plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
+                                  tp_plan=tp_plan, **pins)
+        schedule = virtual_stages = sequence_parallel = zero_stage = None  # the plan's now
+    elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
+        raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "
+                         "(to plan), or a mesh=")
     if plan is not None:
         # Everything checked against the model first, locally: a plan for another model is
         # refused on every rank before any group is created.
+        if info is None and example_input is not None:
+            from .graph import read_model
+            info = read_model(model, example_input, tp_plan=tp_plan)
+        check_plan(plan, model, info=info, world_size=mesh.size if mesh is not None else init().size)
         blocks = list(_default_units(model) if units is None else units)
         plan_stages = _plan_block_stages(plan, len(blocks))
         if mesh is None:
@@ -369,7 +401,9 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, schedule=None, micro_
     mesh = mesh if mesh is not None else device_mesh()
     if schedule is not None and str(schedule).endswith("none"):
         schedule = None
-    return ParallelModel(model, mesh, schedule=schedule, micro_batches=micro_batches or 1,
-                         virtual_stages=virtual_stages or 1, unit_stage=unit_stage, units=units,
-                         tp_plan=tp_plan, sequence_parallel=bool(sequence_parallel), zero_stage=zero_stage or 0,
-                         bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim)
+    result = ParallelModel(model, mesh, schedule=schedule, micro_batches=micro_batches or 1,
+                           virtual_stages=virtual_stages or 1, unit_stage=unit_stage, units=units,
+                           tp_plan=tp_plan, sequence_parallel=bool(sequence_parallel), zero_stage=zero_stage or 0,
+                           bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim)
+    result.plan = plan  # None when laid out by hand
+    return result

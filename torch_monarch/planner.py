@@ -195,3 +195,9 @@ def load(path):
 def save(plan, path):
     """Writes a plan as JSON, exactly as ``monarch-plan`` does."""
     _P.save_plan(plan, os.fspath(path))
+
+
+# Conveniences on the Plan type itself: plan.save(path), plan.report(), Plan.load(path).
+Plan.save = lambda self, path: save(self, path)
+Plan.report = lambda self: report(self)
+Plan.load = staticmethod(load)

@@ -68,6 +68,10 @@ _COLWISE = {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "val
 _ROWWISE = {"o_proj", "out_proj", "proj", "c_proj", "wo", "o", "dense", "fc2", "down_proj", "w2", "fc_out",
             "dense_4h_to_h", "down"}
 
+# BERT-style MLPs name both linears "dense": the one under "intermediate" widens (column-
+# parallel), the one under "output" narrows (row-parallel).
+_COLWISE_PARENTS = {"intermediate"}
+
 
 def default_plan(model: nn.Module):
     """A tp plan from module names, as Megatron / Llama / GPT-2 / HF models spell them:
@@ -83,16 +87,19 @@ def default_plan(model: nn.Module):
         if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
             plan[name] = VocabEmbedding()
         elif isinstance(module, nn.Linear):
-            if vocab is not None and module.out_features == vocab:
-                plan[name] = VocabHead()
-            elif leaf in _FUSED3:
+            parent = name.rsplit(".", 2)[-2].lower() if name.count(".") >= 1 else ""
+            # Names first: a projection whose width happens to equal the vocabulary (q|k|v of
+            # a small model) is still a projection.
+            if leaf in _FUSED3:
                 plan[name] = Colwise(fused_parts=3)
             elif leaf in _FUSED2:
                 plan[name] = Colwise(fused_parts=2)
-            elif leaf in _COLWISE:
+            elif leaf in _COLWISE or (leaf == "dense" and parent in _COLWISE_PARENTS):
                 plan[name] = Colwise()
             elif leaf in _ROWWISE:
                 plan[name] = Rowwise()
+            elif vocab is not None and module.out_features == vocab:
+                plan[name] = VocabHead()
     return plan
 
 
@@ -279,6 +286,21 @@ def _head_count_attributes(model, plan, tp):
     return found
 
 
+def resolve_plan(model: nn.Module, plan=None):
+    """{module name: style} of the modules tp splits: ``plan`` ({name or glob: style}) with its
+    globs expanded, or the name-based ``default_plan``; ``Replicate`` entries dropped. The one
+    rule both the model reader (what the planner sees) and ``tensor_parallel`` use."""
+    base = default_plan(model) if plan is None else {}
+    if plan is not None:
+        for pattern, style in plan.items():
+            matched = [n for n, _ in model.named_modules() if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+            if not matched:
+                raise ValueError(f"tensor parallel plan: '{pattern}' matches no module of {type(model).__name__}")
+            for n in matched:
+                base[n] = style
+    return {n: s for n, s in base.items() if not isinstance(s, Replicate)}
+
+
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
                     units=None, rng=None):
     """Splits ``model`` in place over the mesh's ``tp`` axis and returns it.
@@ -304,15 +326,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     """
     group = mesh.group("tp")
     tp = group.size
-    base = default_plan(model) if plan is None else {}
-    if plan is not None:
-        for pattern, style in plan.items():
-            matched = [n for n, _ in model.named_modules() if n == pattern or fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
-                raise ValueError(f"tensor parallel plan: '{pattern}' matches no module of {type(model).__name__}")
-            for n in matched:
-                base[n] = style
-    plan = {n: s for n, s in base.items() if not isinstance(s, Replicate)}
+    plan = resolve_plan(model, plan)
     if tp == 1:
         return model
     head_counts = _head_count_attributes(model, plan, tp)  # checked before anything changes

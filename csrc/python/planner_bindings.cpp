@@ -405,6 +405,8 @@ void bind_cluster_training(py::module_& m) {
 
   m.def("validate", py::overload_cast<const Cluster&>(&validate), py::arg("cluster"));
   m.def("validate", py::overload_cast<const TrainingConfig&>(&validate), py::arg("training"));
+  m.def("validate", py::overload_cast<const ModelGraph&>(&validate), py::arg("graph"),
+        "Checks a model graph can be planned (counts finite and >= 0, edges and tied groups in range).");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ LaunchEnv LaunchEnv::from_environment() {
   env.world_size = env_int("WORLD_SIZE", 1, true);
   env.local_rank = env_int("LOCAL_RANK", env.rank, false);
   env.local_world_size = env_int("LOCAL_WORLD_SIZE", env.world_size, false);
+  const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  env.use_agent_store = agent_store != nullptr && std::string(agent_store) == "True";
+  env.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0, env.use_agent_store);
   TORCH_CHECK(env.world_size >= 1, "monarch::init: WORLD_SIZE must be >= 1");
   TORCH_CHECK(env.rank < env.world_size, "monarch::init: RANK=", env.rank,
               " is not below WORLD_SIZE=", env.world_size);
@@ -57,16 +60,23 @@ std::shared_ptr<World> World::init(const InitOptions& options) {
   const LaunchEnv env = LaunchEnv::from_environment();
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.master_port);
-  opts.isServer = env.rank == 0;
+  opts.isServer = env.rank == 0 && !env.use_agent_store;
   opts.numWorkers = static_cast<std::size_t>(env.world_size);
-  opts.waitWorkers = true;
+  opts.waitWorkers = !env.use_agent_store;  // the agent's store counts no workers of ours
   opts.timeout = options.timeout;
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "monarch::init: rank ", env.rank, " could not rendezvous at ", env.master_addr,
-                ":", env.master_port, " within ", options.timeout.count(), " ms: ", e.what());
+                ":", env.master_port, env.use_agent_store ? " (torchrun's agent store)" : "", " within ",
+                options.timeout.count(), " ms: ", e.what());
+  }
+  if (env.use_agent_store) {
+    // The same prefix torch.distributed's env:// rendezvous uses, so a restarted worker
+    // group never reads the keys of the attempt before it.
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        "/worker/attempt_" + std::to_string(env.restart_count), store);
   }
   return from_store(store, env.rank, env.world_size, options);
 }

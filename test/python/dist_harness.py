@@ -1,6 +1,15 @@
-"""Starts N local ranks of a worker script on loopback with a free port (the Python twin of
-test/cpp/runtime/harness.h) and collects exit codes, stderr and result files."""
+"""Starts N local ranks of a worker script on loopback and collects exit codes, stderr and
+result files.
 
+Two ways, as users start jobs:
+  * ``via="monarch-run"`` (the default): ``python3 -m torch_monarch.run`` (torchrun's agent,
+    its store and its environment), exactly as the README launches training;
+  * ``via="env"``: one process per rank with MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE set
+    by hand (what a cluster scheduler's own launcher does). Fault tests use it: torchrun's
+    agent stops every worker once one fails, which would hide what the survivors report.
+"""
+
+import glob
 import os
 import socket
 import subprocess
@@ -38,7 +47,11 @@ class Launch:
         return "\n".join(parts)
 
 
-def launch(world_size, scenario, timeout=120, env=None, worker="workers.py"):
+def launch(world_size, scenario, timeout=120, env=None, worker="workers.py", via="monarch-run"):
+    if via == "monarch-run":
+        return launch_with_launcher(world_size, scenario, timeout, env, worker)
+    if via != "env":
+        raise ValueError(f"launch: via={via!r} is neither 'monarch-run' nor 'env'")
     out_dir = tempfile.mkdtemp(prefix="monarch-pytest-")
     port = free_port()
     procs = []
@@ -71,3 +84,38 @@ def launch(world_size, scenario, timeout=120, env=None, worker="workers.py"):
         with open(os.path.join(out_dir, f"rank{rank}.stderr")) as f:
             errors.append(f.read())
     return Launch(out_dir, codes, errors, timed_out)
+
+
+def launch_with_launcher(world_size, scenario, timeout=120, env=None, worker="workers.py",
+                         extra_args=()):
+    """``python3 -m torch_monarch.run --nproc-per-node N worker.py scenario`` on a free port;
+    each rank's stderr is read from the launcher's per-rank log files. The agent reports one
+    exit status for the job, so every rank gets it in ``codes``."""
+    out_dir = tempfile.mkdtemp(prefix="monarch-pytest-")
+    log_dir = os.path.join(out_dir, "logs")
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "MONARCH_TEST_OUTPUT": out_dir})
+    e.update(env or {})
+    cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(world_size),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir", log_dir,
+           "--redirects", "3", *extra_args, os.path.join(HERE, worker), scenario]
+    with open(os.path.join(out_dir, "launcher.log"), "w") as log:
+        proc = subprocess.Popen(cmd, env=e, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+    with open(os.path.join(out_dir, "launcher.log")) as f:
+        launcher_log = f.read()
+    errors = []
+    for rank in range(world_size):
+        files = glob.glob(os.path.join(log_dir, "*", "attempt_*", str(rank), "stderr.log"))
+        text = ""
+        for path in sorted(files):
+            with open(path) as f:
+                text += f.read()
+        errors.append(text + ("" if proc.returncode == 0 else "\n[launcher] " + launcher_log[-3000:]))
+    return Launch(out_dir, [proc.returncode] * world_size, errors, timed_out)

@@ -91,7 +91,7 @@ def test_fully_shard_mixed_precision(reference):
 
 
 def test_dead_rank_fails_fast_with_named_collective():
-    r = launch(2, "dp", env={"MONARCH_TEST_DIE_AT_STEP": "3", "MONARCH_TIMEOUT_S": "10"}, timeout=90)
+    r = launch(2, "dp", env={"MONARCH_TEST_DIE_AT_STEP": "3", "MONARCH_TIMEOUT_S": "10"}, timeout=90, via="env")
     assert not r.timed_out, r.describe()
     assert r.codes[1] == 3
     assert r.codes[0] != 0
@@ -99,10 +99,10 @@ def test_dead_rank_fails_fast_with_named_collective():
 
 
 def test_bad_setups_are_refused():
-    r = launch(2, "dp_mismatch")
+    r = launch(2, "dp_mismatch", via="env")
     assert r.codes == [1, 1], r.describe()
     assert "every rank must wrap the same model" in r.errors[0]
-    r = launch(2, "mesh_too_big")
+    r = launch(2, "mesh_too_big", via="env")
     assert r.codes[0] == 1
     assert "does not match the world size 2" in r.errors[0], r.describe()
 

@@ -15,7 +15,8 @@
 namespace monarch {
 
 // What torchrun exports (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE). Missing or malformed variables are reported by name.
+// LOCAL_WORLD_SIZE, and TORCHELASTIC_USE_AGENT_STORE / TORCHELASTIC_RESTART_COUNT when its
+// agent already serves the store). Missing or malformed variables are reported by name.
 struct LaunchEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
@@ -23,6 +24,11 @@ struct LaunchEnv {
   int world_size = 1;
   int local_rank = 0;
   int local_world_size = 1;
+  // torchrun's agent serves the TCPStore on MASTER_PORT: every rank joins it as a client,
+  // under the key prefix of the agent's current restart attempt (as torch.distributed's
+  // env:// rendezvous does), instead of rank 0 serving a store of its own.
+  bool use_agent_store = false;
+  int restart_count = 0;
   static LaunchEnv from_environment();
 };
 
@@ -34,7 +40,8 @@ struct InitOptions {
 // store under distinct prefixes, so several groups (one per mesh axis slice) share one port.
 class World {
  public:
-  // Rendezvous from the environment: rank 0 serves the TCPStore on MASTER_PORT.
+  // Rendezvous from the environment: rank 0 serves the TCPStore on MASTER_PORT, or, under
+  // torchrun's agent, every rank joins the agent's store.
   static std::shared_ptr<World> init(const InitOptions& options = {});
   // Join an existing store (e.g. Python's torch.distributed default store): no new port.
   static std::shared_ptr<World> from_store(c10::intrusive_ptr<c10d::Store> store, int rank,

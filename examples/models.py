@@ -1,0 +1,356 @@
+"""Models as users write them, with the module names of the libraries they come from (Hugging
+Face GPT-2, Llama and BERT; a plain MLP; torchvision's ResNet-18). Examples and tests build
+them small; ``gpt3_175b`` builds the real size on the meta device for planning.
+
+    python3 -m torch_monarch plan examples/models.py:gpt2_small --gpus 64 --cluster a100-80gb ...
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# -- GPT-2 (Hugging Face names: transformer.wte / wpe / h.N.attn.c_attn / ln_f, tied lm_head)
+
+class GPT2Attention(nn.Module):
+    def __init__(self, hidden, heads, dropout):
+        super().__init__()
+        self.num_heads = heads
+        self.head_dim = hidden // heads
+        self.c_attn = nn.Linear(hidden, 3 * hidden)  # fused q|k|v
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, _ = x.size()
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = self.attn_dropout(scores.softmax(-1))
+        out = (probs @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.resid_dropout(self.c_proj(out))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, hidden, dropout):
+        super().__init__()
+        self.c_fc = nn.Linear(hidden, 4 * hidden)
+        self.c_proj = nn.Linear(4 * hidden, hidden)
+        self.act = nn.GELU()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, hidden, heads, dropout):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = GPT2Attention(hidden, heads, dropout)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.mlp = GPT2MLP(hidden, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, vocab, hidden, heads, layers, max_positions, dropout):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.wpe = nn.Embedding(max_positions, hidden)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPT2Block(hidden, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(positions))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, vocab=50257, hidden=768, heads=12, layers=12, max_positions=1024, dropout=0.0):
+        super().__init__()
+        self.transformer = GPT2Model(vocab, hidden, heads, layers, max_positions, dropout)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied
+
+    def forward(self, tokens):
+        return self.lm_head(self.transformer(tokens))
+
+
+def gpt2_small():
+    """GPT-2 small (124M parameters, sequence 1024), as published (Radford et al. 2019)."""
+    return GPT2LMHeadModel()
+
+
+def gpt3_175b():
+    """GPT-3 175B's shape (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads,
+    context 2048; vocabulary 51200 as Narayanan et al. 2021 pad it). Build it under
+    ``torch_monarch.meta_init()``: it is never materialized."""
+    return GPT2LMHeadModel(vocab=51200, hidden=12288, heads=96, layers=96, max_positions=2048)
+
+
+def llama3_8b():
+    """Llama-3 8B's shape (32 layers, hidden 4096, 32 query / 8 KV heads, MLP 14336,
+    vocabulary 128256)."""
+    return LlamaForCausalLM(vocab=128256, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32)
+
+
+# -- Llama (Hugging Face names: model.embed_tokens / layers.N.self_attn.q_proj / norm / lm_head)
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    def __init__(self, dim, base=10000.0):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+    def forward(self, seq_len, device):
+        t = torch.arange(seq_len, device=device, dtype=self.inv_freq.dtype)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class LlamaAttention(nn.Module):
+    """Reads the sequence length from its input and views with its own head counts, as the
+    Hugging Face implementation does."""
+
+    def __init__(self, hidden, heads, kv_heads):
+        super().__init__()
+        self.num_heads = heads
+        self.num_key_value_heads = kv_heads
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(self.head_dim)
+
+    def forward(self, hidden_states):
+        bsz, q_len, _ = hidden_states.size()
+        q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary_emb(q_len, hidden_states.device)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        groups = self.num_heads // self.num_key_value_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim)
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=hidden_states.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, intermediate):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(hidden)
+        self.self_attn = LlamaAttention(hidden, heads, kv_heads)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden)
+        self.mlp = LlamaMLP(hidden, intermediate)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, vocab, hidden, heads, kv_heads, intermediate, layers):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(hidden, heads, kv_heads, intermediate) for _ in range(layers))
+        self.norm = LlamaRMSNorm(hidden)
+
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, vocab=32000, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32):
+        super().__init__()
+        self.model = LlamaModel(vocab, hidden, heads, kv_heads, intermediate, layers)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(self.model(tokens))
+
+
+# -- BERT (Hugging Face names: bert.embeddings / encoder.layer.N.attention.self.query / ...)
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, vocab, hidden, max_positions):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+        self.position_embeddings = nn.Embedding(max_positions, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.LayerNorm(self.word_embeddings(tokens) + self.position_embeddings(positions))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.num_attention_heads = heads
+        self.attention_head_size = hidden // heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.size()
+        q, k, v = (m(x).view(b, s, self.num_attention_heads, self.attention_head_size).transpose(1, 2)
+                   for m in (self.query, self.key, self.value))
+        probs = (q @ k.transpose(-1, -2) / math.sqrt(self.attention_head_size)).softmax(-1)
+        return (probs @ v).transpose(1, 2).reshape(b, s, self.num_attention_heads * self.attention_head_size)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden)
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dense(hidden_states) + input_tensor)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.self = BertSelfAttention(hidden, heads)
+        self.output = BertSelfOutput(hidden)
+
+    def forward(self, x):
+        return self.output(self.self(x), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.dense = nn.Linear(hidden, intermediate)
+
+    def forward(self, x):
+        return F.gelu(self.dense(x))
+
+
+class BertOutput(nn.Module):
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.dense = nn.Linear(intermediate, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden)
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dense(hidden_states) + input_tensor)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hidden, heads, intermediate):
+        super().__init__()
+        self.attention = BertAttention(hidden, heads)
+        self.intermediate = BertIntermediate(hidden, intermediate)
+        self.output = BertOutput(hidden, intermediate)
+
+    def forward(self, x):
+        a = self.attention(x)
+        return self.output(self.intermediate(a), a)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, hidden, heads, intermediate, layers):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(hidden, heads, intermediate) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+class BertModel(nn.Module):
+    def __init__(self, vocab, hidden, heads, intermediate, layers, max_positions):
+        super().__init__()
+        self.embeddings = BertEmbeddings(vocab, hidden, max_positions)
+        self.encoder = BertEncoder(hidden, heads, intermediate, layers)
+
+    def forward(self, tokens):
+        return self.encoder(self.embeddings(tokens))
+
+
+class BertForSequenceClassification(nn.Module):
+    def __init__(self, vocab=30522, hidden=768, heads=12, intermediate=3072, layers=12, max_positions=512,
+                 num_labels=2):
+        super().__init__()
+        self.bert = BertModel(vocab, hidden, heads, intermediate, layers, max_positions)
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, tokens):
+        return self.classifier(self.bert(tokens)[:, 0])
+
+
+# -- a plain MLP ----------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self, inputs=32, hidden=64, outputs=10, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(inputs if i == 0 else hidden, hidden), nn.ReLU()) for i in range(depth))
+        self.out = nn.Linear(hidden, outputs)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def resnet18(num_classes=10, batch_stats=True):
+    """torchvision's ResNet-18. ``batch_stats=False`` swaps BatchNorm for GroupNorm: batch
+    statistics are per rank under data parallelism (as with DDP without SyncBatchNorm), so
+    only a norm without them can match a one-process run exactly."""
+    import torchvision
+    norm = None if batch_stats else (lambda channels: nn.GroupNorm(8, channels))
+    return torchvision.models.resnet18(num_classes=num_classes, norm_layer=norm)

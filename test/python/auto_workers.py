@@ -1,0 +1,127 @@
+"""Workers for test_parallelize.py: a model from examples/models.py laid out by
+torch_monarch.parallelize (planned on this machine, or with pins), trained for a few steps
+through train_step; losses and the reassembled state dict go to MONARCH_TEST_OUTPUT.
+
+    python3 -m torch_monarch.run --nproc-per-node 2 auto_workers.py gpt2:tp=2
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+
+import models  # noqa: E402
+import torch_monarch  # noqa: E402
+
+STEPS = 4
+GLOBAL_BATCH = 8
+SEQ = 8
+LR = 1e-2
+# Adam divides by sqrt(v) + eps: with the default 1e-8 a gradient that is exactly zero in
+# theory (a key bias: softmax ignores it) but rounding noise in practice takes lr-sized
+# steps whose sign depends on summation order. eps=1e-3 keeps such noise from moving weights;
+# real gradients here are far larger, so training is unchanged.
+EPS = 1e-3
+
+
+def build(name):
+    """(model, example input, batch(step) -> (inputs, targets), is_language_model)."""
+    torch.manual_seed(1234)
+    if name == "gpt2":
+        m = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=4, max_positions=SEQ)
+        return m, _tokens(0, 64), lambda step: _lm_batch(step, 64), True
+    if name == "llama":
+        m = models.LlamaForCausalLM(vocab=64, hidden=32, heads=4, kv_heads=2, intermediate=48, layers=4)
+        return m, _tokens(0, 64), lambda step: _lm_batch(step, 64), True
+    if name == "bert":
+        m = models.BertForSequenceClassification(vocab=64, hidden=32, heads=4, intermediate=64, layers=2,
+                                                 max_positions=SEQ, num_labels=3)
+        return m, _tokens(0, 64), lambda step: (_tokens(step, 64), _labels(step, 3)), False
+    if name == "mlp":
+        m = models.MLP(inputs=16, hidden=32, outputs=5, depth=4)
+        return m, torch.randn(GLOBAL_BATCH, 16), lambda step: (
+            torch.randn(GLOBAL_BATCH, 16, generator=_gen(step)), _labels(step, 5)), False
+    if name == "resnet18":
+        m = models.resnet18(num_classes=4, batch_stats=False)
+        return m, torch.randn(GLOBAL_BATCH, 3, 16, 16), lambda step: (
+            torch.randn(GLOBAL_BATCH, 3, 16, 16, generator=_gen(step)), _labels(step, 4)), False
+    raise ValueError(f"unknown model {name}")
+
+
+def _gen(step):
+    return torch.Generator().manual_seed(100 + step)
+
+
+def _tokens(step, vocab):
+    return torch.randint(vocab, (GLOBAL_BATCH, SEQ), generator=_gen(step))
+
+
+def _labels(step, n):
+    return torch.randint(n, (GLOBAL_BATCH,), generator=_gen(1000 + step))
+
+
+def _lm_batch(step, vocab):
+    t = torch.randint(vocab, (GLOBAL_BATCH, SEQ + 1), generator=_gen(step))
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def loss_fn_for(model, lm):
+    if lm and getattr(model, "tp", 1) > 1:
+        return lambda logits, y: torch_monarch.vocab_parallel_cross_entropy(logits, y, model.mesh)
+    if lm:
+        return lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return lambda logits, y: F.cross_entropy(logits, y)
+
+
+def train_reference(name):
+    model, _, batch, lm = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    loss_fn = loss_fn_for(model, lm)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def main(name, pins):
+    torch.set_num_threads(1)
+    world = torch_monarch.init(timeout=120)
+    model, example, batch, lm = build(name)
+    pins = dict(kv.split("=") for kv in pins.split(",") if kv) if pins else {}
+    typed = {k: (v if k == "schedule" else int(v)) for k, v in pins.items()}
+    pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **typed)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    loss_fn = loss_fn_for(pm, lm)
+    dp, dp_rank = pm.dp, pm.mesh.coordinate("dp")
+    local = GLOBAL_BATCH // dp
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x[dp_rank * local:(dp_rank + 1) * local], y[dp_rank * local:(dp_rank + 1) * local]
+        opt.zero_grad()
+        losses.append(pm.train_step(x, y, loss_fn))
+        opt.step()
+    state = pm.state_dict()
+    out = os.environ["MONARCH_TEST_OUTPUT"]
+    if world.rank == 0:
+        with open(os.path.join(out, "plan.json"), "w") as f:
+            f.write(pm.plan.to_json())
+    torch.save({"losses": losses, "state": state if world.rank == 0 else None,
+                "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage},
+               os.path.join(out, f"rank{world.rank}.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    name, _, pins = sys.argv[1].partition(":")  # "gpt2" or "gpt2:tp=2,schedule=1f1b"
+    sys.exit(main(name, pins))

@@ -1,0 +1,231 @@
+"""The one-call API: read the model, read the machine, plan, check, and lay the model out.
+
+    plan = torch_monarch.plan(model, example_input, global_batch=512)              # offline or in a job
+    model = torch_monarch.parallelize(model, example_input=x, global_batch=512)   # in a job
+    model.plan.summary(); model.plan.save("plan.json")
+
+Pins use the command line's names (``tp=2, pp=2, dp=1, zero_stage=3, micro_batch=2,
+schedule="1f1b", virtual_stages=2, sequence_parallel=True``). What the planner may choose
+is limited to what the runtime can build (``runtime_training``): the one place both agree.
+"""
+
+import torch
+
+from . import planner as _planner
+from .graph import blocks_of, read_model
+
+_PIN_NAMES = {"tp", "pp", "dp", "zero_stage", "zero", "micro_batch", "micro_batch_size", "schedule",
+              "virtual_stages", "sequence_parallel", "recompute"}
+
+
+def _pins(pins):
+    unknown = sorted(set(pins) - _PIN_NAMES)
+    if unknown:
+        raise TypeError(f"plan: unknown pin(s) {unknown}; pins are {sorted(_PIN_NAMES)}")
+    for key, value in pins.items():
+        if key in ("tp", "pp", "dp", "zero_stage", "zero", "micro_batch", "micro_batch_size", "virtual_stages") \
+                and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"plan: pin {key}={value!r} must be an int")
+    out = dict(pins)
+    if "zero_stage" in out:
+        out["zero"] = out.pop("zero_stage")
+    if "micro_batch_size" in out:
+        out["micro_batch"] = out.pop("micro_batch_size")
+    return out
+
+
+def runtime_training(info, global_batch, dtype=None, pins=None):
+    """The TrainingConfig the planner searches under, restricted to what the runtime builds:
+    no activation recomputation yet (the runtime does not implement it), sequence
+    parallelism only when pinned, tensor parallelism only for models with split-able
+    layers, pipelines only for models with blocks. Bytes per parameter follow the dtype:
+    fp32 training with Adam keeps 4 (weights) + 4 (grads) + 8 (two moments); bf16/fp16
+    mixed precision ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020, Sec. 3.1)."""
+    pins = pins or {}
+    dtype = _planner._enum(_planner.DType, dtype, "dtype") if dtype is not None else info.graph.layers[0].param_dtype
+    t = _planner.training(global_batch, compute_dtype=dtype)
+    if dtype == _planner.DType.fp32:
+        t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
+    t.allow_recompute = pins.get("recompute") not in (None, "none")
+    t.allow_sequence_parallel = bool(pins.get("sequence_parallel"))
+    t.allow_tensor_parallel = any(str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
+    t.allow_pipeline_parallel = len(info.blocks) > 1
+    t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
+                   _planner.ScheduleKind.zero_bubble_h1]
+    return t
+
+
+def _cuttable_only_between_blocks(info):
+    """Data-flow edges that keep pipeline cuts where the runtime can make them: between two
+    blocks (what comes before the first block runs on the first stage, what comes after the
+    last on the last)."""
+    graph = info.graph
+    names = [layer.name for layer in graph.layers]
+    block_idx = [i for i, n in enumerate(names) if n in set(info.blocks)]
+    edges = []
+    if not block_idx:
+        if len(names) > 1:
+            edges.append((0, len(names) - 1))
+    else:
+        if block_idx[0] > 0:
+            edges.append((0, block_idx[0]))
+        if block_idx[-1] < len(names) - 1:
+            edges.append((block_idx[-1], len(names) - 1))
+    graph.edges = edges
+    return graph
+
+
+def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
+    """(ModelInfo, planner ModelGraph) of ``model``; the graph only allows pipeline cuts the
+    runtime can make."""
+    info = read_model(model, example_input, name=name, tp_plan=tp_plan, dtype=dtype)
+    return info, _cuttable_only_between_blocks(info)
+
+
+def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,
+         alternatives=5, **pins):
+    """Plans ``model`` (any ``nn.Module``, on any device including ``meta``) for
+    ``global_batch`` samples per step on ``cluster`` (a planner Cluster or preset name with
+    ``devices=``; default: this job's machine, ``cluster.detect()``). Returns a Plan."""
+    pins = _pins(pins)
+    info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
+    if cluster is None:
+        from .cluster import detect
+        cluster = detect()
+    training = runtime_training(info, global_batch, dtype, pins)
+    return _planner.plan(graph, cluster, training, alternatives=alternatives, **pins)
+
+
+def check_plan(plan, model, example_input=None, *, info=None, world_size=None, tp_plan=None):
+    """Every difference between ``plan`` and what this model and world are, in one
+    ValueError (nothing is created before it): world size, layer names, kinds and parameter
+    counts, heads / widths tp must divide, and stage cuts the runtime cannot make."""
+    problems = []
+    if world_size is not None and plan.mesh.world_size() != world_size:
+        problems.append(f"world size: the plan is for {plan.mesh.world_size()} ranks "
+                        f"(pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp}), the job has {world_size}")
+    if info is None and example_input is not None:
+        info = read_model(model, example_input, tp_plan=tp_plan)
+    if info is not None:
+        problems += _layer_differences(plan, info)
+    else:
+        blocks = len(blocks_of(model))
+        planned = sum(1 for layer in plan.layers if str(layer.kind).endswith("block"))
+        if blocks != planned:
+            problems.append(f"blocks: the plan has {planned}, the model has {blocks}")
+    problems += _tp_problems(plan)
+    problems += _stage_problems(plan, info)
+    if len(problems) > 20:
+        problems = problems[:20] + [f"... and {len(problems) - 20} more"]
+    if problems:
+        raise ValueError(f"parallelize: the plan does not fit this model / job ({len(problems)} difference"
+                         f"{'s' if len(problems) != 1 else ''}):\n  - " + "\n  - ".join(problems))
+
+
+def _layer_differences(plan, info):
+    out = []
+    planned = [(layer.name, str(layer.kind).split(".")[-1], layer.params) for layer in plan.layers]
+    actual = [(layer.name, str(layer.kind).split(".")[-1], layer.params) for layer in info.graph.layers]
+    if plan.model_params != info.graph.total_params():
+        out.append(f"parameters: the plan's model has {plan.model_params:,}, this model {info.graph.total_params():,}")
+    if len(planned) != len(actual):
+        out.append(f"layers: the plan has {len(planned)}, the model has {len(actual)}")
+    planned_names = {n for n, _, _ in planned}
+    actual_names = {n for n, _, _ in actual}
+    missing = [n for n, _, _ in actual if n not in planned_names]
+    extra = [n for n, _, _ in planned if n not in actual_names]
+    if missing:
+        out.append(f"layers of the model missing from the plan: {_few(missing)}")
+    if extra:
+        out.append(f"layers in the plan the model does not have: {_few(extra)}")
+    by_name = {n: (k, p) for n, k, p in actual}
+    for n, k, p in planned:
+        if n in by_name:
+            ak, ap = by_name[n]
+            if ak != k:
+                out.append(f"layer {n}: kind {k} in the plan, {ak} in the model")
+            if ap != p:
+                out.append(f"layer {n}: {p:,} parameters in the plan, {ap:,} in the model")
+    order = [n for n, _, _ in planned if n in by_name]
+    if order != [n for n, _, _ in actual if n in planned_names]:
+        out.append("layer order: the plan's layers run in another order than the model's")
+    return out
+
+
+def _few(names, limit=6):
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _tp_problems(plan):
+    out = []
+    tp = plan.mesh.tp
+    if tp <= 1:
+        return out
+    for layer in plan.layers:
+        if str(layer.tp).endswith("replicated"):
+            continue
+        d = layer.tp_dims
+        for field in ("heads", "kv_heads", "ffn", "vocab"):
+            value = getattr(d, field)
+            if value and value % tp:
+                out.append(f"layer {layer.name}: tp={tp} does not divide {field}={value}")
+    return out
+
+
+def _stage_problems(plan, info):
+    """The runtime cuts pipelines between blocks only (``pipeline.split_model``)."""
+    if plan.num_stages() <= 1:
+        return []
+    rows = [(layer.name, int(layer.stage), str(layer.kind).endswith("block")) for layer in plan.layers]
+    block_rows = [i for i, (_, _, is_block) in enumerate(rows) if is_block]
+    if not block_rows:
+        return ["stages: the plan cuts a pipeline but the model has no blocks to cut between"]
+    first, last = rows[block_rows[0]][1], rows[block_rows[-1]][1]
+    out = []
+    for i, (name, stage, is_block) in enumerate(rows):
+        if i < block_rows[0] and stage != first:
+            out.append(f"stage cut: {name} runs before the first block, so it must share its stage {first} "
+                       f"(the plan puts it on stage {stage}); the runtime cuts only between blocks")
+        elif i > block_rows[-1] and stage != last:
+            out.append(f"stage cut: {name} runs after the last block, so it must share its stage {last} "
+                       f"(the plan puts it on stage {stage}); the runtime cuts only between blocks")
+    return out
+
+
+# -- broadcast of a plan from rank 0 -----------------------------------------------------------
+
+def _broadcast_text(group, text, root=0):
+    length = torch.tensor([len(text.encode()) if text is not None else 0], dtype=torch.int64)
+    group.broadcast(length, root).wait()
+    buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if text is not None:
+        buf.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+    group.broadcast(buf, root).wait()
+    return bytes(buf.tolist()).decode()
+
+
+def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dtype=None, tp_plan=None,
+                 probe_links=True, **pins):
+    """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective."""
+    from . import _runtime
+    from .cluster import detect, probe
+    info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
+    everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
+    if cluster is None:
+        cluster = detect(world_size=world.size)
+        if probe_links and world.size > 1:
+            cluster = probe(cluster, world)
+    text, error = None, ""
+    if world.rank == 0:
+        try:
+            p = _planner.plan(graph, cluster, runtime_training(info, global_batch, dtype, _pins(pins)),
+                              **_pins(pins))
+            text = _planner.dumps(p)
+        except (ValueError, RuntimeError, TypeError) as e:
+            error = f"{type(e).__name__}: {e}"
+            text = "\0" + error
+    text = _broadcast_text(everyone, text)
+    if text.startswith("\0"):
+        raise ValueError(f"parallelize: rank 0 could not plan: {text[1:]}")
+    return _planner.loads(text), info

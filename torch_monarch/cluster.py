@@ -1,0 +1,227 @@
+"""The machine a job runs on, as the planner's ``Cluster``: read from the launch environment
+and the devices (``detect``), and its links timed on the real process groups (``probe``).
+
+    cluster = detect()                 # world, ranks per node, memory, FLOP/s
+    cluster = probe(cluster, world)    # + latency and bandwidth per link level, measured
+
+Presets (``torch_monarch.planner.cluster("a100-80gb", 1024)``) remain for offline planning.
+Measured values are cached per machine (``~/.cache/torch_monarch``, or
+``$MONARCH_CACHE_DIR``) so later jobs on the same machine skip the measurement.
+"""
+
+import json
+import os
+import socket
+import time
+
+import torch
+
+from . import planner as _planner
+
+# Dense peak FLOP/s per device by name (vendor data sheets; bf16 without sparsity), and the
+# preset whose links and efficiency describe the machine.
+_KNOWN_GPUS = (
+    ("H200", "h200-141gb"),
+    ("H100", "h100-80gb"),
+    ("A100-SXM4-80GB", "a100-80gb"),
+    ("A100 80GB", "a100-80gb"),
+    ("A100", "a100-40gb"),
+)
+
+
+def _cache_dir():
+    return os.environ.get("MONARCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_monarch")
+
+
+def _cache_path(kind, world, local):
+    return os.path.join(_cache_dir(), f"{kind}-{socket.gethostname()}-{world}x{local}.json")
+
+
+def _read_cache(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_cache(path, values):
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(values, f, indent=2)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the next job a measurement
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"cluster: environment variable {name}={value!r} is not an integer") from None
+
+
+def _cpu_memory_bytes():
+    """This machine's RAM, or the cgroup's limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text.isdigit():
+                total = min(total, int(text))
+        except OSError:
+            pass
+    return float(total)
+
+
+def measure_matmul_flops(size=512, repeats=8, dtype=torch.float32, device="cpu"):
+    """FLOP/s of a square matmul on this rank (2 n^3 per product), best of ``repeats``."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size ** 3 / best
+
+
+def detect(world_size=None, ranks_per_node=None, measure=True):
+    """The planner's Cluster for this job: world size and ranks per node from torchrun's
+    environment (WORLD_SIZE, LOCAL_WORLD_SIZE), device memory (CUDA properties, or on CPU
+    this machine's memory shared by its local ranks), peak FLOP/s from the known-device
+    table or, for unknown devices and CPUs, a short measured matmul (cached per machine).
+    Links start from the matching preset; ``probe`` measures them."""
+    world = world_size or _env_int("WORLD_SIZE", 1)
+    local = ranks_per_node or _env_int("LOCAL_WORLD_SIZE", world)
+    if world % local != 0:
+        raise ValueError(f"cluster: WORLD_SIZE={world} is not a whole number of nodes of LOCAL_WORLD_SIZE={local}")
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(_env_int("LOCAL_RANK", 0) % torch.cuda.device_count())
+        preset = next((p for key, p in _KNOWN_GPUS if key in name), None)
+        c = _planner.cluster_preset(preset or "a100-80gb", local)
+        c.name = name
+        c.device_memory_bytes = float(torch.cuda.get_device_properties(0).total_memory)
+        if preset is None:
+            flops = _measured("gpu-flops", world, local, lambda: measure_matmul_flops(
+                4096, dtype=torch.bfloat16, device="cuda"), measure)
+            c.peak_flops_bf16 = c.peak_flops_tf32 = flops
+            c.peak_flops_fp32 = flops / 2
+            c.matmul_efficiency = 1.0
+    else:
+        c = _planner.cluster_preset("cpu", 1)
+        c.name = f"cpu ({socket.gethostname()})"
+        c.device_memory_bytes = _cpu_memory_bytes() / local
+        c.memory_reserved_bytes = min(c.memory_reserved_bytes, 0.25 * c.device_memory_bytes)
+        flops = _measured("cpu-flops", world, local, measure_matmul_flops, measure)
+        if flops:
+            # The measured rate is what a matmul achieves here: it is the peak, at efficiency 1.
+            c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops
+            c.matmul_efficiency = 1.0
+    c.devices_per_node = local
+    c.nodes = world // local
+    _planner.validate(c)
+    return c
+
+
+def _measured(kind, world, local, fn, measure):
+    path = _cache_path(kind, world, local)
+    cached = _read_cache(path)
+    if cached and "value" in cached:
+        return float(cached["value"])
+    if not measure:
+        return None
+    value = float(fn())
+    _write_cache(path, {"value": value, "measured_at": time.time()})
+    return value
+
+
+# -- links ------------------------------------------------------------------------------------
+
+def _time_all_reduce(group, nbytes, repeats):
+    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    group.all_reduce(t).wait()  # warm-up (connection set-up, buffers)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        group.all_reduce(t).wait()
+        best = min(best, time.perf_counter() - t0)
+    # Every member takes the slowest member's time: a collective ends when all have it.
+    out = torch.tensor([best], dtype=torch.float64)
+    group.all_reduce_max(out).wait()
+    return out.item()
+
+
+def fit_alpha_beta(sizes, seconds, n):
+    """Latency alpha (s per message) and bandwidth (bytes/s) of the ring all-reduce model
+    T(S) = 2(n-1) alpha + 2(n-1)/n S / B (Thakur et al. 2005; Patarasuk and Yuan 2009), by
+    least squares over measured (size, time) pairs."""
+    steps = 2.0 * (n - 1)
+    xs = [steps / n * s for s in sizes]
+    mean_x = sum(xs) / len(xs)
+    mean_y = sum(seconds) / len(seconds)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, seconds)) / var if var > 0 else 0.0
+    intercept = mean_y - slope * mean_x
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    latency = max(intercept / steps, 1e-7)
+    return latency, bandwidth
+
+
+def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3, use_cache=True):
+    """Times all-reduces at a few sizes on the real process groups (all ranks of a node;
+    one rank per node between nodes) and fits latency and bandwidth per link level into a
+    copy of ``cluster``. Every rank must call it. Cached per machine and world shape."""
+    local = cluster.devices_per_node
+    path = _cache_path("links", world.size, local)
+    cached = _read_cache(path) if use_cache else None
+    from . import _runtime
+    values = torch.zeros(4, dtype=torch.float64)
+    have = torch.tensor([1.0 if cached else 0.0], dtype=torch.float64)
+    everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
+    everyone.all_reduce(have).wait()
+    if have.item() == world.size:  # every rank has the same machine's measurement
+        values = torch.tensor([cached["intra_latency_s"], cached["intra_bytes_per_s"], cached["inter_latency_s"],
+                               cached["inter_bytes_per_s"]], dtype=torch.float64)
+    else:
+        intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
+        inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
+        if local > 1:
+            times = [_time_all_reduce(intra.group("dp"), s, repeats) for s in sizes]
+            values[0], values[1] = fit_alpha_beta(sizes, times, local)
+        if inter is not None:
+            times = [_time_all_reduce(inter.group("dp"), s, repeats) for s in sizes]
+            values[2], values[3] = fit_alpha_beta(sizes, times, cluster.nodes)
+        everyone.broadcast(values, 0).wait()  # one measurement for all ranks
+        if world.rank % local == 0:
+            _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
+                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item()})
+    c = _copy_cluster(cluster)
+    if values[1] > 0 and values[1] != float("inf"):
+        c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()
+    if values[3] > 0 and values[3] != float("inf"):
+        c.inter_node_latency_s, c.inter_node_bytes_per_s = values[2].item(), values[3].item()
+    elif cluster.nodes == 1:
+        c.inter_node_latency_s, c.inter_node_bytes_per_s = c.intra_node_latency_s, c.intra_node_bytes_per_s
+    _planner.validate(c)
+    return c
+
+
+def _copy_cluster(cluster):
+    c = _planner.Cluster()
+    for field in ("name", "nodes", "devices_per_node", "device_memory_bytes", "memory_reserved_bytes",
+                  "peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency",
+                  "hbm_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "inter_node_latency_s"):
+        setattr(c, field, getattr(cluster, field))
+    return c

@@ -1,0 +1,551 @@
+"""Reads an ``nn.Module`` into the planner's model graph, on the meta device.
+
+    info = read_model(model, example_input)     # nothing is materialized: a 175B model is fine
+    info.graph                                  # planner ModelGraph (layers in execution order)
+    info.modules["model.layers.0.self_attn"]    # per-module record: params, FLOPs, saved bytes, ...
+
+One forward pass runs with every parameter, buffer and input replaced by a meta tensor of the
+same shape and dtype (the model itself is not touched, and may itself live on ``meta``):
+  * FLOPs are counted from the aten ops that run (mm, addmm, bmm, baddbmm, convolution and
+    fused attention kernels; a multiply-add is 2 FLOPs), attributed to every module on the
+    call stack. Matrix products of two activations (Q K^T, A V) are also counted as the
+    attention part, which selective recomputation redoes (Korthikanti et al. 2022).
+  * Activation bytes are the tensors autograd saves for backward (``saved_tensors_hooks``),
+    parameters excluded, each tensor once.
+  * Blocks are the entries of the largest ``nn.ModuleList`` (the rule the runtime cuts
+    pipelines and shards by: ``blocks_of``). Layers of the graph are the blocks and the other
+    top-level modules around them, in the order they first run.
+  * Tensor-parallel structure comes from the same name-based default plan the runtime
+    splits by (``tensor_parallel_modules.default_plan``), or ``tp_plan=``: attention (q/k/v,
+    fused qkv, grouped KV heads read from the modules' head-count attributes), MLPs (plain or
+    gated), vocabulary embeddings and heads. A block with column- and row-parallel linears
+    becomes a ``block`` layer whose ``tp_dims`` name what tp must divide.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import compat
+from . import planner as _planner
+from .tensor_parallel_modules import (HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, Colwise, Replicate, Rowwise,
+                                      VocabEmbedding, VocabHead, default_plan, resolve_plan)
+
+
+def blocks_of(model: nn.Module):
+    """The repeated blocks of ``model``: the entries of its largest ``nn.ModuleList`` (the
+    runtime cuts pipelines between them and shards by them). Empty if there is none."""
+    best = None
+    for sub in model.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and (best is None or len(sub) > len(best)):
+            best = sub
+    return list(best) if best is not None else []
+
+
+@dataclass
+class ModuleRecord:
+    """What one forward of the example batch did inside one module (children included)."""
+    name: str
+    type: str
+    params: int = 0                 # elements, each shared tensor once
+    flops: float = 0.0              # forward FLOPs for the example batch
+    attention_flops: float = 0.0    # the activation x activation matmuls among them
+    saved_bytes: float = 0.0        # saved for backward, parameters excluded
+    output_shapes: list = field(default_factory=list)
+    order: int = -1                 # when it first ran (-1: never ran)
+
+
+@dataclass
+class ModelInfo:
+    """The model as read: per-module records, the planner graph and how layers map to modules."""
+    graph: object                   # torch_monarch.planner.ModelGraph
+    modules: dict                   # name -> ModuleRecord
+    layer_modules: list             # per graph layer: the module name it stands for
+    blocks: list                    # names of the blocks
+    tied: list                      # lists of parameter names that are one tensor
+    batch: int
+    seq: int
+    total_params: int
+    tp_plan: dict                   # {module name: style} the layers' tp structure came from
+
+    def summary(self):
+        lines = [f"{self.graph.name}: {self.total_params:,} parameters, {len(self.blocks)} blocks, "
+                 f"batch {self.batch}" + (f", sequence {self.seq}" if self.seq else "")]
+        for layer, module in zip(self.graph.layers, self.layer_modules):
+            lines.append(f"  {layer.name:<28} {str(layer.kind).split('.')[-1]:<9} {layer.params:>14,} params "
+                         f"{layer.forward_flops_per_sample:12.4g} FLOP/sample  tp={str(layer.tp).split('.')[-1]}")
+        return "\n".join(lines)
+
+
+# -- FLOPs of aten ops --------------------------------------------------------------------
+
+def _numel(shape):
+    return math.prod(int(s) for s in shape)
+
+
+def _matmul_flops(name, args, out):
+    if name in ("mm", "addmm", "bmm", "baddbmm"):
+        a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        return 2.0 * _numel(out.shape) * a.shape[-1], a, b
+    return None
+
+
+def _conv_flops(args, out):
+    weight = args[1]
+    # Each output element: a dot product over in_channels / groups x kernel elements.
+    return 2.0 * _numel(out.shape) * _numel(weight.shape[1:])
+
+
+def _attention_flops(q, k):
+    # softmax(Q K^T) V: two matmuls of b x heads x s_q x s_k x d.
+    return 4.0 * _numel(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+
+
+_ATTENTION_KERNELS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                      "_efficient_attention_forward", "scaled_dot_product_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+class _Recorder:
+    """Module stack, FLOP and saved-tensor accounting for one capture."""
+
+    def __init__(self, names_by_module, param_ids):
+        self.names = names_by_module
+        self.param_ids = param_ids
+        self.stack = []
+        self.records = {}
+        self.order = 0
+        self.seen_saved = {}
+        self.saved_by = []  # (tensor, stack snapshot) for later classification
+
+    def record(self, name):
+        return self.records[name]
+
+    def is_param(self, t):
+        return id(t) in self.param_ids or (t._base is not None and id(t._base) in self.param_ids)
+
+    def add(self, flops, attention):
+        for name in self.stack:
+            r = self.records[name]
+            r.flops += flops
+            r.attention_flops += attention
+
+    def pack(self, t):
+        if isinstance(t, torch.Tensor) and not self.is_param(t) and id(t) not in self.seen_saved:
+            self.seen_saved[id(t)] = t
+            nbytes = float(t.numel() * t.element_size())
+            for name in self.stack:
+                self.records[name].saved_bytes += nbytes
+            self.saved_by.append((t, tuple(self.stack)))
+        return t
+
+
+def _make_mode(recorder):
+    base = compat.dispatch_mode_base()
+
+    class FlopCounter(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            flops = attention = 0.0
+            mm = _matmul_flops(name, args, out)
+            if mm is not None:
+                flops, a, b = mm
+                if not recorder.is_param(a) and not recorder.is_param(b):
+                    attention = flops  # activation x activation: attention scores / context
+            elif name in ("convolution", "_convolution"):
+                flops = _conv_flops(args, out)
+            elif name in _ATTENTION_KERNELS:
+                flops = attention = _attention_flops(args[0], args[1])
+            if flops:
+                recorder.add(flops, attention)
+            return out
+
+    return FlopCounter()
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+def _shapes(x):
+    if isinstance(x, torch.Tensor):
+        return [tuple(x.shape)]
+    if isinstance(x, (list, tuple)):
+        return [s for v in x for s in _shapes(v)]
+    if isinstance(x, dict):
+        return [s for v in x.values() for s in _shapes(v)]
+    if hasattr(x, "to_tuple"):  # Hugging Face ModelOutput
+        return _shapes(x.to_tuple())
+    return []
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    for v in values:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def _batch_and_seq(example_input):
+    t = _first_tensor(example_input)
+    if t is None or t.dim() == 0:
+        raise ValueError("read_model: example_input holds no tensor with a batch dimension")
+    batch = int(t.shape[0])
+    # Token ids (batch, seq) or embeddings (batch, seq, hidden): a sequence model.
+    is_tokens = t.dim() == 2 and not t.is_floating_point()
+    seq = int(t.shape[1]) if is_tokens or t.dim() == 3 else 0
+    return batch, seq
+
+
+def _capture(model, example_input, recorder, tensors):
+    args, kwargs = ((), dict(example_input)) if isinstance(example_input, dict) else (
+        (tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)), {})
+    args, kwargs = _to_meta(args), _to_meta(kwargs)
+    handles = []
+
+    def pre(module, _inputs):
+        name = recorder.names.get(id(module))
+        if name is None:
+            return
+        recorder.stack.append(name)
+        r = recorder.records[name]
+        if r.order < 0:
+            r.order = recorder.order
+            recorder.order += 1
+
+    def post(module, _inputs, output):
+        name = recorder.names.get(id(module))
+        if name is None:
+            return
+        r = recorder.records[name]
+        if not r.output_shapes:
+            r.output_shapes = _shapes(output)
+        if recorder.stack and recorder.stack[-1] == name:
+            recorder.stack.pop()
+
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    was_training = model.training
+    model.train()  # what training saves for backward (dropout masks included)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder):
+            with torch.enable_grad():
+                compat.functional_call(model, tensors, args, kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
+def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtype=None):
+    """Reads ``model`` run on ``example_input`` (a tensor, a tuple of positional inputs, or a
+    dict of keyword inputs; any device: they are replaced by meta tensors of the same shape)
+    into a ``ModelInfo`` whose ``graph`` the planner plans. ``dtype`` (e.g. "bf16"): the dtype
+    the plan trains in (default: the parameters' dtype). ``tp_plan`` overrides the name-based
+    tensor-parallel structure as in ``tensor_parallel``."""
+    names = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), mname)
+    records = {n: ModuleRecord(n, type(m).__name__) for n, m in model.named_modules()}
+    # Every parameter and buffer, under every name it has, as one meta tensor per tensor.
+    meta_of = {}
+    tensors = {}
+    param_ids = set()
+    tied = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in list(module._parameters.items()) + list(module._buffers.items()):
+            if p is None:
+                continue
+            full = f"{mname}.{pname}" if mname else pname
+            if id(p) not in meta_of:
+                m = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                if isinstance(p, nn.Parameter):
+                    m.requires_grad_(p.requires_grad)
+                    param_ids.add(id(m))
+                meta_of[id(p)] = m
+            tensors[full] = meta_of[id(p)]
+            if isinstance(p, nn.Parameter):
+                tied.setdefault(id(p), []).append(full)
+    for mname, module in model.named_modules():
+        seen = set()
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                records[mname].params += p.numel()
+    batch, seq = _batch_and_seq(example_input)
+    recorder = _Recorder(names, param_ids)
+    recorder.records = records
+    _capture(model, example_input, recorder, tensors)
+
+    plan = resolve_plan(model, tp_plan)
+    info_layers = _layers(model, records)
+    graph = _planner.ModelGraph()
+    graph.name = name or type(model).__name__
+    compute_dtype = _planner._enum(_planner.DType, dtype, "dtype") if dtype is not None else _dtype_of(model)
+    blocks = [n for n, m in _named(model, blocks_of(model))]
+    hidden = _hidden_size(model, plan)
+    layers = []
+    for lname, kind in info_layers:
+        layers.append(_layer(model, lname, kind, records[lname], recorder, plan, batch, seq, hidden,
+                             compute_dtype, blocks))
+    graph.layers = layers
+    graph.tied_groups = _tied_groups(model, info_layers)
+    graph.transformer = _transformer_config(graph, plan, blocks, seq, hidden, compute_dtype)
+    _planner.validate(graph)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return ModelInfo(graph=graph, modules=records, layer_modules=[n for n, _ in info_layers], blocks=blocks,
+                     tied=[v for v in tied.values() if len(v) > 1], batch=batch, seq=seq, total_params=total,
+                     tp_plan=plan)
+
+
+def _named(model, modules):
+    ids = {id(m) for m in modules}
+    return [(n, m) for n, m in model.named_modules() if id(m) in ids]
+
+
+def _dtype_of(model):
+    for p in model.parameters():
+        if p.is_floating_point():
+            return {torch.float32: _planner.DType.fp32, torch.bfloat16: _planner.DType.bf16,
+                    torch.float16: _planner.DType.fp16}.get(p.dtype, _planner.DType.fp32)
+    return _planner.DType.fp32
+
+
+def _layers(model, records):
+    """(module name, kind hint) of each graph layer, in the order the layers first ran: the
+    blocks, and the modules around them (ancestors of the blocks are opened up)."""
+    blocks = blocks_of(model)
+    block_ids = {id(b) for b in blocks}
+    holders = set()  # modules with a block somewhere below them
+    for name, m in model.named_modules():
+        if any(id(x) in block_ids for x in m.modules()) and id(m) not in block_ids:
+            holders.add(id(m))
+    out = []
+
+    def visit(prefix, module):
+        if module._parameters and any(p is not None for p in module._parameters.values()):
+            # Parameters held directly by a module the blocks live in (e.g. a learned position
+            # table as a bare nn.Parameter): their own layer, named after the module.
+            out.append((prefix or "", "own"))
+        for cname, child in module.named_children():
+            full = f"{prefix}.{cname}" if prefix else cname
+            if id(child) in block_ids:
+                out.append((full, "block"))
+            elif id(child) in holders:
+                visit(full, child)
+            else:
+                out.append((full, "module"))
+
+    if id(model) in holders:
+        visit("", model)
+    else:
+        out = [(n, "module") for n, _ in model.named_children()] or [("", "module")]
+    kept = []
+    for name, kind in out:
+        r = records[name]
+        if kind == "own" or r.params or r.flops or r.saved_bytes:
+            kept.append((name, kind))
+    big = max(len(records) + 1, 1)
+    kept.sort(key=lambda item: records[item[0]].order if records[item[0]].order >= 0 else big)
+    return kept
+
+
+def _hidden_size(model, plan):
+    for name, style in plan.items():
+        m = model.get_submodule(name)
+        if isinstance(style, VocabEmbedding) and isinstance(m, nn.Embedding):
+            return m.embedding_dim
+    for name, style in plan.items():
+        m = model.get_submodule(name)
+        if isinstance(style, Colwise) and isinstance(m, nn.Linear):
+            return m.in_features
+    return 0
+
+
+def _kind(module, kind_hint, style_names, name):
+    if kind_hint == "block":
+        return _planner.LayerKind.block
+    if isinstance(module, nn.Embedding):
+        return _planner.LayerKind.embedding
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "norm" in type(module).__name__.lower():
+        return _planner.LayerKind.norm
+    if style_names.get(name) == "VocabHead":
+        return _planner.LayerKind.head
+    return _planner.LayerKind.other
+
+
+def _tp_of(model, lname, plan):
+    """(pattern, TpDims) of a layer from the tp styles of the modules in it."""
+    prefix = lname + "." if lname else ""
+    inside = {n: s for n, s in plan.items() if n == lname or n.startswith(prefix)}
+    dims = _planner.TpDims()
+    col = [n for n, s in inside.items() if isinstance(s, Colwise)]
+    row = [n for n, s in inside.items() if isinstance(s, Rowwise)]
+    vocab = [model.get_submodule(n) for n, s in inside.items() if isinstance(s, (VocabEmbedding, VocabHead))]
+    if vocab and not (col and row):
+        m = vocab[0]
+        dims.vocab = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
+        return _planner.TpPattern.vocab, dims
+    if not col or not row:
+        return _planner.TpPattern.replicated, dims
+    heads, kv_heads = 0, 0
+    for parent in sorted({n.rpartition(".")[0] for n in col}):
+        pm = model.get_submodule(parent) if parent else model
+        for attr in HEAD_COUNT_ATTRIBUTES:
+            v = getattr(pm, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                heads = heads or v
+        for attr in KV_HEAD_COUNT_ATTRIBUTES:
+            v = getattr(pm, attr, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                kv_heads = kv_heads or v
+    dims.heads = heads
+    dims.kv_heads = kv_heads or heads
+    # The MLP's inner width: the widest input of a row-parallel linear (the attention
+    # output projection takes heads x head_dim, the MLP's down projection takes ffn).
+    widths = [model.get_submodule(n).in_features for n in row if isinstance(model.get_submodule(n), nn.Linear)]
+    dims.ffn = max(widths) if widths else 0
+    has_attention = heads > 0 or any(_looks_like_attention(n) for n in col)
+    has_mlp = len(widths) > (1 if has_attention else 0)
+    if has_attention and has_mlp:
+        return _planner.TpPattern.block, dims
+    return (_planner.TpPattern.heads if has_attention else _planner.TpPattern.column_row), dims
+
+
+def _looks_like_attention(name):
+    leaf = name.rpartition(".")[2].lower()
+    return leaf in {"q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value", "q", "k", "v", "qkv",
+                    "c_attn"}
+
+
+def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
+    """Splits the bytes a layer saves into the planner's activation kinds (Korthikanti et al.
+    2022, Sec. 4): attention scores (s x s), inside the tp-split region (after a column-
+    parallel linear, before the row-parallel one), and the replicated residual stream."""
+    col = {n for n, s in plan.items() if isinstance(s, (Colwise, VocabHead))}
+    row = {n for n, s in plan.items() if isinstance(s, Rowwise)}
+    split_parents = {n.rpartition(".")[0] for n in col}
+    prefix = lname + "." if lname else ""
+    a = _planner.ActivationBytes()
+    for t, stack in recorder.saved_by:
+        if lname not in stack:
+            continue
+        # Floating activations in the dtype the plan computes in (autocast); masks and
+        # indices keep their own.
+        size = act_bytes if t.is_floating_point() else t.element_size()
+        nbytes = t.numel() * size / per_sample
+        leaf = stack[-1]
+        inner = [n for n in stack if n == lname or n.startswith(prefix)]
+        if seq and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq:
+            a.attention_scores += nbytes
+        elif leaf in row:
+            a.tp_sharded += nbytes
+        elif leaf in col:
+            a.replicated += nbytes  # a column-parallel linear's input: the replicated stream
+        elif any(n in split_parents for n in inner) and not (hidden and _per_token(t, seq) == hidden
+                                                            and leaf not in split_parents):
+            a.tp_sharded += nbytes
+        else:
+            a.replicated += nbytes
+    return a
+
+
+def _per_token(t, seq):
+    if t.dim() == 0:
+        return 0
+    tokens = t.shape[0] * (t.shape[1] if seq and t.dim() >= 2 and t.shape[1] == seq else 1)
+    return t.numel() // max(tokens, 1)
+
+
+def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, dtype, blocks):
+    module = model.get_submodule(lname) if lname else model
+    style_names = {n: type(s).__name__ for n, s in plan.items()}
+    layer = _planner.Layer()
+    layer.name = lname or "<root>"
+    layer.param_dtype = dtype
+    if kind_hint == "own":
+        layer.kind = _planner.LayerKind.other
+        layer.params = sum(p.numel() for p in module._parameters.values() if p is not None)
+        layer.name = (lname + ".<own>") if lname else "<root>.<own>"
+        return layer
+    layer.kind = _kind(module, kind_hint, style_names, lname)
+    layer.params = record.params
+    layer.forward_flops_per_sample = record.flops / batch
+    layer.attention_flops_per_sample = record.attention_flops / batch
+    elem = 2.0 if dtype in (_planner.DType.bf16, _planner.DType.fp16) else 4.0
+    layer.activations = _classify_saved(recorder, lname, plan, hidden, seq, batch, elem)
+    out = _first_shape(record.output_shapes)
+    layer.output_bytes_per_sample = (_numel(out) / batch * elem) if out else 0.0
+    if layer.kind == _planner.LayerKind.head and out:
+        # The loss runs outside the model: it keeps the logits and their fp32 softmax, both
+        # split over tp under the vocabulary-parallel cross entropy (as build_transformer's head).
+        layer.activations.tp_sharded += _numel(out) / batch * (elem + 4.0)
+        layer.output_bytes_per_sample = 0.0
+    inputs = _input_bytes_per_sample(recorder, lname, batch)
+    layer.activations.layer_input = inputs if inputs else layer.output_bytes_per_sample
+    pattern, dims = _tp_of(model, lname, plan)
+    layer.tp, layer.tp_dims = pattern, dims
+    layer.recomputable = layer.kind != _planner.LayerKind.head
+    return layer
+
+
+def _first_shape(shapes):
+    return shapes[0] if shapes else None
+
+
+def _input_bytes_per_sample(recorder, lname, batch):
+    # The input a full recompute keeps: the first tensor the layer saved is usually its input.
+    for t, stack in recorder.saved_by:
+        if lname in stack:
+            return t.numel() * t.element_size() / batch
+    return 0.0
+
+
+def _tied_groups(model, layers):
+    """Graph layers that hold one and the same parameter tensor."""
+    owners = {}
+    for i, (lname, kind) in enumerate(layers):
+        module = model.get_submodule(lname) if lname else model
+        ps = module._parameters.values() if kind == "own" else module.parameters()
+        for p in ps:
+            if p is not None:
+                owners.setdefault(id(p), set()).add(i)
+    groups = {tuple(sorted(s)) for s in owners.values() if len(s) > 1}
+    return [list(g) for g in sorted(groups)]
+
+
+_GATE_NAMES = {"gate_proj", "gate", "w1", "w3", "gate_up_proj", "w13", "fc1_gate"}
+
+
+def _transformer_config(graph, plan, blocks, seq, hidden, dtype):
+    """The hyperparameters, when the model reads as a transformer (blocks with attention
+    heads and a vocabulary): plans record them, and tokens/s counts the sequence."""
+    block_layers = [layer for layer in graph.layers if layer.name in set(blocks)]
+    vocab = max((layer.tp_dims.vocab for layer in graph.layers), default=0)
+    if not block_layers or not seq or not hidden or not vocab or not block_layers[0].tp_dims.heads:
+        return None
+    d = block_layers[0].tp_dims
+    c = _planner.TransformerConfig()
+    c.name = graph.name
+    c.layers, c.hidden, c.heads, c.kv_heads, c.ffn = len(block_layers), hidden, d.heads, d.kv_heads, d.ffn
+    c.seq, c.vocab = seq, vocab
+    first = blocks[0] + "."
+    c.gated_mlp = any(n.startswith(first) and n.rpartition(".")[2] in _GATE_NAMES for n in plan)
+    c.tied_embeddings = bool(graph.tied_groups)
+    c.dtype = dtype
+    return c
