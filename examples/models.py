@@ -125,6 +125,12 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _repeat_kv(x, n_rep):
+    """(b, kv_heads, s, d) -> (b, kv_heads * n_rep, s, d), each KV head serving n_rep query heads."""
+    b, kv, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
+
+
 class LlamaRotaryEmbedding(nn.Module):
     def __init__(self, dim, base=10000.0):
         super().__init__()
@@ -160,9 +166,7 @@ class LlamaAttention(nn.Module):
         cos, sin = self.rotary_emb(q_len, hidden_states.device)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        groups = self.num_heads // self.num_key_value_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+        k, v = _repeat_kv(k, self.num_heads // self.num_key_value_heads), _repeat_kv(v, self.num_heads // self.num_key_value_heads)
         scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim)
         causal = torch.ones(q_len, q_len, dtype=torch.bool, device=hidden_states.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)

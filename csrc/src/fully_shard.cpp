@@ -91,6 +91,10 @@ std::vector<at::Tensor> FullyShardEngine::shards() const {
 void FullyShardEngine::start_gather(int64_t unit) {
   Unit& u = units_[unit];
   if (u.gathered || !u.gather.done()) return;
+  if (u.numel == 0) {  // a unit without parameters (e.g. a root holding only blocks): no collective
+    u.gathered = true;
+    return;
+  }
   at::NoGradGuard no_grad;
   u.full = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
   u.gather = group_.all_gather(u.full, u.shard.detach().to(options_.compute_dtype));
@@ -125,7 +129,7 @@ void FullyShardEngine::sync_parameters() {
   std::vector<Handle> handles;
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
-    if (u.shard._version() == u.shard_version) continue;
+    if (u.numel == 0 || u.shard._version() == u.shard_version) continue;
     auto gathered = at::empty({u.shard_numel * group_.size()}, at::kFloat);
     handles.push_back(group_.all_gather(gathered, u.shard.detach()));
     gathers.emplace_back(k, gathered);
@@ -191,6 +195,11 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
 // reduce-scatter it into this rank's slice.
 void FullyShardEngine::reduce_unit(int64_t unit) {
   Unit& u = units_[unit];
+  if (u.numel == 0) {  // nothing to reduce; Gloo would divide by the zero element count
+    u.reduced = at::empty({0}, at::kFloat);
+    u.reduce = Handle();
+    return;
+  }
   if (options_.zero_stage == 1) {
     u.reduce = group_.all_reduce(u.grad_flat, /*average=*/true);
   } else {
@@ -248,6 +257,7 @@ std::vector<at::Tensor> FullyShardEngine::full_parameters() {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> out;
   for (auto& u : units_) {
+    if (u.numel == 0) continue;  // no parameters, no collective
     auto flat = at::empty({u.shard_numel * group_.size()}, at::kFloat);
     group_.all_gather(flat, u.shard.detach()).wait();
     for (size_t i = 0; i < u.params.size(); ++i) {

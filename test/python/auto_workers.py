@@ -41,16 +41,22 @@ def build(name):
     if name == "bert":
         m = models.BertForSequenceClassification(vocab=64, hidden=32, heads=4, intermediate=64, layers=2,
                                                  max_positions=SEQ, num_labels=3)
-        return m, _tokens(0, 64), lambda step: (_tokens(step, 64), _labels(step, 3)), False
+        return m, _tokens(0, 64), lambda step: (_tokens(0, 64), _labels(0, 3)), False
     if name == "mlp":
         m = models.MLP(inputs=16, hidden=32, outputs=5, depth=4)
-        return m, torch.randn(GLOBAL_BATCH, 16), lambda step: (
-            torch.randn(GLOBAL_BATCH, 16, generator=_gen(step)), _labels(step, 5)), False
+        return m, torch.randn(GLOBAL_BATCH, 16), lambda step: _learnable(torch.randn(
+            GLOBAL_BATCH, 16, generator=_gen(0)), 5), False  # one batch: the loss visibly falls
     if name == "resnet18":
         m = models.resnet18(num_classes=4, batch_stats=False)
-        return m, torch.randn(GLOBAL_BATCH, 3, 16, 16), lambda step: (
-            torch.randn(GLOBAL_BATCH, 3, 16, 16, generator=_gen(step)), _labels(step, 4)), False
+        return m, torch.randn(GLOBAL_BATCH, 3, 16, 16), lambda step: _learnable(torch.randn(
+            GLOBAL_BATCH, 3, 16, 16, generator=_gen(0)), 4), False
     raise ValueError(f"unknown model {name}")
+
+
+def _learnable(x, classes):
+    """(x, labels) with labels a fixed function of x, so a few steps visibly reduce the loss."""
+    projection = torch.randn(x[0].numel(), classes, generator=torch.Generator().manual_seed(7))
+    return x, (x.flatten(1) @ projection).argmax(1)
 
 
 def _gen(step):
@@ -70,6 +76,10 @@ def _lm_batch(step, vocab):
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
+def lr_of(name):
+    return 1e-3 if name == "resnet18" else LR
+
+
 def loss_fn_for(model, lm):
     if lm and getattr(model, "tp", 1) > 1:
         return lambda logits, y: torch_monarch.vocab_parallel_cross_entropy(logits, y, model.mesh)
@@ -80,7 +90,7 @@ def loss_fn_for(model, lm):
 
 def train_reference(name):
     model, _, batch, lm = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_of(name), eps=EPS)
     loss_fn = loss_fn_for(model, lm)
     losses = []
     for step in range(STEPS):
@@ -100,7 +110,7 @@ def main(name, pins):
     pins = dict(kv.split("=") for kv in pins.split(",") if kv) if pins else {}
     typed = {k: (v if k == "schedule" else int(v)) for k, v in pins.items()}
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **typed)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr_of(name), eps=EPS)
     loss_fn = loss_fn_for(pm, lm)
     dp, dp_rank = pm.dp, pm.mesh.coordinate("dp")
     local = GLOBAL_BATCH // dp

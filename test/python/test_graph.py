@@ -1,0 +1,133 @@
+"""The model reader (torch_monarch.graph) and the one-call planning API, on one process:
+what it reads from models as users write them (on the meta device), and how a plan made for
+another model or world is refused."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+
+import models  # noqa: E402
+import torch_monarch  # noqa: E402
+from torch_monarch import planner  # noqa: E402
+from torch_monarch.graph import read_model  # noqa: E402
+
+
+def kinds(info):
+    return [(layer.name, str(layer.kind).split(".")[-1]) for layer in info.graph.layers]
+
+
+def test_gpt3_175b_on_meta_matches_the_published_shape_and_flops():
+    with torch_monarch.meta_init():
+        model = models.gpt3_175b()
+    assert all(p.is_meta for p in model.parameters())  # never materialized
+    start = time.perf_counter()
+    info = read_model(model, torch.zeros(1, 2048, dtype=torch.long), dtype="bf16")
+    seconds = time.perf_counter() - start
+    assert seconds < 10, f"reading GPT-3 175B took {seconds:.1f} s"
+    ref = planner.transformer(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, tied_embeddings=True)
+    # Narayanan et al.'s F counts only the matmuls; ours counts the ops that ran. Per block
+    # they agree exactly (biases add parameters, no matmul FLOPs).
+    block, ref_block = info.graph.layers[2], ref.layers[1]
+    assert block.name == "transformer.h.0" and str(block.kind).endswith("block")
+    assert block.forward_flops_per_sample == pytest.approx(ref_block.forward_flops_per_sample, rel=1e-9)
+    assert block.attention_flops_per_sample == pytest.approx(ref_block.attention_flops_per_sample, rel=1e-9)
+    assert block.params - ref_block.params == 12288 * (3 + 1 + 4 + 1)  # the four linears' biases
+    head = info.graph.layers[-1]
+    assert head.forward_flops_per_sample == pytest.approx(ref.layers[-1].forward_flops_per_sample, rel=1e-9)
+    assert head.activations.total() == pytest.approx(ref.layers[-1].activations.total(), rel=1e-9)
+    # Tied embedding and head: one tensor, counted once.
+    assert info.tied == [["transformer.wte.weight", "lm_head.weight"]]
+    assert info.graph.tied_groups == [[0, len(info.graph.layers) - 1]]
+    assert info.total_params == sum(p.numel() for p in model.parameters())
+    assert (block.tp_dims.heads, block.tp_dims.kv_heads, block.tp_dims.ffn) == (96, 96, 4 * 12288)
+    t = info.graph.transformer
+    assert (t.layers, t.hidden, t.heads, t.seq, t.vocab, t.tied_embeddings) == (96, 12288, 96, 2048, 51200, True)
+
+
+def test_llama_grouped_kv_heads_and_gated_mlp_are_read_from_the_modules():
+    model = models.LlamaForCausalLM(vocab=256, hidden=64, heads=8, kv_heads=2, intermediate=96, layers=3)
+    info = read_model(model, torch.zeros(2, 16, dtype=torch.long))
+    assert kinds(info) == [("model.embed_tokens", "embedding"), ("model.layers.0", "block"),
+                           ("model.layers.1", "block"), ("model.layers.2", "block"), ("model.norm", "norm"),
+                           ("lm_head", "head")]
+    block = info.graph.layers[1]
+    assert (block.tp_dims.heads, block.tp_dims.kv_heads, block.tp_dims.ffn) == (8, 2, 96)
+    assert str(block.tp).endswith("block")
+    assert info.graph.transformer.gated_mlp and info.graph.transformer.kv_heads == 2
+    # q, k, v (k and v at a quarter width), o, gate, up, down: 2 FLOPs per multiply-add.
+    per_token = 2 * (64 * 64 + 2 * 64 * 16 + 64 * 64 + 3 * 64 * 96)
+    attention = 4 * 16 * 64  # Q K^T and A V per token, over all heads
+    assert block.forward_flops_per_sample == pytest.approx(16 * (per_token + attention))
+    assert block.attention_flops_per_sample == pytest.approx(16 * attention)
+    assert block.activations.attention_scores > 0 and block.activations.tp_sharded > 0
+    assert not info.graph.tied_groups
+
+
+def test_bert_encoder_mlp_names_are_split_the_right_way():
+    model = models.BertForSequenceClassification(vocab=128, hidden=32, heads=4, intermediate=64, layers=2,
+                                                 max_positions=16)
+    info = read_model(model, torch.zeros(2, 16, dtype=torch.long))
+    assert info.blocks == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    from torch_monarch.tensor_parallel_modules import Colwise, Rowwise
+    assert isinstance(info.tp_plan["bert.encoder.layer.0.intermediate.dense"], Colwise)
+    assert isinstance(info.tp_plan["bert.encoder.layer.0.output.dense"], Rowwise)
+    block = info.graph.layers[[n for n, _ in kinds(info)].index("bert.encoder.layer.0")]
+    assert (block.tp_dims.heads, block.tp_dims.ffn) == (4, 64)
+
+
+def test_models_without_blocks_or_tp_structure_plan_as_data_parallel():
+    model = models.resnet18(num_classes=4)
+    info = read_model(model, torch.zeros(2, 3, 32, 32))
+    assert info.blocks == [] and info.seq == 0
+    assert all(str(layer.tp).endswith("replicated") for layer in info.graph.layers)
+    # ResNet-18 forward: 2 x 1.82 GMAC at 224 x 224 (He et al. 2016, Table 1); at 32 x 32 the
+    # spatial work is (32/224)^2 of it, plus the 4-class head.
+    flops = sum(layer.forward_flops_per_sample for layer in info.graph.layers)
+    assert flops == pytest.approx(2 * 1.82e9 * (32 / 224) ** 2, rel=0.03)
+    p = torch_monarch.plan(model, torch.zeros(2, 3, 32, 32), 64, planner.cluster("a100-80gb", 8))
+    assert (p.mesh.pp, p.mesh.tp) == (1, 1)
+
+
+def test_plan_save_edit_load_round_trip_and_refusals_list_every_difference(tmp_path):
+    model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=4, max_positions=8)
+    x = torch.zeros(2, 8, dtype=torch.long)
+    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 8), pp=2, tp=2)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    text = path.read_text()
+    edited = text.replace('"zero_stage": ' + str(p.zero_stage), '"zero_stage": 1')
+    q = planner.loads(edited)
+    assert q.zero_stage == 1 and planner.loads(text) == p
+    torch_monarch.check_plan(q, model, x, world_size=8)  # the edit is legal
+    # Another model: every difference in one error.
+    other = models.GPT2LMHeadModel(vocab=64, hidden=48, heads=6, layers=3, max_positions=8)
+    with pytest.raises(ValueError) as e:
+        torch_monarch.check_plan(p, other, x, world_size=4)
+    msg = str(e.value)
+    assert "world size: the plan is for 8 ranks" in msg and "the job has 4" in msg
+    assert "layers in the plan the model does not have: transformer.h.3" in msg
+    assert "layer transformer.h.0:" in msg and "parameters in the plan" in msg
+    assert "tp=2 does not divide" not in msg
+    # A stage cut the runtime cannot make (the head alone on the last stage).
+    bad = planner.loads(text)
+    layers = list(bad.layers)
+    layers[-1].stage = 1
+    for layer in layers[:-1]:
+        layer.stage = 0
+    bad.layers = layers
+    with pytest.raises(ValueError, match="lm_head runs after the last block, so it must share its stage 0"):
+        torch_monarch.check_plan(bad, model, x, world_size=8)
+
+
+def test_pins_are_checked_by_name_and_type():
+    model = models.MLP()
+    with pytest.raises(TypeError, match="unknown pin"):
+        torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tpp=2)
+    with pytest.raises(TypeError, match="pin tp='2' must be an int"):
+        torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tp="2")

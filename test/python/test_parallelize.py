@@ -1,0 +1,62 @@
+"""torch_monarch.parallelize(model, example_input=, global_batch=) end to end, launched
+through the launcher: the model is read, the machine detected and probed, rank 0 plans and
+broadcasts, the model is laid out and trained; the result must match one process.
+
+Tolerances (fp32, 4 AdamW steps, eps 1e-3 as auto_workers.py explains):
+  * each step's loss: 1e-5 relative (only summation order differs);
+  * final parameters from state_dict(): 1e-5 relative in norm per tensor.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+import auto_workers
+from dist_harness import launch
+
+LOSS_REL = 1e-5
+PARAM_NORM_REL = 1e-5
+
+# (ranks, "model:pins"): the planner's own pick on 2 and 4 ranks, and pinned alternatives.
+CASES = [
+    (2, "gpt2"), (4, "gpt2"), (2, "gpt2:tp=2"), (2, "gpt2:pp=2,schedule=1f1b"),
+    (2, "llama"), (4, "llama"), (2, "llama:tp=2"), (4, "llama:pp=2,tp=2"),
+    (2, "bert"), (2, "bert:tp=2"), (2, "bert:zero_stage=3"),
+    (2, "mlp"), (4, "mlp"), (2, "mlp:zero_stage=3"), (2, "mlp:zero_stage=0"),
+    (2, "resnet18"), (2, "resnet18:zero_stage=3"),
+]
+
+
+@pytest.mark.parametrize("ranks,scenario", CASES, ids=[f"{r}x{s}" for r, s in CASES])
+def test_parallelize_matches_one_process(ranks, scenario):
+    r = launch(ranks, scenario, timeout=300, worker="auto_workers.py")
+    assert r.ok, r.describe()
+    name, _, pins = scenario.partition(":")
+    ref_losses, ref_state = auto_workers.train_reference(name)
+    assert ref_losses[-1] < ref_losses[0], f"the reference does not train: {ref_losses}"
+    with open(os.path.join(r.out_dir, "plan.json")) as f:
+        plan = json.load(f)
+    mesh = plan["mesh"]
+    assert mesh["pp"] * mesh["dp"] * mesh["tp"] == ranks
+    for key, value in (kv.split("=") for kv in pins.split(",") if kv):
+        field = {"tp": ("mesh", "tp"), "pp": ("mesh", "pp"), "zero_stage": ("zero_stage",),
+                 "schedule": ("schedule",)}[key]
+        got = plan[field[0]][field[1]] if len(field) == 2 else plan[field[0]]
+        assert str(got) == value, f"pin {key}={value} but the plan has {got}"
+    for rank in range(ranks):
+        res = torch.load(r.result_path(rank))
+        assert res["mesh"] == (mesh["pp"], mesh["dp"], mesh["tp"])
+        for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
+            assert got == pytest.approx(want, rel=LOSS_REL), f"{scenario} rank {rank}: loss of step {step}"
+    state = torch.load(r.result_path(0))["state"]
+    assert set(state) == set(ref_state)
+    for key, want in ref_state.items():
+        got = state[key]
+        assert got.shape == want.shape, key
+        if want.is_floating_point():
+            rel = ((got - want).norm() / max(want.norm().item(), 1e-6)).item()
+            assert rel <= PARAM_NORM_REL, f"{scenario}: {key} differs by {rel} in norm"
+        else:
+            assert torch.equal(got, want), key
