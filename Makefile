@@ -5,7 +5,6 @@ PYTHON ?= /usr/bin/python3
 VENV   ?= .venv
 JOBS   ?= 2
 CMAKE_FLAGS ?=
-GPT3 = --layers 96 --hidden 12288 --heads 96 --seq 2048 --vocab 51200 --global-batch 1536
 
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 export PIP_NO_INDEX = 1
@@ -39,12 +38,16 @@ test-python: python
 
 test: test-cpp test-python
 
-demo: build
-	@echo "== GPT-3 175B on 1024 A100-80GB: planner's choice =="
-	$(BUILD)/bin/monarch-plan transformer $(GPT3) --gpus 1024 --cluster a100-80gb -o $(BUILD)/gpt3-175b-1024.plan.json
+demo: build python
+	@echo "== GPT-3 175B (built on the meta device, read from its nn.Module) on 1024 A100-80GB: the planner's choice =="
+	$(VENV)/bin/python -m torch_monarch plan examples/models.py:gpt3_175b --seq 2048 --global-batch 1536 \
+		--gpus 1024 --cluster a100-80gb -o $(BUILD)/gpt3-175b-1024.plan.json
 	@echo
 	@echo "== the same plan, loaded back from JSON and validated =="
 	$(BUILD)/bin/monarch-plan validate $(BUILD)/gpt3-175b-1024.plan.json
+	@echo
+	@echo "== a small GPT on this machine: 4 CPU ranks through the launcher, the planner's layout =="
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m torch_monarch.run --nproc-per-node 4 examples/python/train_gpt.py
 
 bench: build python
 	$(BUILD)/bin/bench_planner bench/results/planner.json

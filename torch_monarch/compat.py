@@ -104,3 +104,11 @@ class meta_device:
         for name, original in self._saved.items():
             setattr(torch, name, original)
         return False
+
+
+def forward_pre_hooks_take_kwargs():
+    """torch >= 2.0 passes keyword arguments to forward pre-hooks (``with_kwargs=True``)."""
+    import inspect
+
+    from torch import nn
+    return "with_kwargs" in inspect.signature(nn.Module.register_forward_pre_hook).parameters

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import _runtime
+from . import _runtime, compat
 
 
 # ---------------------------------------------------------------------------------------
@@ -371,6 +371,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
 def _enable_sequence_parallel(model, group, sequence_dim, units):
     scatter = SequenceScatter(group, sequence_dim)
     units[0].register_forward_pre_hook(lambda _m, args: (scatter(args[0]),) + tuple(args[1:]))
+    _gather_at_module_inputs(group, sequence_dim, units)
     # Inside the blocks and after them every rank sees only its tokens: the gradients of
     # replicated parameters used there (norms, gates, anything tp did not split) are
     # partial sums. Before the first block the sequence is still whole: nothing to sum.
@@ -379,6 +380,59 @@ def _enable_sequence_parallel(model, group, sequence_dim, units):
             continue  # split weights; the row-parallel bias is summed in its forward
         if any(p is not None and shard_spec(p) is None for p in module._parameters.values()):
             _sum_parameter_gradients_over(module, group)
+
+
+def _gather_at_module_inputs(group, sequence_dim, units):
+    """Under sequence parallelism the sequence is gathered where a module inside a block
+    (attention, MLP) receives it, not inside its column-parallel linears, so code in the
+    module that reads the sequence length from its input (``bsz, q_len, _ =
+    hidden_states.size()``, rotary positions) sees the whole sequence, as torchtitan's
+    ``PrepareModuleInput`` arranges. The gather's backward keeps this rank's slice of the
+    gradient, and the linears inside go back to all-reducing their input gradient: that is
+    exact whatever else the module does with its input (a reduce-scatter at the gather,
+    as Megatron-LM does, would count any replicated use of the input tp times).
+    Column-parallel linears directly in a block (no module of their own) keep gathering
+    inside the linear."""
+    hooked = set()
+    for unit in units:
+        for parent in unit.modules():
+            if parent is unit:
+                continue
+            linears = [m for m in parent.children() if isinstance(m, ColumnParallelLinear)]
+            if not linears or id(parent) in hooked:
+                continue
+            hooked.add(id(parent))
+            for m in linears:
+                m.sequence_parallel = False
+            if compat.forward_pre_hooks_take_kwargs():
+                parent.register_forward_pre_hook(_sequence_gather_hook(group, sequence_dim), with_kwargs=True)
+            else:
+                parent.register_forward_pre_hook(_sequence_gather_hook_args(group, sequence_dim))
+
+
+def _gather_sequence(x, group, sequence_dim):
+    return _runtime.tp_gather_from_group(x.contiguous(), group, sequence_dim)
+
+
+def _sequence_gather_hook_args(group, sequence_dim):
+    def hook(_module, args):
+        if args and isinstance(args[0], torch.Tensor):
+            return (_gather_sequence(args[0], group, sequence_dim),) + tuple(args[1:])
+        raise ValueError("sequence parallel: a module with column-parallel linears inside a block takes its "
+                         "hidden states as its first positional argument (pass them positionally)")
+    return hook
+
+
+def _sequence_gather_hook(group, sequence_dim):
+    def hook(_module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            return (_gather_sequence(args[0], group, sequence_dim),) + tuple(args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = dict(kwargs, hidden_states=_gather_sequence(kwargs["hidden_states"], group, sequence_dim))
+            return args, kwargs
+        raise ValueError("sequence parallel: a module with column-parallel linears inside a block takes no "
+                         "hidden states (first positional argument or hidden_states=) to gather")
+    return hook
 
 
 def _sequence_parallel_region(model, units):

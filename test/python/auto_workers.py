@@ -108,7 +108,8 @@ def main(name, pins):
     world = torch_monarch.init(timeout=120)
     model, example, batch, lm = build(name)
     pins = dict(kv.split("=") for kv in pins.split(",") if kv) if pins else {}
-    typed = {k: (v if k == "schedule" else int(v)) for k, v in pins.items()}
+    typed = {k: (v if k == "schedule" else bool(int(v)) if k == "sequence_parallel" else int(v))
+             for k, v in pins.items()}
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **typed)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr_of(name), eps=EPS)
     loss_fn = loss_fn_for(pm, lm)

@@ -227,7 +227,7 @@ def test_layout_read_from_a_plan():
     for rank, res in enumerate(results):
         assert res["summary"].startswith("pp=2 dp=1 tp=2") and res["sequence_parallel"]
         assert res["micro_batches"] == 4
-        assert "the plan has 4 transformer blocks, the model has 2" in res["wrong_model"]
+        assert "blocks: the plan has 4, the model has 2" in res["wrong_model"]
         for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
             assert got == pytest.approx(want, rel=LOSS_REL), f"rank {rank}: loss of step {step}"
         for pname, got in res["state"].items():

@@ -23,6 +23,9 @@ PARAM_NORM_REL = 1e-5
 CASES = [
     (2, "gpt2"), (4, "gpt2"), (2, "gpt2:tp=2"), (2, "gpt2:pp=2,schedule=1f1b"),
     (2, "llama"), (4, "llama"), (2, "llama:tp=2"), (4, "llama:pp=2,tp=2"),
+    # Sequence parallelism on attention that reads its length from its input (HF style).
+    (2, "llama:tp=2,sequence_parallel=1"), (4, "llama:dp=2,tp=2,sequence_parallel=1"),
+    (2, "gpt2:tp=2,sequence_parallel=1"),
     (2, "bert"), (2, "bert:tp=2"), (2, "bert:zero_stage=3"),
     (2, "mlp"), (4, "mlp"), (2, "mlp:zero_stage=3"), (2, "mlp:zero_stage=0"),
     (2, "resnet18"), (2, "resnet18:zero_stage=3"),
@@ -41,10 +44,11 @@ def test_parallelize_matches_one_process(ranks, scenario):
     mesh = plan["mesh"]
     assert mesh["pp"] * mesh["dp"] * mesh["tp"] == ranks
     for key, value in (kv.split("=") for kv in pins.split(",") if kv):
-        field = {"tp": ("mesh", "tp"), "pp": ("mesh", "pp"), "zero_stage": ("zero_stage",),
-                 "schedule": ("schedule",)}[key]
+        field = {"tp": ("mesh", "tp"), "pp": ("mesh", "pp"), "dp": ("mesh", "dp"), "zero_stage": ("zero_stage",),
+                 "schedule": ("schedule",), "sequence_parallel": ("sequence_parallel",)}[key]
         got = plan[field[0]][field[1]] if len(field) == 2 else plan[field[0]]
-        assert str(got) == value, f"pin {key}={value} but the plan has {got}"
+        want = bool(int(value)) if key == "sequence_parallel" else value
+        assert str(got) == str(want), f"pin {key}={value} but the plan has {got}"
     for rank in range(ranks):
         res = torch.load(r.result_path(rank))
         assert res["mesh"] == (mesh["pp"], mesh["dp"], mesh["tp"])
