@@ -12,6 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def init_weights(module, std=0.02):
+    """Hugging Face's ``_init_weights``: linears and embeddings N(0, 0.02), biases zero, norms
+    one (GPT-2, Llama, BERT all use it). Also what deferred initialization calls per module."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=std)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, LlamaRMSNorm):
+        nn.init.ones_(module.weight)
+
+
 # -- GPT-2 (Hugging Face names: transformer.wte / wpe / h.N.attn.c_attn / ln_f, tied lm_head)
 
 class GPT2Attention(nn.Module):
@@ -84,6 +100,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(vocab, hidden, heads, layers, max_positions, dropout)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.apply(init_weights)
 
     def forward(self, tokens):
         return self.lm_head(self.transformer(tokens))
@@ -217,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.model = LlamaModel(vocab, hidden, heads, kv_heads, intermediate, layers)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.apply(init_weights)
 
     def forward(self, tokens):
         return self.lm_head(self.model(tokens))
@@ -331,6 +349,7 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         self.bert = BertModel(vocab, hidden, heads, intermediate, layers, max_positions)
         self.classifier = nn.Linear(hidden, num_labels)
+        self.apply(init_weights)
 
     def forward(self, tokens):
         return self.classifier(self.bert(tokens)[:, 0])

@@ -197,6 +197,17 @@ class ParallelModel(nn.Module):
                     held[name].copy_(value)
         return _IncompatibleKeys(missing, unexpected)
 
+    def local_batch(self, *tensors):
+        """This dp rank's share (along dim 0) of each global-batch tensor: what ``train_step``
+        takes. Ranks of one dp replica (across pp and tp) get the same share."""
+        dp_rank = self.mesh.coordinate("dp")
+        out = []
+        for t in tensors:
+            if t.shape[0] % self.dp != 0:
+                raise ValueError(f"local_batch: a batch of {t.shape[0]} does not split over dp={self.dp}")
+            out.append(t.chunk(self.dp, 0)[dp_rank])
+        return tuple(out) if len(out) != 1 else out[0]
+
     def tp_spec(self, name):
         return self._tp_specs.get(name)
 
