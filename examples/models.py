@@ -132,6 +132,9 @@ class LlamaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
         self.variance_epsilon = eps
 
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
@@ -151,7 +154,14 @@ def _repeat_kv(x, n_rep):
 class LlamaRotaryEmbedding(nn.Module):
     def __init__(self, dim, base=10000.0):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.dim, self.base = dim, base
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):  # also what deferred initialization calls
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=self.inv_freq.device).float()
+                                                     / self.dim)))
 
     def forward(self, seq_len, device):
         t = torch.arange(seq_len, device=device, dtype=self.inv_freq.dtype)

@@ -34,7 +34,7 @@ def _pins(pins):
     return out
 
 
-def runtime_training(info, global_batch, dtype=None, pins=None):
+def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
     no activation recomputation yet (the runtime does not implement it), sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
@@ -48,7 +48,10 @@ def runtime_training(info, global_batch, dtype=None, pins=None):
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
     t.allow_recompute = pins.get("recompute") not in (None, "none")
     t.allow_sequence_parallel = bool(pins.get("sequence_parallel"))
-    t.allow_tensor_parallel = any(str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
+    # A model still on meta is materialized after the cut, which tensor parallelism cannot
+    # do yet (it splits real weights).
+    t.allow_tensor_parallel = not deferred and any(
+        str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
     t.allow_pipeline_parallel = len(info.blocks) > 1
     t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
                    _planner.ScheduleKind.zero_bubble_h1]
@@ -210,6 +213,11 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective."""
     from . import _runtime
     from .cluster import detect, probe
+    from .deferred import is_deferred
+    deferred = is_deferred(model)
+    if deferred and (pins.get("tp") or 1) > 1:
+        raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
+                         "initialization does not support tensor parallelism yet")
     info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     if cluster is None:
@@ -219,7 +227,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     text, error = None, ""
     if world.rank == 0:
         try:
-            p = _planner.plan(graph, cluster, runtime_training(info, global_batch, dtype, _pins(pins)),
+            p = _planner.plan(graph, cluster, runtime_training(info, global_batch, dtype, _pins(pins), deferred),
                               **_pins(pins))
             text = _planner.dumps(p)
         except (ValueError, RuntimeError, TypeError) as e:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import _runtime
+from . import _runtime, deferred
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
@@ -46,7 +46,7 @@ class ParallelModel(nn.Module):
     pipeline schedule when pp > 1), gradients synchronised, loss returned on every rank."""
 
     def __init__(self, model, mesh, *, schedule, micro_batches, virtual_stages, unit_stage, units, tp_plan,
-                 sequence_parallel, zero_stage, bucket_cap_mb, sequence_dim):
+                 sequence_parallel, zero_stage, bucket_cap_mb, sequence_dim, init_fn=None):
         super().__init__()
         self.mesh = mesh
         self.pp, self.dp, self.tp = (mesh.axis_size(a) for a in ("pp", "dp", "tp"))
@@ -54,6 +54,14 @@ class ParallelModel(nn.Module):
         self.zero_stage = zero_stage
         self.last_stats = None  # the executor's statistics of the last pipelined step
         units = list(_default_units(model) if units is None else units)
+        self.deferred = deferred.is_deferred(model)
+        # ZeRO-3 materializes the blocks one at a time inside the engine (each rank keeps its
+        # slice); every other layout materializes this rank's stages whole, after the cut.
+        per_unit = self.deferred and self.dp > 1 and zero_stage == 3
+        if self.deferred and self.tp > 1:
+            raise ValueError("parallelize: deferred initialization (a model on meta) with tp > 1 is not supported "
+                             "yet: plan with tp=1 (parallelize does so for a meta model), or build the model "
+                             "on a device")
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                             units=units)
@@ -69,6 +77,12 @@ class ParallelModel(nn.Module):
             stages = split_model(model, self.pp * virtual_stages, units, unit_stage)
             self.num_stages = len(stages)
             self._local = list(self._executor.local_stages)
+            if self.deferred:
+                # Only this rank's stages get storage; the others stay on meta.
+                for st in self._local:
+                    deferred.materialize(stages.modules[st], init_fn,
+                                         skip=stages.units_of(st) if per_unit else ())
+                stages.tied = [(n, users, _resolve(stages.modules, users, n, p)) for n, users, p in stages.tied]
             bad = [(n, s) for n, s, _ in stages.tied if not s <= {0, self.num_stages - 1}]
             if bad:
                 raise ValueError(f"pipeline: weights {[n for n, _ in bad]} are shared by stages {[sorted(s) for _, s in bad]}; "
@@ -80,6 +94,8 @@ class ParallelModel(nn.Module):
             modules = {s: stages.modules[s] for s in self._local}
             stage_modules = stages.modules
         else:
+            if self.deferred:
+                deferred.materialize(model, init_fn, skip=units if per_unit else ())
             self.num_stages = 1
             self._local = [0]
             self._tied = []
@@ -102,7 +118,8 @@ class ParallelModel(nn.Module):
                 self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=bucket_cap_mb, exclude=tied_ids)
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
-                                               ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids])
+                                               ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
+                                               init_fn=init_fn)
             else:
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
@@ -329,6 +346,21 @@ class ParallelModel(nn.Module):
         return t.item()
 
 
+def _resolve(stage_modules, users, name, param):
+    """The parameter called ``name`` as a local stage now holds it (materializing replaced the
+    meta object); the meta one where no local stage holds it."""
+    for st in sorted(users):
+        if not param.is_meta:
+            return param
+        try:
+            p = stage_modules[st].get_parameter(name)
+        except AttributeError:
+            continue
+        if not p.is_meta:
+            return p
+    return param
+
+
 def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
@@ -346,7 +378,7 @@ def _split(x, m, what):
 def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, global_batch=None, cluster=None,
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
-                zero_stage=None, bucket_cap_mb=None, sequence_dim=1) -> ParallelModel:
+                zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
@@ -358,6 +390,11 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     A ``plan`` passed in (or loaded from edited JSON) is first checked against the model (with
     ``example_input``: layer by layer) and the world; every difference is listed in one
     ValueError before any group is created.
+
+    A model built on the meta device (``torch_monarch.meta_init()``) is initialized late:
+    each rank materializes only what it keeps (its pipeline stages; under ZeRO-3 one block at
+    a time, keeping its slice) with ``init_fn(submodule)`` or each submodule's
+    ``reset_parameters()``, so a model larger than one rank's memory can be parallelized.
 
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
@@ -415,6 +452,6 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     result = ParallelModel(model, mesh, schedule=schedule, micro_batches=micro_batches or 1,
                            virtual_stages=virtual_stages or 1, unit_stage=unit_stage, units=units,
                            tp_plan=tp_plan, sequence_parallel=bool(sequence_parallel), zero_stage=zero_stage or 0,
-                           bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim)
+                           bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim, init_fn=init_fn)
     result.plan = plan  # None when laid out by hand
     return result

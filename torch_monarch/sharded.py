@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import _runtime
+from . import _runtime, deferred
 from .distributed import device_mesh
 
 
@@ -29,7 +29,7 @@ class FullyShardedModule(nn.Module):
     loads into the unwrapped model; ``sharded_state_dict()`` this rank's shards."""
 
     def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
-                 ignored_parameters=()):
+                 ignored_parameters=(), init_fn=None):
         super().__init__()
         self.module = module
         self.mesh = mesh
@@ -55,7 +55,21 @@ class FullyShardedModule(nn.Module):
         options.reshard_after_forward = reshard_after_forward
         if mixed_precision is not None:
             options.compute_dtype = str(mixed_precision).replace("torch.", "")
-        self._engine = _runtime.FullyShardEngine(groups, mesh, "dp", options)
+        materialize = None
+        if any(p.is_meta for group in groups for p in group):
+            if any(p.is_meta for p in self.ignored_parameters):
+                raise ValueError("fully_shard: ignored parameters of a model on meta must be materialized first")
+
+            def materialize(k):
+                # Unit k's modules (the root unit: everything outside the units), then its
+                # parameters by name: materializing replaced the meta objects.
+                if k == 0:
+                    deferred.materialize(module, init_fn, skip=units)
+                else:
+                    deferred.materialize(units[k - 1], init_fn, root=module)
+                params = dict(module.named_parameters())
+                return [params[n] for n in names[k]]
+        self._engine = _runtime.FullyShardEngine(groups, mesh, "dp", options, materialize)
         self._shards = self._engine.shards()
         self._hooks = []
         for i, unit in enumerate(units):
@@ -166,7 +180,7 @@ def _tensors(output):
 
 def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
                 reshard_after_forward: bool = True, mixed_precision=None,
-                ignored_parameters=()) -> FullyShardedModule:
+                ignored_parameters=(), init_fn=None) -> FullyShardedModule:
     """Shards ``module`` over the mesh's ``dp`` axis.
 
     ``units``: submodules gathered and freed as one piece (default: the entries of the
@@ -176,10 +190,15 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     shards and fp32 gradient reduction. ``ignored_parameters`` stay whole and unsynchronised
     (the caller owns them, e.g. weights tied across pipeline stages); they are not in
     ``parameters()`` but in ``ignored_parameters``.
+
+    A ``module`` on the meta device (built under ``torch_monarch.meta_init()``) is
+    materialized one unit at a time, each rank keeping its slice (``init_fn(submodule)``, or
+    each submodule's ``reset_parameters()``): under ZeRO-3 no rank ever holds more than one
+    whole unit. Ignored parameters must already be real.
     """
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage: expected 1, 2 or 3, got {zero_stage}")
     mesh = mesh if mesh is not None else device_mesh()
     units = _default_units(module) if units is None else list(units)
     return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
-                              ignored_parameters)
+                              ignored_parameters, init_fn)

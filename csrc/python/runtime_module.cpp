@@ -273,12 +273,21 @@ PYBIND11_MODULE(_runtime, m) {
 
   py::class_<FullyShardEngine>(m, "FullyShardEngine")
       .def(py::init([](std::vector<std::vector<at::Tensor>> units, std::shared_ptr<DeviceMesh> mesh,
-                       const std::string& axis, FullyShardOptions options) {
+                       const std::string& axis, FullyShardOptions options, py::object materialize) {
+             FullyShardEngine::Materialize fn;
+             if (!materialize.is_none()) {
+               // By reference: the std::function is destroyed inside the engine's
+               // constructor, without the GIL, so it must own no Python object.
+               fn = [&materialize](int64_t unit) {
+                 py::gil_scoped_acquire gil;
+                 return materialize(unit).cast<std::vector<at::Tensor>>();
+               };
+             }
              py::gil_scoped_release release;
-             return std::make_unique<FullyShardEngine>(std::move(units), mesh->group(axis), options);
+             return std::make_unique<FullyShardEngine>(std::move(units), mesh->group(axis), options, fn);
            }),
            py::arg("units"), py::arg("mesh"), py::arg("axis") = "dp",
-           py::arg("options") = FullyShardOptions(), py::keep_alive<1, 3>())
+           py::arg("options") = FullyShardOptions(), py::arg("materialize") = py::none(), py::keep_alive<1, 3>())
       .def("shards", &FullyShardEngine::shards)
       .def("before_forward", &FullyShardEngine::before_forward, py::call_guard<py::gil_scoped_release>())
       .def("after_forward", &FullyShardEngine::after_forward)

@@ -10,7 +10,7 @@
 namespace monarch {
 
 FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
-                                   FullyShardOptions options)
+                                   FullyShardOptions options, Materialize materialize)
     : group_(group), options_(options) {
   TORCH_CHECK(options_.zero_stage >= 1 && options_.zero_stage <= 3,
               "monarch::FullyShard: zero_stage must be 1, 2 or 3, got ", options_.zero_stage);
@@ -27,9 +27,27 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     }
   }
   check_same_parameters(all, group_, "monarch::FullyShard");
-  if (options_.broadcast_from_root) broadcast_from_root(all, group_);
+  // Deferred: each rank's slice comes from its own initialization of the unit (one owner
+  // per slice, so the ranks still describe one model); there is nothing to broadcast.
+  if (options_.broadcast_from_root && !materialize) broadcast_from_root(all, group_);
   units_.resize(units.size());
-  for (size_t u = 0; u < units.size(); ++u) init_unit(units_[u], std::move(units[u]));
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (!materialize) {
+      init_unit(units_[u], std::move(units[u]));
+      continue;
+    }
+    std::vector<at::Tensor> real = materialize(static_cast<int64_t>(u));
+    TORCH_CHECK(real.size() == units[u].size(), "monarch::FullyShard: materialize(", u, ") returned ",
+                real.size(), " tensors for a unit of ", units[u].size(), " parameters");
+    for (size_t i = 0; i < real.size(); ++i) {
+      TORCH_CHECK(real[i].sizes() == units[u][i].sizes() && !real[i].is_meta() && real[i].requires_grad(),
+                  "monarch::FullyShard: materialize(", u, ") returned parameter ", i, " with shape ",
+                  real[i].sizes(), real[i].is_meta() ? " on meta" : "",
+                  real[i].requires_grad() ? "" : " not requiring grad", "; the unit holds ",
+                  units[u][i].sizes());
+    }
+    init_unit(units_[u], std::move(real));
+  }
   unit_grads_ready_.assign(units_.size(), false);
   for (size_t u = 0; u < units_.size(); ++u) {
     for (size_t i = 0; i < units_[u].params.size(); ++i) {

@@ -27,6 +27,7 @@ LR = 1e-2
 # steps whose sign depends on summation order. eps=1e-3 keeps such noise from moving weights;
 # real gradients here are far larger, so training is unchanged.
 EPS = 1e-3
+BIG = 4096
 
 
 def build(name):
@@ -50,7 +51,22 @@ def build(name):
         m = models.resnet18(num_classes=4, batch_stats=False)
         return m, torch.randn(GLOBAL_BATCH, 3, 16, 16), lambda step: _learnable(torch.randn(
             GLOBAL_BATCH, 3, 16, 16, generator=_gen(0)), 4), False
+    if name == "big":
+        # Deferred initialization: built on meta, 8 blocks of 4096 x 4096 (512 MiB in fp32).
+        with torch_monarch.meta_init():
+            m = models.MLP(inputs=BIG, hidden=BIG, outputs=8, depth=8)
+        return m, torch.randn(GLOBAL_BATCH, BIG), lambda step: _learnable(torch.randn(
+            GLOBAL_BATCH, BIG, generator=_gen(0)), 8), False
     raise ValueError(f"unknown model {name}")
+
+
+def _vm(field):
+    """A /proc/self/status memory field in bytes (VmData: allocated; VmHWM: peak resident)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _learnable(x, classes):
@@ -110,7 +126,22 @@ def main(name, pins):
     pins = dict(kv.split("=") for kv in pins.split(",") if kv) if pins else {}
     typed = {k: (v if k == "schedule" else bool(int(v)) if k == "sequence_parallel" else int(v))
              for k, v in pins.items()}
+    limit = None
+    if name == "big":
+        # What this rank may allocate while the model is laid out: 60% of the whole model
+        # above what the process holds now (RLIMIT_DATA counts malloc'd and mmap'd memory).
+        import resource
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        before = _vm("VmData")
+        limit = before + int(float(os.environ.get("MONARCH_TEST_LIMIT", "0.6")) * model_bytes)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+        hwm_before = _vm("VmHWM")
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **typed)
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        memory = {"model_bytes": model_bytes, "limit_over_baseline": limit - before,
+                  "peak_growth": _vm("VmHWM") - hwm_before,
+                  "held": sum(p.numel() * p.element_size() for p in pm.parameters())}
     opt = torch.optim.AdamW(pm.parameters(), lr=lr_of(name), eps=EPS)
     loss_fn = loss_fn_for(pm, lm)
     dp, dp_rank = pm.dp, pm.mesh.coordinate("dp")
@@ -122,11 +153,15 @@ def main(name, pins):
         opt.zero_grad()
         losses.append(pm.train_step(x, y, loss_fn))
         opt.step()
-    state = pm.state_dict()
+    state = pm.state_dict() if name != "big" else None
     out = os.environ["MONARCH_TEST_OUTPUT"]
     if world.rank == 0:
         with open(os.path.join(out, "plan.json"), "w") as f:
             f.write(pm.plan.to_json())
+    if name == "big":
+        torch.save({"losses": losses, "memory": memory, "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage},
+                   os.path.join(out, f"rank{world.rank}.pt"))
+        return 0
     torch.save({"losses": losses, "state": state if world.rank == 0 else None,
                 "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage},
                os.path.join(out, f"rank{world.rank}.pt"))

@@ -4,7 +4,9 @@ broadcasts, the model is laid out and trained; the result must match one process
 
 Tolerances (fp32, 4 AdamW steps, eps 1e-3 as auto_workers.py explains):
   * each step's loss: 1e-5 relative (only summation order differs);
-  * final parameters from state_dict(): 1e-5 relative in norm per tensor.
+  * final parameters from state_dict(): 1e-5 relative in norm per tensor (norms below 1e-2
+    taken as 1e-2: a key bias's gradient is zero in exact arithmetic, rounding noise in
+    practice, and its norm stays near its zero initialization).
 """
 
 import json
@@ -60,7 +62,32 @@ def test_parallelize_matches_one_process(ranks, scenario):
         got = state[key]
         assert got.shape == want.shape, key
         if want.is_floating_point():
-            rel = ((got - want).norm() / max(want.norm().item(), 1e-6)).item()
+            # Floor 1e-2 on the norm: a key bias's true gradient is zero (softmax ignores it),
+            # so it stays near its zero init and only rounding noise moves it.
+            rel = ((got - want).norm() / max(want.norm().item(), 1e-2)).item()
             assert rel <= PARAM_NORM_REL, f"{scenario}: {key} differs by {rel} in norm"
         else:
             assert torch.equal(got, want), key
+
+
+@pytest.mark.parametrize("ranks,pins", [(4, "zero_stage=3,dp=4"), (4, "pp=2,zero_stage=3")])
+def test_a_model_built_on_meta_is_materialized_shard_by_shard_and_trains(ranks, pins):
+    # 8 blocks of 4096 x 4096 in fp32 (512 MiB) built on meta; while parallelize runs, each
+    # rank may allocate only 65% of the whole model (RLIMIT_DATA), so no rank can hold it.
+    # Expected peak: its quarter of the shards (128 MiB) + one block in flight (the block,
+    # its flat copy, its shard: 144 MiB). A fixed malloc mmap threshold returns freed blocks
+    # to the system at once; glibc's default threshold grows and keeps some 16 MiB buffers
+    # on the heap, which moved the measured peak by up to 110 MiB between ranks.
+    r = launch(ranks, f"big:{pins}", timeout=300, worker="auto_workers.py",
+               env={"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MONARCH_TEST_LIMIT": "0.65"})
+    assert r.ok, r.describe()
+    for rank in range(ranks):
+        res = torch.load(r.result_path(rank))
+        mem = res["memory"]
+        assert mem["model_bytes"] > 512 * 2**20
+        assert mem["limit_over_baseline"] < mem["model_bytes"]
+        # What it keeps (its shards) and its peak while laying the model out, both well
+        # under the whole model: one block (64 MiB) in flight on top of the shards.
+        assert mem["held"] <= mem["model_bytes"] / 2 + 2**20, mem
+        assert mem["peak_growth"] < 0.6 * mem["model_bytes"], mem
+        assert res["losses"][-1] < res["losses"][0], res["losses"]

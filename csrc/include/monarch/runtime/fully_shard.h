@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "monarch/runtime/communicator.h"
@@ -34,8 +35,14 @@ class FullyShardEngine {
  public:
   // units[0] is the root unit: its parameters stay gathered from its before_forward until
   // the end of backward (embeddings tied to the output head live there).
+  //
+  // Deferred initialization: with `materialize`, `units` may hold meta tensors (shapes only);
+  // just before unit k is sharded, materialize(k) returns its parameters as real tensors (same
+  // order and shapes), which the engine then owns like any other; with stage 3 the full unit
+  // is freed once this rank's slice is taken, so no rank holds more than one whole unit.
+  using Materialize = std::function<std::vector<at::Tensor>(int64_t unit)>;
   FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
-                   FullyShardOptions options = {});
+                   FullyShardOptions options = {}, Materialize materialize = {});
   ~FullyShardEngine();
   FullyShardEngine(const FullyShardEngine&) = delete;
   FullyShardEngine& operator=(const FullyShardEngine&) = delete;
