@@ -118,6 +118,7 @@ def check_plan(plan, model, example_input=None, *, info=None, world_size=None, t
             problems.append(f"blocks: the plan has {planned}, the model has {blocks}")
     problems += _tp_problems(plan)
     problems += _stage_problems(plan, info)
+    problems += _runtime_problems(plan)
     if len(problems) > 20:
         problems = problems[:20] + [f"... and {len(problems) - 20} more"]
     if problems:
@@ -153,6 +154,15 @@ def _layer_differences(plan, info):
     if order != [n for n, _, _ in actual if n in planned_names]:
         out.append("layer order: the plan's layers run in another order than the model's")
     return out
+
+
+def _runtime_problems(plan):
+    """Plan fields the runtime cannot carry out yet: refused, never silently ignored."""
+    recompute = str(plan.recompute).split(".")[-1]
+    if recompute != "none":
+        return [f"recompute: the plan recomputes activations ({recompute}), which the runtime does not do "
+                "yet; plan with recompute='none' (parallelize's own planning does)"]
+    return []
 
 
 def _few(names, limit=6):
@@ -215,6 +225,9 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     from .cluster import detect, probe
     from .deferred import is_deferred
     deferred = is_deferred(model)
+    if str(pins.get("recompute", "none")).split(".")[-1] != "none":
+        raise ValueError(f"parallelize: recompute={pins['recompute']!r} is pinned, but the runtime does not "
+                         "recompute activations yet")
     if deferred and (pins.get("tp") or 1) > 1:
         raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
                          "initialization does not support tensor parallelism yet")

@@ -378,7 +378,7 @@ def _split(x, m, what):
 def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, global_batch=None, cluster=None,
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
-                zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None) -> ParallelModel:
+                zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
@@ -417,7 +417,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             raise ValueError("parallelize: planning needs global_batch= (samples per optimizer step, all ranks together)")
         pins = {k: v for k, v in dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, micro_batch=micro_batch,
                                          schedule=schedule, virtual_stages=virtual_stages,
-                                         sequence_parallel=sequence_parallel).items() if v is not None}
+                                         sequence_parallel=sequence_parallel, recompute=recompute).items()
+                if v is not None}
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
                                   tp_plan=tp_plan, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = None  # the plan's now

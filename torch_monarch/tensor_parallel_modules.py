@@ -55,6 +55,8 @@ class Replicate:
     """Not split (every tp rank holds it whole)."""
 
 
+_STYLES = (Colwise, Rowwise, VocabEmbedding, VocabHead, Replicate)
+
 HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads")
 KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
 
@@ -78,13 +80,22 @@ def default_plan(model: nn.Module):
     fused q|k|v and gated projections column-parallel by parts, q/k/v/up/gate column-parallel,
     output / down projections row-parallel, the largest embedding split along the vocabulary
     and a Linear producing the vocabulary (tied or not) as a vocabulary-parallel head.
-    Everything else is replicated. Returns {qualified name: style}."""
+    A module with a ``monarch_tp_style`` attribute (e.g. ``monarch_tp_style = Colwise()`` on
+    a custom projection class) gets that style. Everything else is replicated. Returns
+    {qualified name: style}."""
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for _, m in embeddings), default=None)
     plan = {}
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1].lower()
-        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+        annotated = getattr(module, "monarch_tp_style", None)
+        if annotated is not None:
+            # A custom module says how it splits (instance or class attribute).
+            if not isinstance(annotated, _STYLES):
+                raise ValueError(f"tensor parallel: '{name or '<root>'}'.monarch_tp_style is {annotated!r}, "
+                                 f"not one of {[c.__name__ for c in _STYLES]}")
+            plan[name] = annotated
+        elif isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
             plan[name] = VocabEmbedding()
         elif isinstance(module, nn.Linear):
             parent = name.rsplit(".", 2)[-2].lower() if name.count(".") >= 1 else ""

@@ -131,3 +131,61 @@ def test_pins_are_checked_by_name_and_type():
         torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tpp=2)
     with pytest.raises(TypeError, match="pin tp='2' must be an int"):
         torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tp="2")
+
+
+def test_custom_modules_say_how_they_split():
+    from torch import nn
+
+    class Expand(nn.Linear):
+        monarch_tp_style = torch_monarch.Colwise()
+
+    class Contract(nn.Linear):
+        monarch_tp_style = torch_monarch.Rowwise()
+
+    class Mixer(nn.Module):  # names no default plan knows
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 4
+            self.inp = Expand(32, 32)
+            self.out = Contract(32, 32)
+            self.grow = Expand(32, 96)
+            self.shrink = Contract(96, 32)
+
+        def forward(self, x):
+            return self.shrink(torch.relu(self.grow(self.out(torch.relu(self.inp(x))))))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Mixer() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    info = read_model(Net(), torch.zeros(2, 8, 32))
+    block = info.graph.layers[0]
+    assert str(block.tp).endswith("block") and (block.tp_dims.heads, block.tp_dims.ffn) == (4, 96)
+    bad = Net()
+    bad.blocks[0].inp.monarch_tp_style = "colwise"
+    with pytest.raises(ValueError, match="monarch_tp_style is 'colwise', not one of"):
+        read_model(bad, torch.zeros(2, 8, 32))
+
+
+def test_a_plan_field_the_runtime_cannot_carry_out_is_refused():
+    model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=8)
+    x = torch.zeros(2, 8, dtype=torch.long)
+    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="full")
+    with pytest.raises(ValueError, match=r"recompute: the plan recomputes activations \(full\)"):
+        torch_monarch.check_plan(p, model, x, world_size=2)
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    from torch_monarch.cluster import fit_alpha_beta
+    n, alpha, bandwidth = 4, 20e-6, 3e9
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22]
+    # Ring all-reduce: 2(n-1) alpha + 2(n-1)/n S / B.
+    seconds = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in sizes]
+    got_alpha, got_bw = fit_alpha_beta(sizes, seconds, n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-9) and got_bw == pytest.approx(bandwidth, rel=1e-9)
