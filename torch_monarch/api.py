@@ -88,8 +88,9 @@ def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
 def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,
          alternatives=5, **pins):
     """Plans ``model`` (any ``nn.Module``, on any device including ``meta``) for
-    ``global_batch`` samples per step on ``cluster`` (a planner Cluster or preset name with
-    ``devices=``; default: this job's machine, ``cluster.detect()``). Returns a Plan."""
+    ``global_batch`` samples per step on ``cluster`` (a planner Cluster, e.g.
+    ``torch_monarch.planner.cluster("a100-80gb", 1024)``; default: this job's machine,
+    ``cluster.detect()``). Returns a Plan."""
     pins = _pins(pins)
     info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
     if cluster is None:

@@ -18,8 +18,8 @@ import torch
 
 from . import planner as _planner
 
-# Dense peak FLOP/s per device by name (vendor data sheets; bf16 without sparsity), and the
-# preset whose links and efficiency describe the machine.
+# Known devices by the name CUDA reports, mapped to the planner preset that holds their
+# peak FLOP/s (vendor data sheets, dense) and link figures; the first match wins.
 _KNOWN_GPUS = (
     ("H200", "h200-141gb"),
     ("H100", "h100-80gb"),

@@ -349,9 +349,9 @@ class ParallelModel(nn.Module):
 def _resolve(stage_modules, users, name, param):
     """The parameter called ``name`` as a local stage now holds it (materializing replaced the
     meta object); the meta one where no local stage holds it."""
+    if not param.is_meta:
+        return param
     for st in sorted(users):
-        if not param.is_meta:
-            return param
         try:
             p = stage_modules[st].get_parameter(name)
         except AttributeError:
@@ -393,8 +393,9 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
 
     A model built on the meta device (``torch_monarch.meta_init()``) is initialized late:
     each rank materializes only what it keeps (its pipeline stages; under ZeRO-3 one block at
-    a time, keeping its slice) with ``init_fn(submodule)`` or each submodule's
-    ``reset_parameters()``, so a model larger than one rank's memory can be parallelized.
+    a time, keeping its slice), initialized by each submodule's ``reset_parameters()`` and
+    then ``init_fn(submodule)``, so a model larger than one rank's memory can be
+    parallelized (tp must be 1 for now).
 
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
