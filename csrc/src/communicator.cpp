@@ -73,10 +73,15 @@ void require_flat(const at::Tensor& t, const char* what) {
 
 double bytes_of(const at::Tensor& t) { return static_cast<double>(t.numel() * t.element_size()); }
 
-// Gloo (LibTorch 1.13) knows no bf16. Operations that only move bytes carry bf16 buffers as
-// fp16 bit patterns (same size, no arithmetic on them).
+// What Gloo is handed: a detached alias (same storage, no autograd history, no Python
+// object). Gloo's worker thread drops its references after the work completes; if the last
+// reference to a Python-owned tensor went with it, freeing it would take the GIL from that
+// thread, and at interpreter exit that aborts the process ("terminate called without an
+// active exception", seen on rank 0 after training had finished). Gloo (LibTorch 1.13) also
+// knows no bf16: operations that only move bytes carry bf16 as fp16 bit patterns.
 at::Tensor transport(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+  at::Tensor alias = t.detach();
+  return alias.scalar_type() == at::kBFloat16 ? alias.view(at::kHalf) : alias;
 }
 
 }  // namespace
@@ -87,7 +92,7 @@ Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
   if (size() == 1) return {};
   if (buffer.scalar_type() == at::kBFloat16) return all_reduce_bf16(buffer, average);
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{buffer.detach()};
   auto work = group_->allreduce(tensors);
   std::function<void()> finish;
   if (average) finish = [buffer, n]() mutable { buffer.div_(n); };
@@ -101,7 +106,7 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
   const double n = size();
   counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
   if (size() == 1) return {};
-  std::vector<at::Tensor> tensors{buffer};
+  std::vector<at::Tensor> tensors{buffer.detach()};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
   return Handle(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer));
@@ -148,7 +153,7 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
     return {};
   }
   // Split sizes count rows of dim 0: move flat views so they count elements.
-  auto flat_input = input.view({-1});
+  auto flat_input = input.detach().view({-1});
   auto received = at::empty_like(flat_input);
   std::vector<int64_t> splits(size(), output.numel());
   auto recv_bytes = transport(received);
@@ -176,9 +181,9 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
     return {};
   }
   std::vector<std::vector<at::Tensor>> outputs(1);
-  const auto chunks = transport(output.view({-1})).chunk(size());
+  const auto chunks = transport(output.detach().view({-1})).chunk(size());
   outputs[0].assign(chunks.begin(), chunks.end());
-  std::vector<at::Tensor> inputs{transport(input.view({-1}))};
+  std::vector<at::Tensor> inputs{transport(input.detach().view({-1}))};
   auto work = group_->allgather(outputs, inputs);
   return Handle(work, describe(CollectiveKind::all_gather, output));
 }
@@ -221,8 +226,8 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
     return {};
   }
   std::vector<int64_t> splits(size(), input.numel() / size());
-  auto out_bytes = transport(output.view({-1}));  // split sizes count elements of flat views
-  auto in_bytes = transport(input.view({-1}));
+  auto out_bytes = transport(output.detach().view({-1}));  // split sizes count elements of flat views
+  auto in_bytes = transport(input.detach().view({-1}));
   return Handle(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
                 describe(CollectiveKind::all_to_all, input));
 }
