@@ -30,18 +30,9 @@ from torch import nn
 
 from . import compat
 from . import planner as _planner
+from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
 from .tensor_parallel_modules import (HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, Colwise, Replicate, Rowwise,
                                       VocabEmbedding, VocabHead, default_plan, resolve_plan)
-
-
-def blocks_of(model: nn.Module):
-    """The repeated blocks of ``model``: the entries of its largest ``nn.ModuleList`` (the
-    runtime cuts pipelines between them and shards by them). Empty if there is none."""
-    best = None
-    for sub in model.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and (best is None or len(sub) > len(best)):
-            best = sub
-    return list(best) if best is not None else []
 
 
 @dataclass
@@ -120,9 +111,6 @@ class _Recorder:
         self.order = 0
         self.seen_saved = {}
         self.saved_by = []  # (tensor, stack snapshot) for later classification
-
-    def record(self, name):
-        return self.records[name]
 
     def is_param(self, t):
         return id(t) in self.param_ids or (t._base is not None and id(t._base) in self.param_ids)
@@ -489,7 +477,7 @@ def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, 
     layer.attention_flops_per_sample = record.attention_flops / batch
     elem = 2.0 if dtype in (_planner.DType.bf16, _planner.DType.fp16) else 4.0
     layer.activations = _classify_saved(recorder, lname, plan, hidden, seq, batch, elem)
-    out = _first_shape(record.output_shapes)
+    out = record.output_shapes[0] if record.output_shapes else None
     layer.output_bytes_per_sample = (_numel(out) / batch * elem) if out else 0.0
     if layer.kind == _planner.LayerKind.head and out:
         # The loss runs outside the model: it keeps the logits and their fp32 softmax, both
@@ -502,10 +490,6 @@ def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, 
     layer.tp, layer.tp_dims = pattern, dims
     layer.recomputable = layer.kind != _planner.LayerKind.head
     return layer
-
-
-def _first_shape(shapes):
-    return shapes[0] if shapes else None
 
 
 def _input_bytes_per_sample(recorder, lname, batch):

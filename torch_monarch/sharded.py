@@ -15,10 +15,12 @@ from .distributed import device_mesh
 
 
 def _default_units(module: nn.Module):
-    """The entries of the largest nn.ModuleList (transformer blocks in most models)."""
+    """The entries of the largest non-empty nn.ModuleList (transformer blocks in most
+    models): the blocks the pipeline cuts between, ZeRO shards by and the model reader
+    plans as block layers. Empty if there is none."""
     best = None
     for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and (best is None or len(sub) > len(best)):
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and (best is None or len(sub) > len(best)):
             best = sub
     return list(best) if best is not None else []
 
