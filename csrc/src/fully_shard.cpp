@@ -1,5 +1,7 @@
 #include "monarch/runtime/fully_shard.h"
 
+#include <algorithm>
+
 #include "monarch/runtime/replicas.h"
 
 #include <c10/util/Exception.h>
@@ -283,6 +285,33 @@ std::vector<at::Tensor> FullyShardEngine::full_parameters() {
     }
   }
   return out;
+}
+
+void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  size_t count = 0;
+  for (const auto& u : units_) count += u.numel == 0 ? 0 : u.params.size();
+  TORCH_CHECK(values.size() == count, "monarch: fully_shard: load_full_parameters got ", values.size(),
+              " tensors for ", count, " parameters");
+  size_t k = 0;
+  const int64_t rank = group_.group_rank();
+  for (auto& u : units_) {
+    if (u.numel == 0) continue;
+    const int64_t lo = rank * u.shard_numel, hi = lo + u.shard_numel;
+    for (size_t i = 0; i < u.params.size(); ++i, ++k) {
+      const at::Tensor& v = values[k];
+      if (!v.defined()) continue;
+      TORCH_CHECK(v.numel() == u.numels[i] && v.sizes().vec() == u.shapes[i], "monarch: fully_shard: ",
+                  "load_full_parameters: parameter ", k, " has shape ", v.sizes(), ", the unit holds ",
+                  at::IntArrayRef(u.shapes[i]));
+      // The overlap of [offset, offset + numel) with this rank's [lo, hi); the copy into the
+      // shard (a view sharing its version counter) makes the parameters refresh.
+      const int64_t begin = std::max(lo, u.offsets[i]), end = std::min(hi, u.offsets[i] + u.numels[i]);
+      if (begin >= end) continue;
+      auto flat = v.detach().reshape(-1).to(at::kFloat);
+      u.shard.detach().narrow(0, begin - lo, end - begin).copy_(flat.narrow(0, begin - u.offsets[i], end - begin));
+    }
+  }
 }
 
 }  // namespace monarch

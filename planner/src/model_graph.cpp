@@ -113,6 +113,23 @@ int64_t ModelGraph::total_params() const {
   return total;
 }
 
+void restrict_cuts_to_blocks(ModelGraph& graph) {
+  const int n = static_cast<int>(graph.layers.size());
+  int first = -1, last = -1;
+  for (int i = 0; i < n; ++i) {
+    if (graph.layers[i].kind != LayerKind::block) continue;
+    if (first < 0) first = i;
+    last = i;
+  }
+  graph.edges.clear();
+  if (first < 0) {
+    if (n > 1) graph.edges.emplace_back(0, n - 1);
+    return;
+  }
+  if (first > 0) graph.edges.emplace_back(0, first);
+  if (last < n - 1) graph.edges.emplace_back(last, n - 1);
+}
+
 bool ModelGraph::can_cut_before(int index) const {
   if (index <= 0 || index >= static_cast<int>(layers.size())) return false;
   // Only the chain edge (index-1 -> index) may cross the cut: it becomes the stage's p2p.

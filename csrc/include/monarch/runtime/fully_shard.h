@@ -62,6 +62,10 @@ class FullyShardEngine {
   void sync_parameters();
   // Every parameter, whole and fp32, in unit order (for a full state dict).
   std::vector<at::Tensor> full_parameters();
+  // The inverse, local: `values` holds every parameter whole, in full_parameters()' order
+  // (an undefined tensor keeps that parameter); this rank copies the part of each that falls
+  // in its shard. Parameters refresh from the shards before the next forward.
+  void load_full_parameters(const std::vector<at::Tensor>& values);
 
  private:
   struct Unit {

@@ -94,6 +94,12 @@ struct ModelGraph {
   bool can_cut_before(int index) const;
 };
 
+// Keeps pipeline cuts where a runtime can make them: only between two blocks (layers of kind
+// `block`); what comes before the first block runs on the first stage, what comes after the
+// last block on the last. Replaces `graph.edges` with the edges that say so. A graph without
+// blocks cannot be cut at all.
+void restrict_cuts_to_blocks(ModelGraph& graph);
+
 // Parameter counts are int64 but flow through doubles (costs, memory), which hold integers
 // exactly only below 2^53: a layer's, and the model's, parameter count must stay below this.
 inline constexpr int64_t kMaxParams = int64_t{1} << 53;

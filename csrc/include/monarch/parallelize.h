@@ -1,0 +1,141 @@
+#pragma once
+// C++ frontend of parallelize: lays a LibTorch model out as a plan (or hand pins) says and
+// trains it, over the same composition engine torch_monarch.parallelize uses
+// (monarch/runtime/composition.h).
+//
+//   auto world = monarch::World::init();                       // torchrun's environment
+//   auto plan = monarch::planner::load_plan("plan.json");      // or planner::search(...)
+//   auto model = monarch::parallelize(gpt, plan);              // torch::nn::Sequential
+//   torch::optim::AdamW opt(model->parameters(), ...);         // this rank's tensors / shards
+//   double loss = model->train_step(model->local_batch(x), model->local_batch(y), loss_fn);
+//
+// What a C++ model offers the frontend is a chain of pieces run one after the other: the
+// children of a torch::nn::Sequential, or of a TorchScript module saved from an
+// nn.Sequential; any other module is one piece (data parallelism and ZeRO, no pipeline cut).
+// The blocks (the units pipelines are cut between and ZeRO-3 gathers one at a time) are the
+// longest run of consecutive pieces of one type. Tensor parallelism needs modules swapped for
+// tensor-parallel ones, which a C++ module tree does not allow: plans with tp > 1 are refused
+// here (plan with tp=1; the Python frontend does tp).
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "monarch/planner/plan.h"
+#include "monarch/runtime/composition.h"
+#include "monarch/runtime/data_parallel.h"
+#include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/world.h"
+
+namespace torch::jit {
+struct Module;
+}
+
+namespace monarch {
+
+// One link of a chain model.
+struct Piece {
+  std::string name;  // prefix of its entries in the model's state dict ("0", "3")
+  std::string type;  // module type (blocks are the repeated one)
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<std::pair<std::string, at::Tensor>> parameters;  // full names in the model
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+};
+
+struct ChainModel {
+  std::vector<Piece> pieces;
+  std::function<void(bool)> set_training;  // train() / eval() on the whole model
+};
+
+// The children of `model` in order.
+ChainModel chain_of(const torch::nn::Sequential& model);
+// A TorchScript module whose type is a Sequential: its children in order; any other: one piece.
+ChainModel chain_of(const torch::jit::Module& model);
+// Any module with its own forward: one piece.
+ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::Tensor(const at::Tensor&)> forward);
+
+// Indices (into pieces) of the blocks: the longest run of consecutive pieces of one type
+// holding parameters (at least two); none when there is no such run.
+std::vector<int64_t> find_blocks(const ChainModel& model);
+
+// Every way `plan` does not describe `model` (layer count and per-layer parameter counts when
+// the plan lists one layer per piece, otherwise block count and the parameter total); empty
+// when it does.
+std::vector<std::string> plan_differences(const planner::Plan& plan, const ChainModel& model,
+                                          const std::vector<int64_t>& blocks);
+
+struct ParallelizeOptions {
+  std::shared_ptr<World> world;       // default: World::init() (torchrun's environment)
+  std::vector<int64_t> blocks;        // default: find_blocks
+  // Parameters of stages this rank does not run are freed (their storage emptied in the
+  // model) once the layout is built.
+  bool free_other_stages = true;
+};
+
+class ParallelModule {
+ public:
+  using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+  ParallelModule(ChainModel model, Layout layout, ParallelizeOptions options);
+  ~ParallelModule();
+
+  // What this rank's optimizer steps on: its stages' parameters, ZeRO shards in place of
+  // sharded ones, each tied weight once.
+  std::vector<at::Tensor> parameters() const { return optimizer_parameters_; }
+  // Forward and backward of this dp rank's batch (split into the layout's micro-batches);
+  // returns the global batch's mean loss on every rank.
+  double train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn);
+  // Without a pipeline: the model's forward on this rank's inputs (autograd as usual).
+  at::Tensor forward(const at::Tensor& inputs);
+  // Forward only through the pipeline; the outputs on ranks of the last stage, undefined elsewhere.
+  at::Tensor predict(const at::Tensor& inputs);
+  // This dp rank's share (dim 0) of a global-batch tensor.
+  at::Tensor local_batch(const at::Tensor& global) const { return composition_->local_batch(global); }
+
+  // The whole model's state dict on every rank, under the model's names (loads into the
+  // unwrapped model). Collective.
+  std::vector<std::pair<std::string, at::Tensor>> state_dict();
+  // Loads a whole-model state dict: every rank keeps its slice. Throws naming missing and
+  // unexpected keys (strict) and wrong shapes.
+  void load_state_dict(const std::map<std::string, at::Tensor>& state, bool strict = true);
+
+  const Layout& layout() const { return composition_->layout(); }
+  DeviceMesh& mesh() { return composition_->mesh(); }
+  Composition& composition() { return *composition_; }
+  std::vector<int64_t> local_stages() const { return composition_->local_stages(); }
+
+ private:
+  struct Stage;
+  std::vector<at::Tensor> run_stage(int64_t stage, const at::Tensor& input);
+  std::map<std::string, at::Tensor> local_state();
+  Stage& stage(int64_t s);
+
+  ChainModel model_;
+  std::shared_ptr<DeviceMesh> mesh_;  // outlives the engines below, which use its groups
+  std::vector<std::unique_ptr<Stage>> stages_;
+  std::unique_ptr<Composition> composition_;
+  std::vector<at::Tensor> optimizer_parameters_;
+};
+
+// The plan's layout (checked against the model and the world: every difference in one
+// error, before any group is created).
+std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Plan& plan,
+                                            ParallelizeOptions options = {});
+// A layout by hand.
+std::unique_ptr<ParallelModule> parallelize(ChainModel model, const LayoutPins& pins,
+                                             ParallelizeOptions options = {});
+inline std::unique_ptr<ParallelModule> parallelize(const torch::nn::Sequential& model, const planner::Plan& plan,
+                                                   ParallelizeOptions options = {}) {
+  return parallelize(chain_of(model), plan, std::move(options));
+}
+inline std::unique_ptr<ParallelModule> parallelize(const torch::nn::Sequential& model, const LayoutPins& pins,
+                                                   ParallelizeOptions options = {}) {
+  return parallelize(chain_of(model), pins, std::move(options));
+}
+
+}  // namespace monarch

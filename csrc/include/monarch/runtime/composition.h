@@ -1,0 +1,166 @@
+#pragma once
+// How a plan is applied to a model, once, for both frontends (torch_monarch.parallelize in
+// Python, monarch::parallelize in C++).
+//
+// The order is fixed: tensor parallelism splits layers inside each block, the pipeline cut
+// assigns blocks to stages, data parallelism (DDP-style replicas or ZeRO 1-3) wraps each
+// local stage. Frontends do what only they can do with their module tree (swap modules for
+// tensor-parallel ones, cut the tree into stage modules, install hooks) and hand this engine
+// their local stages; the engine owns everything after that: which blocks go to which stage
+// (from the plan), the micro-batch loop (gradient accumulation, data-parallel sync on the
+// last micro-batch, or the pipeline schedule), replica and tied-weight synchronisation, the
+// loss averaged over the global batch, and the whole-model state dict (assembled from
+// pipeline and tensor-parallel slices, and sliced again on load).
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "monarch/planner/plan.h"
+#include "monarch/runtime/data_parallel.h"
+#include "monarch/runtime/device_mesh.h"
+#include "monarch/runtime/pipeline.h"
+
+namespace monarch {
+
+// A plan resolved for one model (its block count) and one world.
+struct Layout {
+  planner::Mesh mesh;                 // pp, dp, tp
+  int64_t virtual_stages = 1;         // per pipeline rank (interleaved schedules)
+  std::vector<int64_t> block_stage;   // stage of each block, in [0, pp * virtual_stages)
+  planner::ScheduleKind schedule = planner::ScheduleKind::none;  // none when pp == 1
+  int64_t micro_batches = 1;          // per optimizer step, per dp rank
+  int64_t zero_stage = 0;             // 0: replicas (DDP), 1-3: ZeRO / FSDP
+  bool sequence_parallel = false;
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  planner::Recompute recompute = planner::Recompute::none;
+  int64_t num_stages() const { return mesh.pp * virtual_stages; }
+  std::string summary() const;
+};
+
+// Choices made by hand (no plan): unset fields take the defaults below.
+struct LayoutPins {
+  int64_t pp = 1, dp = 0 /* 0: world / (pp * tp) */, tp = 1;
+  int64_t virtual_stages = 1;
+  std::vector<int64_t> block_stage;  // empty: as even as possible
+  std::optional<planner::ScheduleKind> schedule;  // default 1f1b when pp > 1
+  int64_t micro_batches = 1;
+  int64_t zero_stage = 0;
+  bool sequence_parallel = false;
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+};
+
+// The plan's layout for a model with `num_blocks` blocks on `world_size` ranks. Throws
+// std::invalid_argument listing every difference (world size, block count, stage order).
+// `block_names` (optional) makes the messages name the model's blocks.
+Layout layout_from_plan(const planner::Plan& plan, int64_t num_blocks, int64_t world_size,
+                        const std::vector<std::string>& block_names = {});
+// The same, adding what does not fit to `problems` instead of throwing.
+Layout layout_from_plan(const planner::Plan& plan, int64_t num_blocks, int64_t world_size,
+                        const std::vector<std::string>& block_names, std::vector<std::string>& problems);
+Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t world_size,
+                        const std::vector<std::string>& block_names = {});
+
+// [0, 0, 1, 1, 1, ...]: blocks spread over stages as evenly as possible (earlier stages get
+// the extra block). Throws when there are fewer blocks than stages.
+std::vector<int64_t> even_block_stages(int64_t num_blocks, int64_t num_stages);
+// Refuses an assignment that does not start at 0, goes backwards or leaves a stage empty.
+void check_block_stages(const std::vector<int64_t>& block_stage, int64_t num_stages,
+                        const std::vector<std::string>& block_names = {});
+
+// How tensor parallelism split a tensor: along `dim`, part by part when `fused_parts` > 1.
+struct TpSpec {
+  int64_t dim = 0;
+  int64_t fused_parts = 1;
+};
+
+// One entry of the whole model's state dict: its local shape (after tp), dtype, the first
+// stage holding it, and how tp split it (if it did).
+struct StateEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  int64_t stage = 0;
+  std::optional<TpSpec> tp;
+};
+
+// A local stage as its frontend built it.
+struct LocalStage {
+  int64_t stage = 0;
+  // Parameters of the unwrapped stage, each once (ZB-H1's weight pass differentiates them).
+  std::vector<at::Tensor> parameters;
+  // Set when the stage is wrapped in DDP-style data parallelism: the engine turns its
+  // gradient sync off for all but the last micro-batch of a step.
+  DataParallelEngine* data_parallel = nullptr;
+};
+
+class Composition {
+ public:
+  // forward(stage, mb, received): runs one local stage on micro-batch `mb` (stage 0 reads
+  // its micro-batch itself and gets no `received`). loss(mb, outputs): the last stage's
+  // outputs to that micro-batch's loss.
+  using ForwardFn = AutogradStageWork::ForwardFn;
+  using LossFn = AutogradStageWork::LossFn;
+
+  // `tied`: this rank's copies of weights shared by the first and the last stage, in an
+  // order every rank agrees on (left out of the data-parallel wrappers: this engine averages
+  // them over dp and sums them over the two ends). `tp_replicated`: parameters and buffers
+  // tensor parallelism did not split (they start from tp rank 0's values). Collective: every
+  // rank of the mesh constructs it.
+  Composition(Layout layout, std::shared_ptr<DeviceMesh> mesh, std::vector<LocalStage> stages,
+              std::vector<StateEntry> entries, std::vector<at::Tensor> tied = {},
+              std::vector<at::Tensor> tp_replicated = {});
+
+  const Layout& layout() const { return layout_; }
+  DeviceMesh& mesh() { return *mesh_; }
+  const std::shared_ptr<DeviceMesh>& shared_mesh() const { return mesh_; }
+  std::vector<int64_t> local_stages() const;
+  PipelineExecutor* executor() { return executor_.get(); }
+  const std::optional<PipelineStepStats>& last_stats() const { return stats_; }
+  const std::vector<StateEntry>& entries() const { return entries_; }
+
+  // Forward and backward of this dp rank's batch in the layout's micro-batches; gradients
+  // synchronised (dp, tied weights). Returns the global batch's mean loss on every rank.
+  double train_step(const ForwardFn& forward, const LossFn& loss);
+  // Forward only through the pipeline (inference); `forward` keeps what it needs.
+  void predict(const ForwardFn& forward);
+
+  // Splits a tensor of this dp rank's batch into the layout's micro-batches (dim 0).
+  std::vector<at::Tensor> micro_batches(const at::Tensor& batch, const std::string& what = "inputs") const;
+  // This dp rank's share of a global-batch tensor (dim 0). Ranks of one replica agree.
+  at::Tensor local_batch(const at::Tensor& global) const;
+
+  // The whole model's state dict on every rank, in entries() order, under the original
+  // names and shapes: each entry comes from the pipeline rank holding its stage and is
+  // all-gathered along tp if tp split it. `local`: this rank's stages' entries (whole
+  // along dp). Collective.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict(
+      const std::map<std::string, at::Tensor>& local);
+  // The slices of `full` this rank keeps for `names` (its stages' entries): cut along tp as
+  // each entry's TpSpec says. Throws naming every missing key and wrong shape (after the cut).
+  std::map<std::string, at::Tensor> local_slices(const std::map<std::string, at::Tensor>& full,
+                                                 const std::vector<std::string>& names) const;
+  // Names of entries() missing from `keys`, and keys that are not entries.
+  std::pair<std::vector<std::string>, std::vector<std::string>> compare_keys(
+      const std::vector<std::string>& keys) const;
+
+ private:
+  double global_mean(double value);
+  void set_sync(bool sync);
+  Layout layout_;
+  std::shared_ptr<DeviceMesh> mesh_;
+  std::vector<LocalStage> stages_;
+  std::vector<StateEntry> entries_;
+  std::map<std::string, size_t> entry_index_;
+  std::vector<at::Tensor> tied_;
+  std::unique_ptr<PipelineExecutor> executor_;
+  std::optional<PipelineStepStats> stats_;
+};
+
+}  // namespace monarch

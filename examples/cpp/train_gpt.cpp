@@ -1,0 +1,238 @@
+// A small GPT written with torch::nn, planned by the planner for this job and trained over
+// the ranks the launcher started, then checked against the same model trained in one
+// process. Launch it as users launch jobs:
+//
+//   python3 -m torch_monarch.run --no-python --nproc-per-node 4 build/bin/train_gpt
+//   python3 -m torch_monarch.run --no-python --nproc-per-node 4 build/bin/train_gpt --pp 2 --zero 3
+//   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
+//
+// Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S
+// --micro-batch N --schedule NAME (pins for the planner), --steps N, --layers N,
+// --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
+// parity is then checked against the same file trained in one process).
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <set>
+#include <string>
+
+#include "monarch/parallelize.h"
+#include "monarch/planner/search.h"
+#include "monarch/runtime/world.h"
+
+namespace {
+
+struct Config {
+  int64_t vocab = 64, hidden = 32, heads = 4, layers = 4, seq = 16, global_batch = 16, steps = 5;
+  double lr = 3e-3;
+};
+
+// Pre-norm decoder block with the parameters planner::build_transformer counts: q, k, v and
+// output projections and a 4h MLP without biases, two layer norms.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t h, int64_t heads) : heads(heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({h})));
+    q = register_module("q", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    k = register_module("k", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    v = register_module("v", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    o = register_module("o", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({h})));
+    up = register_module("up", torch::nn::Linear(torch::nn::LinearOptions(h, 4 * h).bias(false)));
+    down = register_module("down", torch::nn::Linear(torch::nn::LinearOptions(4 * h, h).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t b = x.size(0), s = x.size(1), h = x.size(2), d = h / heads;
+    auto y = ln1(x);
+    auto split = [&](const torch::Tensor& t) { return t.view({b, s, heads, d}).transpose(1, 2); };
+    auto qh = split(q(y)), kh = split(k(y)), vh = split(v(y));
+    auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
+    auto causal = torch::ones({s, s}, torch::kBool).triu(1);
+    scores = scores.masked_fill(causal, -1e9);
+    auto attn = torch::matmul(scores.softmax(-1), vh).transpose(1, 2).reshape({b, s, h});
+    auto x1 = x + o(attn);
+    return x1 + down(torch::gelu(up(ln2(x1))));
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Output head tied to the token embedding (GPT-2 style).
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(const torch::Tensor& embedding) { weight = register_parameter("weight", embedding); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+torch::nn::Sequential make_gpt(const Config& c) {
+  torch::manual_seed(1234);  // every rank and the reference build the same weights
+  torch::nn::Sequential gpt;
+  torch::nn::Embedding embedding(c.vocab, c.hidden);
+  {
+    torch::NoGradGuard no_grad;
+    embedding->weight.normal_(0, 0.02);  // GPT-2's initialization: logits start near uniform
+  }
+  gpt->push_back("embedding", embedding);
+  for (int64_t i = 0; i < c.layers; ++i) gpt->push_back("block" + std::to_string(i), Block(c.hidden, c.heads));
+  gpt->push_back("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
+  gpt->push_back("lm_head", TiedHead(embedding->weight));
+  return gpt;
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+}
+
+// The global batch of step `step`: random tokens, targets the next token.
+std::pair<torch::Tensor, torch::Tensor> batch(const Config& c, int64_t step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto tokens = torch::randint(c.vocab, {c.global_batch, c.seq + 1}, gen, torch::kLong);
+  return {tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()};
+}
+
+std::string arg(std::map<std::string, std::string>& args, const std::string& key, const std::string& fallback = "") {
+  auto it = args.find(key);
+  return it == args.end() ? fallback : it->second;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> args;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string key = argv[i];
+    if (key.rfind("--", 0) != 0) {
+      std::cerr << "train_gpt: unexpected argument " << key << " (flags are --name value)\n";
+      return 2;
+    }
+    args[key.substr(2)] = argv[i + 1];
+  }
+  if (argc % 2 == 0) {
+    std::cerr << "train_gpt: flag " << argv[argc - 1] << " has no value\n";
+    return 2;
+  }
+  Config c;
+  c.steps = std::stoll(arg(args, "steps", "5"));
+  c.layers = std::stoll(arg(args, "layers", "4"));
+  const std::string torchscript = arg(args, "torchscript");
+
+  try {
+    auto world = monarch::World::init();
+    const bool lead = world->rank() == 0;
+    auto build = [&]() -> monarch::ChainModel {
+      if (torchscript.empty()) return monarch::chain_of(make_gpt(c));
+      auto m = torch::jit::load(torchscript);
+      m.train();
+      return monarch::chain_of(m);
+    };
+
+    // The plan: loaded, or made here by the planner for this model and this job.
+    monarch::planner::Plan plan;
+    if (!arg(args, "plan").empty()) {
+      plan = monarch::planner::load_plan(arg(args, "plan"));
+    } else {
+      monarch::planner::TransformerConfig tc;
+      tc.name = "cpp-gpt";
+      tc.layers = c.layers;
+      tc.hidden = c.hidden;
+      tc.heads = c.heads;
+      tc.seq = c.seq;
+      tc.vocab = c.vocab;
+      tc.tied_embeddings = torchscript.empty();  // the TorchScript model's head is its own
+      tc.dtype = monarch::planner::DType::fp32;
+      auto graph = monarch::planner::build_transformer(tc);
+      monarch::planner::restrict_cuts_to_blocks(graph);
+      monarch::planner::TrainingConfig training;
+      training.global_batch = c.global_batch;
+      training.compute_dtype = monarch::planner::DType::fp32;
+      training.param_bytes = training.grad_bytes = training.activation_bytes = 4;
+      training.optimizer_bytes = 8;  // Adam's two fp32 moments
+      training.allow_tensor_parallel = false;  // the C++ frontend does not swap modules
+      training.allow_recompute = false;        // the runtime does not recompute yet
+      training.allow_sequence_parallel = false;
+      monarch::planner::SearchOptions options;
+      auto& pins = options.pins;
+      pins.tp = 1;
+      if (!arg(args, "pp").empty()) pins.pp = std::stoll(arg(args, "pp"));
+      if (!arg(args, "dp").empty()) pins.dp = std::stoll(arg(args, "dp"));
+      if (!arg(args, "zero").empty()) pins.zero_stage = std::stoll(arg(args, "zero"));
+      if (!arg(args, "micro-batch").empty()) pins.micro_batch_size = std::stoll(arg(args, "micro-batch"));
+      if (!arg(args, "schedule").empty()) pins.schedule = monarch::planner::schedule_from_string(arg(args, "schedule"));
+      plan = monarch::planner::search(graph, monarch::planner::cluster_preset("cpu", world->size()), training,
+                                      options);
+    }
+    if (lead) std::cout << "plan: " << plan.summary() << "\n";
+    if (lead && !arg(args, "save-plan").empty()) monarch::planner::save_plan(plan, arg(args, "save-plan"));
+
+    monarch::ParallelizeOptions popts;
+    popts.world = world;
+    auto model = monarch::parallelize(build(), plan, popts);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.lr).weight_decay(0.01));
+    std::vector<double> losses;
+    for (int64_t step = 0; step < c.steps; ++step) {
+      auto [x, y] = batch(c, step);
+      opt.zero_grad();
+      const double loss = model->train_step(model->local_batch(x), model->local_batch(y), lm_loss);
+      opt.step();
+      losses.push_back(loss);
+      if (lead) std::printf("step %lld  loss %.6f\n", static_cast<long long>(step), loss);
+    }
+    auto trained = model->state_dict();  // collective: the whole model on every rank
+
+    // The same model, data and optimizer in one process (rank 0).
+    int status = 0;
+    if (lead) {
+      auto reference = build();
+      std::vector<at::Tensor> params;
+      std::set<const void*> seen;
+      for (auto& p : reference.pieces) {
+        for (auto& [name, t] : p.parameters) {
+          if (seen.insert(t.unsafeGetTensorImpl()).second) params.push_back(t);
+        }
+      }
+      torch::optim::AdamW ref_opt(params, torch::optim::AdamWOptions(c.lr).weight_decay(0.01));
+      double worst_loss = 0, worst_param = 0;
+      for (int64_t step = 0; step < c.steps; ++step) {
+        auto [x, y] = batch(c, step);
+        ref_opt.zero_grad();
+        at::Tensor out = x;
+        for (auto& p : reference.pieces) out = p.forward(out);
+        auto loss = lm_loss(out, y);
+        loss.backward();
+        ref_opt.step();
+        worst_loss = std::max(worst_loss, rel(losses[step], loss.item<double>()));
+      }
+      std::map<std::string, at::Tensor> expected;
+      for (auto& p : reference.pieces) {
+        for (auto& [name, t] : p.parameters) expected[name] = t.detach();
+      }
+      for (auto& [name, t] : trained) {
+        auto it = expected.find(name);
+        if (it == expected.end()) continue;  // buffers
+        const double diff = (t - it->second).abs().max().item<double>();
+        const double scale = it->second.abs().max().item<double>();
+        worst_param = std::max(worst_param, diff / std::max(scale, 1e-12));
+      }
+      // fp32 sums in another order (micro-batches, all-reduce): agreement to ~1e-6 relative;
+      // Adam amplifies tiny gradient differences a little over the steps.
+      const bool ok = worst_loss < 1e-4 && worst_param < 1e-3 && trained.size() >= expected.size();
+      std::printf("parity with 1 process (%s, %lld steps): %s, worst relative difference %.2e (losses), "
+                  "%.2e (parameters)\n",
+                  model->layout().summary().c_str(), static_cast<long long>(c.steps), ok ? "ok" : "FAILED",
+                  worst_loss, worst_param);
+      status = ok ? 0 : 1;
+    }
+    return status;
+  } catch (const std::exception& e) {
+    std::cerr << "train_gpt: " << e.what() << "\n";
+    return 1;
+  }
+}
