@@ -58,31 +58,12 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     return t
 
 
-def _cuttable_only_between_blocks(info):
-    """Data-flow edges that keep pipeline cuts where the runtime can make them: between two
-    blocks (what comes before the first block runs on the first stage, what comes after the
-    last on the last)."""
-    graph = info.graph
-    names = [layer.name for layer in graph.layers]
-    block_idx = [i for i, n in enumerate(names) if n in set(info.blocks)]
-    edges = []
-    if not block_idx:
-        if len(names) > 1:
-            edges.append((0, len(names) - 1))
-    else:
-        if block_idx[0] > 0:
-            edges.append((0, block_idx[0]))
-        if block_idx[-1] < len(names) - 1:
-            edges.append((block_idx[-1], len(names) - 1))
-    graph.edges = edges
-    return graph
-
-
 def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
     """(ModelInfo, planner ModelGraph) of ``model``; the graph only allows pipeline cuts the
     runtime can make."""
     info = read_model(model, example_input, name=name, tp_plan=tp_plan, dtype=dtype)
-    return info, _cuttable_only_between_blocks(info)
+    # The runtime's rule (planner::restrict_cuts_to_blocks): cuts only between blocks.
+    return info, _planner.restrict_cuts_to_blocks(info.graph)
 
 
 def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,

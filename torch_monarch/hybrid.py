@@ -13,7 +13,7 @@ Under tensor parallelism the model returns logits split along the vocabulary: us
 ``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
 """
 
-import contextlib
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -28,31 +28,31 @@ from .pipeline import split_model
 from .tensor_parallel_modules import shard_spec, tensor_parallel
 
 
-def _plan_block_stages(plan, num_units):
-    blocks = [layer for layer in plan.layers if str(layer.kind).endswith("block")]
-    if len(blocks) != num_units:
-        raise ValueError(f"parallelize: the plan has {len(blocks)} transformer blocks, the model has {num_units}; "
-                         "the plan was made for another model")
-    return [int(layer.stage) for layer in blocks]
-
-
 def _schedule_kind(name):
-    return _planner._enum(_planner.ScheduleKind, name, "schedule") if isinstance(name, str) else name
+    if name is None:
+        return None
+    kind = _planner._enum(_planner.ScheduleKind, name, "schedule") if isinstance(name, str) else name
+    return None if kind == _planner.ScheduleKind.none else kind
 
 
 class ParallelModel(nn.Module):
     """What ``parallelize`` returns. ``parameters()``: what this rank's optimizer steps on.
     ``train_step``: one forward + backward over the local batch (micro-batched through the
-    pipeline schedule when pp > 1), gradients synchronised, loss returned on every rank."""
+    pipeline schedule when pp > 1), gradients synchronised, loss returned on every rank.
 
-    def __init__(self, model, mesh, *, schedule, micro_batches, virtual_stages, unit_stage, units, tp_plan,
-                 sequence_parallel, zero_stage, bucket_cap_mb, sequence_dim, init_fn=None):
+    Python does the module-tree work (tensor-parallel module swaps, the pipeline cut,
+    hooks, wrappers); the C++ composition engine (``_runtime.Composition``, the same one
+    ``monarch::parallelize`` uses) does the rest: micro-batch loop or pipeline schedule,
+    replica and tied-weight sync, the global mean loss, whole-model state dicts."""
+
+    def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None):
         super().__init__()
         self.mesh = mesh
-        self.pp, self.dp, self.tp = (mesh.axis_size(a) for a in ("pp", "dp", "tp"))
-        self.micro_batches = micro_batches
-        self.zero_stage = zero_stage
-        self.last_stats = None  # the executor's statistics of the last pipelined step
+        self.layout = layout
+        self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
+        self.micro_batches = layout.micro_batches
+        self.zero_stage = layout.zero_stage
+        zero_stage = layout.zero_stage
         units = list(_default_units(model) if units is None else units)
         self.deferred = deferred.is_deferred(model)
         # ZeRO-3 materializes the blocks one at a time inside the engine (each rank keeps its
@@ -63,20 +63,18 @@ class ParallelModel(nn.Module):
                              "yet: plan with tp=1 (parallelize does so for a meta model), or build the model "
                              "on a device")
         if self.tp > 1:
-            tensor_parallel(model, mesh, tp_plan, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                            units=units)
+            tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
+                            sequence_dim=sequence_dim, units=units)
         # Every name a parameter has (a tied weight has two), with how tp cut it.
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
                           if p is not None and shard_spec(p)}
-        self._executor = None
+        pp_rank = mesh.coordinate("pp")
+        # The schedule's rule, checked by the engine: stage s runs on pipeline rank s % pp.
+        self._local = [s for s in range(layout.num_stages) if s % self.pp == pp_rank]
         if self.pp > 1:
-            kind = _schedule_kind(schedule or "1f1b")
-            sched = _planner.make_schedule(kind, self.pp, micro_batches, virtual_stages)
-            self._executor = _runtime.PipelineExecutor(sched, mesh)
-            stages = split_model(model, self.pp * virtual_stages, units, unit_stage)
+            stages = split_model(model, layout.num_stages, units, list(layout.block_stage))
             self.num_stages = len(stages)
-            self._local = list(self._executor.local_stages)
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
                 for st in self._local:
@@ -97,25 +95,48 @@ class ParallelModel(nn.Module):
             if self.deferred:
                 deferred.materialize(model, init_fn, skip=units if per_unit else ())
             self.num_stages = 1
-            self._local = [0]
             self._tied = []
             self._stage_units = {0: units}
             modules = {0: model}
             stage_modules = [model]
         self._plain = modules  # unwrapped stage modules (names, ZB weight passes)
-        # Every entry of the (tp-split) model's state dict: its local shape and dtype and the
-        # first stage holding it, so full_state_dict() can collect it from its owner.
-        self._entries = {}
+        # Every entry of the (tp-split) model's state dict: its local shape and dtype, the
+        # first stage holding it and how tp split it, for the engine's whole-model state dict.
+        entries, seen_names = [], set()
         for stage, m in enumerate(stage_modules):
             for name, t in m.state_dict().items():
-                if name not in self._entries:
-                    self._entries[name] = (tuple(t.shape), t.dtype, stage)
-        self._sync_initial_replicas()
+                if name not in seen_names:
+                    seen_names.add(name)
+                    spec = self._tp_specs.get(name)
+                    entries.append(_runtime.StateEntry(name, t, stage, spec[0] if spec else None,
+                                                       spec[1] if spec else 1))
+        # Copies that must stay equal start equal (in the engine's constructor, before the
+        # dp wrappers take their shards): parameters and buffers tp did not split from tp
+        # rank 0, weights tied between the pipeline's ends from the first stage.
+        replicated = []
+        if self.tp > 1:
+            seen = set()
+            for st in self._local:
+                for t in list(self._plain[st].parameters()) + list(self._plain[st].buffers()):
+                    if id(t) not in seen and shard_spec(t) is None:
+                        seen.add(id(t))
+                        replicated.append(t)
+        local_stages = []
+        for st in self._local:
+            seen, params = set(), []
+            for p in self._plain[st].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            local_stages.append((st, params, None))
+        self._composition = _runtime.Composition(layout, mesh, local_stages, entries, self._tied, replicated)
         self._wrapped = {}
         tied_ids = {id(p) for p in self._tied}
         for s, m in modules.items():
             if self.dp > 1 and zero_stage == 0:
-                self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=bucket_cap_mb, exclude=tied_ids)
+                self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=layout.bucket_bytes / (1024 * 1024),
+                                                exclude=tied_ids)
+                self._composition.set_data_parallel(s, self._wrapped[s]._engine)
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
@@ -157,24 +178,7 @@ class ParallelModel(nn.Module):
         (loads into the unwrapped model): each entry is broadcast along pp from the rank
         holding its stage and, if tp split it, all-gathered along tp. Collective: every rank
         must call it. Memory: the whole model on every rank."""
-        local = self.local_state_dict()
-        pp_rank = self.mesh.coordinate("pp")
-        out = {}
-        for name, (shape, dtype, stage) in self._entries.items():
-            owner = stage % self.pp
-            if owner == pp_rank:
-                t = local[name].contiguous().clone()
-            else:
-                t = torch.empty(shape, dtype=dtype)
-            if self.pp > 1:
-                self.mesh.group("pp").broadcast(t, owner).wait()
-            spec = self._tp_specs.get(name)
-            if spec is not None and self.tp > 1:
-                stacked = torch.empty((self.tp,) + tuple(t.shape), dtype=t.dtype)
-                self.mesh.group("tp").all_gather(stacked, t).wait()
-                t = _runtime.unshard_tensor(list(stacked.unbind(0)), spec[0], spec[1])
-            out[name] = t
-        return out
+        return OrderedDict(self._composition.full_state_dict(self.local_state_dict()))
 
     def state_dict(self, *args, **kwargs):
         """The whole model's state dict (``full_state_dict()``): loads into the unwrapped
@@ -185,26 +189,14 @@ class ParallelModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads a whole-model state dict (e.g. from the unwrapped model): every rank keeps
         its slice (its stages, its tp shard, and under ZeRO its dp shard of every unit)."""
-        missing = [n for n in self._entries if n not in state_dict]
-        unexpected = [n for n in state_dict if n not in self._entries]
+        missing, unexpected = self._composition.compare_keys(list(state_dict.keys()))
         if strict and (missing or unexpected):
             raise RuntimeError(f"parallelize: load_state_dict: missing {missing}, unexpected {unexpected}")
-        tp_rank = self.mesh.coordinate("tp")
+        names = [n for s in self._local for n in self._plain[s].state_dict().keys()]
+        # This rank's tp slices, every shape checked (all problems in one error).
+        mine_all = self._composition.local_slices({k: v for k, v in state_dict.items() if k in set(names)}, names)
         for s in self._local:
-            # This stage's entries, cut to this rank's tp slices.
-            mine = {}
-            for name in self._plain[s].state_dict().keys():
-                if name not in state_dict:
-                    continue
-                value = state_dict[name].detach()
-                spec = self._tp_specs.get(name)
-                if spec is not None:
-                    value = _runtime.shard_tensor(value, spec[0], tp_rank, self.tp, spec[1], name)
-                shape = self._entries[name][0]
-                if tuple(value.shape) != shape:
-                    raise RuntimeError(f"parallelize: load_state_dict: {name} has shape {tuple(value.shape)}, "
-                                       f"this rank holds {shape}")
-                mine[name] = value
+            mine = {n: mine_all[n] for n in self._plain[s].state_dict().keys() if n in mine_all}
             wrapped = self._wrapped[s]
             if hasattr(wrapped, "sharded_state_dict"):
                 wrapped.load_state_dict(mine, strict=False)  # ZeRO: keeps this rank's slice of each unit
@@ -217,12 +209,11 @@ class ParallelModel(nn.Module):
     def local_batch(self, *tensors):
         """This dp rank's share (along dim 0) of each global-batch tensor: what ``train_step``
         takes. Ranks of one dp replica (across pp and tp) get the same share."""
-        dp_rank = self.mesh.coordinate("dp")
         out = []
         for t in tensors:
             if t.shape[0] % self.dp != 0:
                 raise ValueError(f"local_batch: a batch of {t.shape[0]} does not split over dp={self.dp}")
-            out.append(t.chunk(self.dp, 0)[dp_rank])
+            out.append(self._composition.local_batch(t))
         return tuple(out) if len(out) != 1 else out[0]
 
     def tp_spec(self, name):
@@ -234,7 +225,12 @@ class ParallelModel(nn.Module):
 
     @property
     def executor(self):
-        return self._executor
+        return self._composition.executor
+
+    @property
+    def last_stats(self):
+        """The pipeline executor's statistics of the last step (None without a pipeline)."""
+        return self._composition.last_stats
 
     # -- running ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -250,19 +246,22 @@ class ParallelModel(nn.Module):
         m = self.micro_batches
         xs, ys = _split(inputs, m, "inputs"), _split(targets, m, "targets")
         if self.pp == 1:
-            total = 0.0
-            model = self._wrapped[0]
-            for k in range(m):
-                # Gradient accumulation: data parallelism syncs on the last micro-batch only.
-                last = k == m - 1
-                with contextlib.nullcontext() if last or not isinstance(model, DataParallel) else model.no_sync():
-                    loss = loss_fn(model(*_as_tuple(xs[k])), ys[k]) / m
-                    loss.backward()
-                total += loss.item()
-            self.last_stats = None
+            # The model's output may be anything loss_fn takes: it stays here, not in C++.
+            outputs = {}
+
+            def forward(stage, mb, received):
+                outputs[mb] = self._wrapped[0](*_as_tuple(xs[mb]))
+                return []
+
+            def loss(mb, _):
+                return loss_fn(outputs.pop(mb), ys[mb])
         else:
-            total = self._pipeline_step(xs, ys, loss_fn)
-        return self._global_mean(total)
+            def forward(stage, mb, received):
+                return self._run_stage(stage, mb, received, xs)
+
+            def loss(mb, out):
+                return loss_fn(out[0], ys[mb])
+        return self._composition.train_step(forward, loss)
 
     @torch.no_grad()
     def predict(self, inputs):
@@ -279,8 +278,7 @@ class ParallelModel(nn.Module):
                 outputs[mb] = out[0]
             return out
 
-        work = _runtime.AutogradStageWork(self.num_stages, self.micro_batches, forward, None, 1.0)
-        self.last_stats = self._executor.run(work, forward_only=True)
+        self._composition.predict(forward)
         if not outputs:
             return None
         return torch.cat([outputs[k] for k in sorted(outputs)], 0)
@@ -294,56 +292,6 @@ class ParallelModel(nn.Module):
                 raise TypeError(f"pipeline: stage {stage} returns a {type(t).__name__} as value {i}; only "
                                 "tensors can cross a stage boundary")
         return out
-
-    def _pipeline_step(self, xs, ys, loss_fn):
-        def forward(stage, mb, received):
-            return self._run_stage(stage, mb, received, xs)
-
-        def loss(mb, outputs):
-            return loss_fn(outputs[0], ys[mb])
-
-        def stage_parameters(stage):
-            return list(self._plain[stage].parameters())
-
-        def before_backward(stage, mb, is_last):
-            w = self._wrapped[stage]
-            if isinstance(w, DataParallel):
-                w._engine.set_sync(is_last)
-
-        work = _runtime.AutogradStageWork(self.num_stages, self.micro_batches, forward, loss,
-                                          1.0 / self.micro_batches, stage_parameters, before_backward)
-        mean_loss, self.last_stats = self._executor.train_step(work)  # the loss, sent along pp
-        for w in self._wrapped.values():
-            if isinstance(w, DataParallel):
-                w._engine.set_sync(True)
-        if self._tied:
-            # Both copies of a weight tied between the ends take the same optimizer step.
-            _runtime.sync_tied_gradients(self._tied, self.mesh.group("dp") if self.dp > 1 else None,
-                                         self.mesh.pipeline_ends_group())
-        return mean_loss
-
-    def _sync_initial_replicas(self):
-        """Copies that must stay equal start equal: parameters and buffers tp did not split
-        from tp rank 0, weights tied between the pipeline's ends from the first stage (dp
-        replicas of everything else are broadcast by the data-parallel / sharded wrappers)."""
-        if self.tp > 1:
-            seen, replicated = set(), []
-            for s in self._local:
-                for t in list(self._plain[s].parameters()) + list(self._plain[s].buffers()):
-                    if id(t) not in seen and shard_spec(t) is None:
-                        seen.add(id(t))
-                        replicated.append(t)
-            _runtime.broadcast_from_root(replicated, self.mesh.group("tp"))
-        if self._tied:
-            _runtime.broadcast_from_root(self._tied, self.mesh.pipeline_ends_group())
-            if self.dp > 1:  # the dp wrappers leave tied weights to this engine
-                _runtime.broadcast_from_root(self._tied, self.mesh.group("dp"))
-
-    def _global_mean(self, value):
-        t = torch.tensor([value], dtype=torch.float64)
-        if self.dp > 1:
-            self.mesh.group("dp").all_reduce(t, average=True).wait()
-        return t.item()
 
 
 def _resolve(stage_modules, users, name, param):
@@ -426,34 +374,48 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
         raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "
                          "(to plan), or a mesh=")
+    blocks = list(_default_units(model) if units is None else units)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    block_names = [module_names.get(id(b), f"block {i}") for i, b in enumerate(blocks)]
+    mib = 1024 * 1024
     if plan is not None:
         # Everything checked against the model first, locally: a plan for another model is
         # refused on every rank before any group is created.
         if info is None and example_input is not None:
             from .graph import read_model
             info = read_model(model, example_input, tp_plan=tp_plan)
-        check_plan(plan, model, info=info, world_size=mesh.size if mesh is not None else init().size)
-        blocks = list(_default_units(model) if units is None else units)
-        plan_stages = _plan_block_stages(plan, len(blocks))
+        world_size = mesh.size if mesh is not None else init().size
+        check_plan(plan, model, info=info, world_size=world_size)
+        if all(v is None for v in (schedule, micro_batches, virtual_stages, unit_stage, sequence_parallel,
+                                   zero_stage, bucket_cap_mb)):
+            layout = _runtime.layout_from_plan(plan, len(blocks), world_size, block_names)
+        else:  # keywords override the plan's choices
+            plan_layout = _runtime.layout_from_plan(plan, len(blocks), world_size, block_names)
+            layout = _runtime.layout_from_pins(
+                len(blocks), world_size, pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp,
+                virtual_stages=virtual_stages or plan.virtual_stages,
+                block_stage=list(unit_stage) if unit_stage is not None else
+                (list(plan_layout.block_stage) if plan.mesh.pp > 1 else []),
+                schedule=_schedule_kind(schedule if schedule is not None else plan.schedule),
+                micro_batches=micro_batches or plan.num_micro_batches,
+                zero_stage=plan.zero_stage if zero_stage is None else zero_stage,
+                sequence_parallel=plan.sequence_parallel if sequence_parallel is None else bool(sequence_parallel),
+                bucket_bytes=int(bucket_cap_mb * mib) if bucket_cap_mb else int(plan.dp_bucket_bytes),
+                block_names=block_names)
         if mesh is None:
             mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
         elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):
             raise ValueError(f"parallelize: the mesh (pp, dp, tp) = ({mesh.axis_size('pp')}, {mesh.axis_size('dp')}, "
                              f"{mesh.axis_size('tp')}) differs from the plan's ({plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp})")
-        schedule = schedule if schedule is not None else plan.schedule
-        micro_batches = micro_batches or plan.num_micro_batches
-        virtual_stages = virtual_stages or plan.virtual_stages
-        if unit_stage is None and plan.mesh.pp > 1:
-            unit_stage = plan_stages
-        sequence_parallel = plan.sequence_parallel if sequence_parallel is None else sequence_parallel
-        zero_stage = plan.zero_stage if zero_stage is None else zero_stage
-        bucket_cap_mb = bucket_cap_mb or plan.dp_bucket_bytes / (1024 * 1024)
-    mesh = mesh if mesh is not None else device_mesh()
-    if schedule is not None and str(schedule).endswith("none"):
-        schedule = None
-    result = ParallelModel(model, mesh, schedule=schedule, micro_batches=micro_batches or 1,
-                           virtual_stages=virtual_stages or 1, unit_stage=unit_stage, units=units,
-                           tp_plan=tp_plan, sequence_parallel=bool(sequence_parallel), zero_stage=zero_stage or 0,
-                           bucket_cap_mb=bucket_cap_mb or 25.0, sequence_dim=sequence_dim, init_fn=init_fn)
+    else:
+        mesh = mesh if mesh is not None else device_mesh()
+        layout = _runtime.layout_from_pins(
+            len(blocks), mesh.size, pp=mesh.axis_size("pp"), dp=mesh.axis_size("dp"), tp=mesh.axis_size("tp"),
+            virtual_stages=virtual_stages or 1, block_stage=list(unit_stage) if unit_stage is not None else [],
+            schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
+            sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
+            block_names=block_names)
+    result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
+                           init_fn=init_fn)
     result.plan = plan  # None when laid out by hand
     return result

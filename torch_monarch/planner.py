@@ -59,6 +59,7 @@ SimulationResult = _P.SimulationResult
 PLAN_FORMAT_VERSION = _P.PLAN_FORMAT_VERSION
 
 build_transformer = _P.build_transformer
+restrict_cuts_to_blocks = _P.restrict_cuts_to_blocks
 cluster_preset = _P.cluster_preset
 cluster_preset_names = _P.cluster_preset_names
 search = _P.search

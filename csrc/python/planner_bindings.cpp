@@ -318,6 +318,14 @@ void bind_model_graph(py::module_& m) {
                std::to_string(g.total_params()) + " params>";
       });
 
+  m.def(
+      "restrict_cuts_to_blocks",
+      [](ModelGraph& graph) {
+        restrict_cuts_to_blocks(graph);
+        return graph;
+      },
+      py::arg("graph"),
+      "Sets graph.edges so pipeline cuts fall only between blocks (what the runtime can cut); returns the graph.");
   m.def("build_transformer", &build_transformer, py::arg("config"),
         "Layer list of a decoder transformer: embedding, blocks, final norm, LM head.");
 }

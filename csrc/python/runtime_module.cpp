@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "monarch/runtime/composition.h"
 #include "monarch/runtime/data_parallel.h"
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/fully_shard.h"
@@ -161,6 +162,133 @@ void bind_pipeline(py::module_& m) {
         "Gradients of weights tied across pipeline ends: averaged over dp (None: skip), summed over the ends.");
 }
 
+// The composition engine: Python's parallelize hands it its local stages (module-tree work
+// stays in Python) and calls it for everything after.
+void bind_composition(py::module_& m) {
+  using py::arg;
+  py::class_<Layout>(m, "Layout")
+      .def_property_readonly("pp", [](const Layout& l) { return l.mesh.pp; })
+      .def_property_readonly("dp", [](const Layout& l) { return l.mesh.dp; })
+      .def_property_readonly("tp", [](const Layout& l) { return l.mesh.tp; })
+      .def_readonly("virtual_stages", &Layout::virtual_stages)
+      .def_readonly("block_stage", &Layout::block_stage)
+      .def_readonly("schedule", &Layout::schedule)
+      .def_readonly("micro_batches", &Layout::micro_batches)
+      .def_readonly("zero_stage", &Layout::zero_stage)
+      .def_readonly("sequence_parallel", &Layout::sequence_parallel)
+      .def_readonly("bucket_bytes", &Layout::bucket_bytes)
+      .def_readonly("recompute", &Layout::recompute)
+      .def_property_readonly("num_stages", &Layout::num_stages)
+      .def("summary", &Layout::summary)
+      .def("__repr__", [](const Layout& l) { return "Layout(" + l.summary() + ")"; });
+  m.def("layout_from_plan",
+        py::overload_cast<const planner::Plan&, int64_t, int64_t, const std::vector<std::string>&>(&layout_from_plan),
+        arg("plan"), arg("num_blocks"), arg("world_size"), arg("block_names") = std::vector<std::string>{},
+        "The plan's layout for a model with num_blocks blocks; ValueError listing every difference.");
+  m.def(
+      "layout_from_pins",
+      [](int64_t num_blocks, int64_t world_size, int64_t pp, int64_t dp, int64_t tp, int64_t virtual_stages,
+         std::vector<int64_t> block_stage, std::optional<planner::ScheduleKind> schedule, int64_t micro_batches,
+         int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names) {
+        LayoutPins p;
+        p.pp = pp;
+        p.dp = dp;
+        p.tp = tp;
+        p.virtual_stages = virtual_stages;
+        p.block_stage = std::move(block_stage);
+        p.schedule = schedule;
+        p.micro_batches = micro_batches;
+        p.zero_stage = zero_stage;
+        p.sequence_parallel = sequence_parallel;
+        p.bucket_bytes = bucket_bytes;
+        return layout_from_pins(p, num_blocks, world_size, block_names);
+      },
+      arg("num_blocks"), arg("world_size"), arg("pp") = 1, arg("dp") = 0, arg("tp") = 1, arg("virtual_stages") = 1,
+      arg("block_stage") = std::vector<int64_t>{}, arg("schedule") = py::none(), arg("micro_batches") = 1,
+      arg("zero_stage") = 0, arg("sequence_parallel") = false, arg("bucket_bytes") = 25 * 1024 * 1024,
+      arg("block_names") = std::vector<std::string>{});
+  m.def("even_block_stages", &even_block_stages, arg("num_blocks"), arg("num_stages"));
+
+  py::class_<StateEntry>(m, "StateEntry")
+      .def(py::init([](std::string name, const at::Tensor& like, int64_t stage, std::optional<int64_t> tp_dim,
+                       int64_t fused_parts) {
+             StateEntry e{std::move(name), like.sizes().vec(), like.scalar_type(), stage, std::nullopt};
+             if (tp_dim) e.tp = TpSpec{*tp_dim, fused_parts};
+             return e;
+           }),
+           arg("name"), arg("like"), arg("stage"), arg("tp_dim") = py::none(), arg("fused_parts") = 1,
+           "An entry of the whole model's state dict: the local shape and dtype of `like`, the first stage "
+           "holding it, how tensor parallelism split it.")
+      .def_readonly("name", &StateEntry::name)
+      .def_readonly("shape", &StateEntry::shape)
+      .def_readonly("stage", &StateEntry::stage);
+
+  py::class_<Composition>(m, "Composition")
+      .def(py::init([](const Layout& layout, std::shared_ptr<DeviceMesh> mesh, py::list stages,
+                       std::vector<StateEntry> entries, std::vector<at::Tensor> tied,
+                       std::vector<at::Tensor> tp_replicated) {
+             std::vector<LocalStage> local;
+             for (const auto& item : stages) {
+               auto t = item.cast<py::tuple>();
+               LocalStage s;
+               s.stage = t[0].cast<int64_t>();
+               s.parameters = t[1].cast<std::vector<at::Tensor>>();
+               if (!t[2].is_none()) s.data_parallel = t[2].cast<DataParallelEngine*>();
+               local.push_back(std::move(s));
+             }
+             py::gil_scoped_release release;
+             return std::make_unique<Composition>(layout, std::move(mesh), std::move(local), std::move(entries),
+                                                  std::move(tied), std::move(tp_replicated));
+           }),
+           arg("layout"), arg("mesh"), arg("stages"), arg("entries"), arg("tied") = std::vector<at::Tensor>{},
+           arg("tp_replicated") = std::vector<at::Tensor>{}, py::keep_alive<1, 4>(),
+           "stages: [(stage, parameters, DataParallelEngine or None)] for this rank's stages. Collective.")
+      .def("set_data_parallel", &Composition::set_data_parallel, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
+      .def_property_readonly("layout", &Composition::layout, py::return_value_policy::reference_internal)
+      .def_property_readonly("local_stages", &Composition::local_stages)
+      .def_property_readonly("executor", &Composition::executor, py::return_value_policy::reference_internal)
+      .def_property_readonly("last_stats",
+                             [](const Composition& c) -> py::object {
+                               if (!c.last_stats()) return py::none();
+                               return stats_to_dict(*c.last_stats());
+                             })
+      .def(
+          "train_step",
+          [](Composition& c, py::function forward, py::function loss) {
+            // By reference, called with the GIL: the std::functions own no Python object,
+            // so copying or destroying them without the GIL is safe.
+            Composition::ForwardFn f = [&forward](int64_t stage, int64_t mb, const std::vector<at::Tensor>& in) {
+              py::gil_scoped_acquire gil;
+              return forward(stage, mb, in).cast<std::vector<at::Tensor>>();
+            };
+            Composition::LossFn l = [&loss](int64_t mb, const std::vector<at::Tensor>& out) {
+              py::gil_scoped_acquire gil;
+              return loss(mb, out).cast<at::Tensor>();
+            };
+            py::gil_scoped_release release;
+            return c.train_step(f, l);
+          },
+          arg("forward"), arg("loss"),
+          "forward(stage, mb, received) -> list of tensors; loss(mb, outputs) -> tensor. Returns the global "
+          "batch's mean loss on every rank.")
+      .def(
+          "predict",
+          [](Composition& c, py::function forward) {
+            Composition::ForwardFn f = [&forward](int64_t stage, int64_t mb, const std::vector<at::Tensor>& in) {
+              py::gil_scoped_acquire gil;
+              return forward(stage, mb, in).cast<std::vector<at::Tensor>>();
+            };
+            py::gil_scoped_release release;
+            c.predict(f);
+          },
+          arg("forward"))
+      .def("local_batch", &Composition::local_batch, arg("global_batch"))
+      .def("full_state_dict", &Composition::full_state_dict, arg("local"),
+           py::call_guard<py::gil_scoped_release>(), "[(name, tensor)] of the whole model on every rank. Collective.")
+      .def("local_slices", &Composition::local_slices, arg("full"), arg("names"))
+      .def("compare_keys", &Composition::compare_keys, arg("keys"), "(missing, unexpected)");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
@@ -293,9 +421,19 @@ PYBIND11_MODULE(_runtime, m) {
       .def("after_forward", &FullyShardEngine::after_forward)
       .def("sync_parameters", &FullyShardEngine::sync_parameters, py::call_guard<py::gil_scoped_release>())
       .def("full_parameters", &FullyShardEngine::full_parameters, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "load_full_parameters",
+          [](FullyShardEngine& e, const std::vector<std::optional<at::Tensor>>& values) {
+            std::vector<at::Tensor> v;
+            for (const auto& t : values) v.push_back(t ? *t : at::Tensor());
+            e.load_full_parameters(v);
+          },
+          py::arg("values"),
+           "Every parameter whole, in full_parameters()' order (None keeps one): this rank keeps its slice.")
       .def_property_readonly("num_units", &FullyShardEngine::num_units)
       .def_property_readonly("zero_stage", [](const FullyShardEngine& e) { return e.options().zero_stage; });
 
   bind_tensor_parallel(m);
   bind_pipeline(m);
+  bind_composition(m);
 }

@@ -204,6 +204,16 @@ Composition::Composition(Layout layout, std::shared_ptr<DeviceMesh> mesh, std::v
   }
 }
 
+void Composition::set_data_parallel(int64_t stage, DataParallelEngine* engine) {
+  for (auto& s : stages_) {
+    if (s.stage == stage) {
+      s.data_parallel = engine;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
+}
+
 std::vector<int64_t> Composition::local_stages() const {
   std::vector<int64_t> out;
   for (const auto& s : stages_) out.push_back(s.stage);

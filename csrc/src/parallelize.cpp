@@ -289,7 +289,11 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
     }
   }
 
-  // Data parallelism wraps each local stage.
+  // The engine first (replicas agree before ZeRO takes its shards), then data parallelism
+  // wraps each local stage.
+  for (auto& st : stages_) local.push_back({st->id, st->all, nullptr});
+  mesh_ = mesh;
+  composition_ = std::make_unique<Composition>(layout, mesh, std::move(local), std::move(entries), tied_ordered);
   for (auto& st : stages_) {
     if (dp > 1 && layout.zero_stage == 0) {
       std::vector<at::Tensor> buffers;
@@ -299,6 +303,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       DataParallelOptions o;
       o.bucket_bytes = layout.bucket_bytes;
       st->dp = std::make_unique<DataParallelEngine>(st->owned, buffers, mesh->group("dp"), o);
+      composition_->set_data_parallel(st->id, st->dp.get());
     } else if (dp > 1) {
       std::vector<std::vector<at::Tensor>> units(1);
       // Unit 0: parameters of non-block pieces; then one unit per block, in order.
@@ -322,11 +327,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       o.zero_stage = layout.zero_stage;
       st->zero = std::make_unique<FullyShardEngine>(units, mesh->group("dp"), o);
     }
-    local.push_back({st->id, st->all, st->dp.get()});
   }
-
-  mesh_ = mesh;
-  composition_ = std::make_unique<Composition>(layout, mesh, std::move(local), std::move(entries), tied_ordered);
 
   std::set<const void*> given;
   for (auto& st : stages_) {

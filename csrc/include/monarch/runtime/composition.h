@@ -95,8 +95,8 @@ struct LocalStage {
   int64_t stage = 0;
   // Parameters of the unwrapped stage, each once (ZB-H1's weight pass differentiates them).
   std::vector<at::Tensor> parameters;
-  // Set when the stage is wrapped in DDP-style data parallelism: the engine turns its
-  // gradient sync off for all but the last micro-batch of a step.
+  // Set (here or with set_data_parallel) when the stage is wrapped in DDP-style data
+  // parallelism: the engine turns its gradient sync off for all but the last micro-batch.
   DataParallelEngine* data_parallel = nullptr;
 };
 
@@ -112,10 +112,14 @@ class Composition {
   // order every rank agrees on (left out of the data-parallel wrappers: this engine averages
   // them over dp and sums them over the two ends). `tp_replicated`: parameters and buffers
   // tensor parallelism did not split (they start from tp rank 0's values). Collective: every
-  // rank of the mesh constructs it.
+  // rank of the mesh constructs it, before wrapping its stages in data parallelism (ZeRO
+  // takes its shards from the values the replicas agree on here).
   Composition(Layout layout, std::shared_ptr<DeviceMesh> mesh, std::vector<LocalStage> stages,
               std::vector<StateEntry> entries, std::vector<at::Tensor> tied = {},
               std::vector<at::Tensor> tp_replicated = {});
+
+  // The DDP-style engine wrapping local stage `stage` (not owned).
+  void set_data_parallel(int64_t stage, DataParallelEngine* engine);
 
   const Layout& layout() const { return layout_; }
   DeviceMesh& mesh() { return *mesh_; }

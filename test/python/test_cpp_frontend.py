@@ -1,0 +1,135 @@
+"""The C++ frontend (monarch::parallelize over the composition engine) as users run it:
+examples/cpp/train_gpt, launched by `python3 -m torch_monarch.run --no-python`, plans its
+torch::nn GPT with the C++ planner (or loads a plan), trains, and states whether it matched
+the same model trained in one process; the same for a TorchScript nn.Sequential saved from
+Python; and the example builds against the installed CMake package (find_package)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from dist_harness import HERE, free_port
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+BUILD = os.environ.get("MONARCH_BUILD_DIR", os.path.join(ROOT, "build"))
+BINARY = os.path.join(BUILD, "bin", "train_gpt")
+PARITY = re.compile(r"parity with 1 process \((.*?), (\d+) steps\): (ok|FAILED), worst relative difference "
+                    r"(\S+) \(losses\), (\S+) \(parameters\)")
+
+
+def launch(nproc, *args, binary=BINARY, timeout=240):
+    assert os.path.exists(binary), f"{binary} is not built: run `make build` (make test does)"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch_monarch.run", "--no-python", "--nproc-per-node", str(nproc),
+                        "--master-port", str(free_port()), binary, *args], env=env, cwd=ROOT, timeout=timeout,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return p
+
+
+def parity(p):
+    m = PARITY.search(p.stdout)
+    assert m, p.stdout[-3000:]
+    layout, steps, verdict, loss_diff, param_diff = m.groups()
+    return layout, verdict, float(loss_diff), float(param_diff)
+
+
+def losses(p):
+    return [float(x) for x in re.findall(r"step \d+\s+loss (\S+)", p.stdout)]
+
+
+# (ranks, flags, what the layout must show): the planner's own choice and pinned alternatives.
+LAYOUTS = [
+    (4, [], None),
+    (2, [], None),
+    (4, ["--pp", "2", "--zero", "3", "--schedule", "zb_h1"], "pp=2 dp=2 tp=1 zero=3"),
+    (4, ["--pp", "4", "--micro-batch", "1", "--schedule", "1f1b"], "pp=4 dp=1 tp=1 zero=0 micro_batches=16 schedule=1f1b"),
+    (4, ["--pp", "2", "--schedule", "interleaved_1f1b", "--micro-batch", "2", "--zero", "0"],
+     "pp=2 dp=2 tp=1 zero=0 micro_batches=4 schedule=interleaved_1f1b v=2"),
+    (4, ["--pp", "1", "--zero", "0", "--micro-batch", "2"], "pp=1 dp=4 tp=1 zero=0 micro_batches=2"),
+    (2, ["--pp", "1", "--zero", "2", "--micro-batch", "4"], "pp=1 dp=2 tp=1 zero=2 micro_batches=2"),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,expect", LAYOUTS, ids=[" ".join(["np%d" % n] + f) for n, f, _ in LAYOUTS])
+def test_cpp_gpt_trains_through_the_launcher_matching_one_process(nproc, flags, expect):
+    p = launch(nproc, *flags)
+    assert p.returncode == 0, p.stdout[-3000:]
+    layout, verdict, loss_diff, param_diff = parity(p)
+    if expect:
+        assert layout.startswith(expect), layout
+    assert verdict == "ok"
+    assert loss_diff < 1e-4 and param_diff < 1e-3
+    trace = losses(p)
+    assert len(trace) == 5 and trace[-1] < trace[0], trace
+
+
+def test_a_saved_plan_loads_back_and_a_plan_for_another_model_or_world_is_refused(tmp_path):
+    plan = str(tmp_path / "plan.json")
+    p = launch(4, "--pp", "2", "--zero", "2", "--save-plan", plan)
+    assert p.returncode == 0, p.stdout[-3000:]
+    with open(plan) as f:
+        saved = json.load(f)
+    assert (saved["mesh"]["pp"], saved["mesh"]["dp"], saved["zero_stage"]) == (2, 2, 2)
+
+    # Edited: another ZeRO stage; the run follows the edit.
+    saved["zero_stage"] = 3
+    edited = str(tmp_path / "edited.json")
+    with open(edited, "w") as f:
+        json.dump(saved, f)
+    p = launch(4, "--plan", edited)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert parity(p)[0].startswith("pp=2 dp=2 tp=1 zero=3")
+
+    # Another world size, and another model (3 blocks): every difference in one error.
+    p = launch(2, "--plan", plan)
+    assert p.returncode != 0
+    assert "the plan is for 4 ranks (pp=2 dp=2 tp=1), this job has 2" in p.stdout, p.stdout[-3000:]
+    p = launch(4, "--plan", plan, "--layers", "3")
+    assert p.returncode != 0
+    assert "the plan has 4 blocks, the model 3" in p.stdout and "parameters, the model has" in p.stdout, \
+        p.stdout[-3000:]
+
+    # A plan with tensor parallelism: refused by the C++ frontend, saying why.
+    saved["mesh"]["tp"], saved["mesh"]["dp"] = 2, 1
+    saved["num_micro_batches"] *= 2  # the global batch still adds up (the plan is valid)
+    tp_plan = str(tmp_path / "tp.json")
+    with open(tp_plan, "w") as f:
+        json.dump(saved, f)
+    p = launch(4, "--plan", tp_plan)
+    assert p.returncode != 0
+    assert "cannot swap torch::nn or TorchScript modules for tensor-parallel ones" in p.stdout, p.stdout[-3000:]
+
+
+def test_a_torchscript_sequential_from_python_trains_in_cpp(tmp_path):
+    model = str(tmp_path / "gpt.pt")
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "python", "export_gpt_torchscript.py"), model],
+                   check=True, cwd=ROOT)
+    for flags in ([], ["--pp", "2", "--zero", "3"]):
+        p = launch(4, "--torchscript", model, *flags)
+        assert p.returncode == 0, p.stdout[-3000:]
+        layout, verdict, loss_diff, param_diff = parity(p)
+        assert verdict == "ok" and loss_diff < 1e-4 and param_diff < 1e-3, layout
+        if flags:
+            assert layout.startswith("pp=2 dp=2 tp=1 zero=3"), layout
+
+
+def test_the_example_builds_against_the_installed_cmake_package():
+    work = tempfile.mkdtemp(prefix="monarch-pkg-")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "check_cmake_package.sh"), BUILD, work],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:]
+    binary = p.stdout.strip().splitlines()[-1]
+    # It found the installed package, not the source tree.
+    with open(os.path.join(work, "build", "CMakeCache.txt")) as f:
+        cache = f.read()
+    assert re.search(r"TorchMonarch_DIR:PATH=" + re.escape(work) + r"/prefix/lib\S*/cmake/TorchMonarch", cache), \
+        [line for line in cache.splitlines() if "TorchMonarch" in line]
+    # The binary built from the package trains like the in-tree one.
+    p = launch(2, "--pp", "2", binary=binary)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert parity(p)[1] == "ok"
