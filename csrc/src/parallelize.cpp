@@ -37,22 +37,59 @@ std::string prefixed(const std::string& prefix, const std::string& name) {
 
 // ---- reading C++ models ------------------------------------------------------------------
 
-ChainModel chain_of(const torch::nn::Sequential& model) {
-  ChainModel out;
-  torch::nn::Sequential seq = model;  // a shared handle: the pieces keep the model alive
+namespace {
+
+// Children of a Sequential as pieces; a child that is itself a Sequential (a body of blocks)
+// contributes its own children, so its blocks can be cut between.
+void add_sequential(ChainModel& out, torch::nn::Sequential seq, const std::string& prefix) {
   auto children = seq->named_children();
   TORCH_CHECK(static_cast<size_t>(children.size()) == seq->size(),
               "monarch: a Sequential whose registered children differ from its modules cannot be cut");
   for (size_t i = 0; i < seq->size(); ++i) {
     const auto& item = children[i];
+    const std::string name = prefixed(prefix, item.key());
+    if (auto inner = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(item.value())) {
+      add_sequential(out, torch::nn::Sequential(inner), name);
+      continue;
+    }
     Piece p;
-    p.name = item.key();
+    p.name = name;
     p.type = item.value()->name();
-    for (const auto& prm : item.value()->named_parameters(true)) p.parameters.emplace_back(prefixed(p.name, prm.key()), prm.value());
-    for (const auto& buf : item.value()->named_buffers(true)) p.buffers.emplace_back(prefixed(p.name, buf.key()), buf.value());
+    for (const auto& prm : item.value()->named_parameters(true)) p.parameters.emplace_back(prefixed(name, prm.key()), prm.value());
+    for (const auto& buf : item.value()->named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.key()), buf.value());
     p.forward = [seq, i](const at::Tensor& x) mutable { return (seq->begin() + i)->forward<at::Tensor>(x); };
     out.pieces.push_back(std::move(p));
   }
+}
+
+bool is_sequential(const torch::jit::Module& m) {
+  const std::string type = m.type()->name() ? m.type()->name()->qualifiedName() : "";
+  return type.size() >= 10 && type.compare(type.size() - 10, 10, "Sequential") == 0;
+}
+
+void add_script_module(ChainModel& out, const std::string& name, torch::jit::Module piece) {
+  if (is_sequential(piece)) {
+    for (const auto& child : piece.named_children()) add_script_module(out, prefixed(name, child.name), child.value);
+    return;
+  }
+  Piece p;
+  p.name = name;
+  p.type = piece.type()->name() ? piece.type()->name()->qualifiedName() : "";
+  for (const auto& prm : piece.named_parameters(true)) {
+    prm.value.requires_grad_(true);
+    p.parameters.emplace_back(prefixed(name, prm.name), prm.value);
+  }
+  for (const auto& buf : piece.named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.name), buf.value);
+  p.forward = [piece](const at::Tensor& x) mutable { return piece.forward({x}).toTensor(); };
+  out.pieces.push_back(std::move(p));
+}
+
+}  // namespace
+
+ChainModel chain_of(const torch::nn::Sequential& model) {
+  ChainModel out;
+  torch::nn::Sequential seq = model;  // a shared handle: the pieces keep the model alive
+  add_sequential(out, seq, "");
   out.set_training = [seq](bool on) mutable { seq->train(on); };
   return out;
 }
@@ -60,24 +97,7 @@ ChainModel chain_of(const torch::nn::Sequential& model) {
 ChainModel chain_of(const torch::jit::Module& model) {
   ChainModel out;
   torch::jit::Module m = model;  // shares the module object
-  const std::string type = m.type()->name() ? m.type()->name()->qualifiedName() : "";
-  auto add = [&](const std::string& name, torch::jit::Module piece) {
-    Piece p;
-    p.name = name;
-    p.type = piece.type()->name() ? piece.type()->name()->qualifiedName() : "";
-    for (const auto& prm : piece.named_parameters(true)) {
-      prm.value.requires_grad_(true);
-      p.parameters.emplace_back(prefixed(name, prm.name), prm.value);
-    }
-    for (const auto& buf : piece.named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.name), buf.value);
-    p.forward = [piece](const at::Tensor& x) mutable { return piece.forward({x}).toTensor(); };
-    out.pieces.push_back(std::move(p));
-  };
-  if (type.size() >= 10 && type.compare(type.size() - 10, 10, "Sequential") == 0) {
-    for (const auto& child : m.named_children()) add(child.name, child.value);
-  } else {
-    add("", m);
-  }
+  add_script_module(out, "", m);
   out.set_training = [m](bool on) mutable { m.train(on); };
   return out;
 }

@@ -11,7 +11,9 @@
 //
 // What a C++ model offers the frontend is a chain of pieces run one after the other: the
 // children of a torch::nn::Sequential, or of a TorchScript module saved from an
-// nn.Sequential; any other module is one piece (data parallelism and ZeRO, no pipeline cut).
+// nn.Sequential (a child that is itself a Sequential, such as a body of blocks, is opened);
+// any other module is one piece (data parallelism and ZeRO, no pipeline cut). A
+// torch::nn::ModuleList has no forward of its own: put blocks in a Sequential to cut them.
 // The blocks (the units pipelines are cut between and ZeRO-3 gathers one at a time) are the
 // longest run of consecutive pieces of one type. Tensor parallelism needs modules swapped for
 // tensor-parallel ones, which a C++ module tree does not allow: plans with tp > 1 are refused
@@ -53,9 +55,10 @@ struct ChainModel {
   std::function<void(bool)> set_training;  // train() / eval() on the whole model
 };
 
-// The children of `model` in order.
+// The children of `model` in order (nested Sequentials opened).
 ChainModel chain_of(const torch::nn::Sequential& model);
-// A TorchScript module whose type is a Sequential: its children in order; any other: one piece.
+// A TorchScript module whose type is a Sequential: its children in order (nested Sequentials
+// opened); any other: one piece.
 ChainModel chain_of(const torch::jit::Module& model);
 // Any module with its own forward: one piece.
 ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::Tensor(const at::Tensor&)> forward);

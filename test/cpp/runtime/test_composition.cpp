@@ -125,3 +125,28 @@ TEST_CASE("the C++ frontend reads a Sequential: its blocks and how a plan differ
   CHECK_FALSE(embedding);
   CHECK(block_params);
 }
+
+// LibTorch nests a Sequential only through a subclass with a concrete forward.
+struct BodyImpl : torch::nn::SequentialImpl {
+  using SequentialImpl::SequentialImpl;
+  torch::Tensor forward(torch::Tensor x) { return SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Body);
+
+TEST_CASE("a body of blocks nested in a Sequential is opened, names kept", "[runtime][composition]") {
+  Body body(torch::nn::Linear(8, 8), torch::nn::Linear(8, 8), torch::nn::Linear(8, 8));
+  torch::nn::Sequential model;
+  model->push_back("embed", torch::nn::Embedding(16, 8));
+  model->push_back("h", body);
+  model->push_back("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+  model->push_back("head", torch::nn::Linear(8, 16));
+  const auto chain = chain_of(model);
+  REQUIRE(chain.pieces.size() == 6);
+  CHECK(chain.pieces[2].name == "h.1");
+  CHECK(chain.pieces[2].parameters[0].first == "h.1.weight");
+  CHECK(find_blocks(chain) == std::vector<int64_t>{1, 2, 3});
+  const at::Tensor tokens = torch::randint(16, {2, 3});
+  at::Tensor x = tokens;
+  for (const auto& p : chain.pieces) x = p.forward(x);
+  CHECK(torch::equal(x, model->forward(tokens)));
+}
