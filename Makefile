@@ -52,6 +52,7 @@ demo: build python
 bench: build python
 	$(BUILD)/bin/bench_planner bench/results/planner.json
 	$(VENV)/bin/python bench/bench_read_model.py --out bench/results/read_model.json
+	$(VENV)/bin/python bench/recompute_memory.py --out bench/results/recompute_memory.json
 	$(VENV)/bin/python bench/bench_data_parallel.py --out bench/results/data_parallel.json
 	$(VENV)/bin/python bench/bench_parallel.py --out bench/results/parallel.json
 

@@ -36,7 +36,7 @@ def _pins(pins):
 
 def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
-    no activation recomputation yet (the runtime does not implement it), sequence
+    recomputation of whole blocks only (``full``, not ``selective``), sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
     layers, pipelines only for models with blocks. Bytes per parameter follow the dtype:
     fp32 training with Adam keeps 4 (weights) + 4 (grads) + 8 (two moments); bf16/fp16
@@ -46,7 +46,9 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     t = _planner.training(global_batch, compute_dtype=dtype)
     if dtype == _planner.DType.fp32:
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
-    t.allow_recompute = pins.get("recompute") not in (None, "none")
+    # The runtime recomputes whole blocks (torch_monarch/recompute.py), not the attention core.
+    t.allow_recompute = len(info.blocks) > 0
+    t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.full]
     t.allow_sequence_parallel = bool(pins.get("sequence_parallel"))
     # A model still on meta is materialized after the cut, which tensor parallelism cannot
     # do yet (it splits real weights).
@@ -141,9 +143,10 @@ def _layer_differences(plan, info):
 def _runtime_problems(plan):
     """Plan fields the runtime cannot carry out yet: refused, never silently ignored."""
     recompute = str(plan.recompute).split(".")[-1]
-    if recompute != "none":
-        return [f"recompute: the plan recomputes activations ({recompute}), which the runtime does not do "
-                "yet; plan with recompute='none' (parallelize's own planning does)"]
+    if recompute == "selective":
+        return ["recompute: the plan recomputes the attention core only (selective), which the runtime does "
+                "not do (a user's attention core is not a separate call); plan with recompute='full' or "
+                "'none' (parallelize's own planning does)"]
     return []
 
 
@@ -207,9 +210,9 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     from .cluster import detect, probe
     from .deferred import is_deferred
     deferred = is_deferred(model)
-    if str(pins.get("recompute", "none")).split(".")[-1] != "none":
-        raise ValueError(f"parallelize: recompute={pins['recompute']!r} is pinned, but the runtime does not "
-                         "recompute activations yet")
+    if "recompute" in pins:
+        from .recompute import check_mode
+        check_mode(pins["recompute"])
     if deferred and (pins.get("tp") or 1) > 1:
         raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
                          "initialization does not support tensor parallelism yet")

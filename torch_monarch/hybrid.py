@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime, deferred
+from . import recompute as _recompute
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
@@ -33,6 +34,11 @@ def _schedule_kind(name):
         return None
     kind = _planner._enum(_planner.ScheduleKind, name, "schedule") if isinstance(name, str) else name
     return None if kind == _planner.ScheduleKind.none else kind
+
+
+def _recompute_kind(mode):
+    name = _recompute.check_mode(mode)  # refuses what the runtime cannot do, by name
+    return getattr(_planner.Recompute, name)
 
 
 class ParallelModel(nn.Module):
@@ -65,6 +71,11 @@ class ParallelModel(nn.Module):
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
                             sequence_dim=sequence_dim, units=units)
+        # Inside each block's module hooks (ZeRO's gather and free stay once per block).
+        if _recompute.mode_name(layout.recompute) != "none" and not units:
+            raise ValueError(f"parallelize: recompute={_recompute.mode_name(layout.recompute)} recomputes blocks, "
+                             f"and {type(model).__name__} has none (no ModuleList of blocks; pass units=[...])")
+        _recompute.apply(units, _recompute.mode_name(layout.recompute))
         # Every name a parameter has (a tied weight has two), with how tp cut it.
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
@@ -347,7 +358,9 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
 
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
-    parallelism and bucket size are the plan's; keywords override them.
+    parallelism, recomputation and bucket size are the plan's; keywords override them.
+    ``recompute="full"`` re-runs each block's forward in its backward (torch_monarch.recompute);
+    ``"selective"`` is refused.
 
     ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
@@ -370,7 +383,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 if v is not None}
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
                                   tp_plan=tp_plan, **pins)
-        schedule = virtual_stages = sequence_parallel = zero_stage = None  # the plan's now
+        schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
     elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
         raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "
                          "(to plan), or a mesh=")
@@ -387,7 +400,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         world_size = mesh.size if mesh is not None else init().size
         check_plan(plan, model, info=info, world_size=world_size)
         if all(v is None for v in (schedule, micro_batches, virtual_stages, unit_stage, sequence_parallel,
-                                   zero_stage, bucket_cap_mb)):
+                                   zero_stage, bucket_cap_mb, recompute)):
             layout = _runtime.layout_from_plan(plan, len(blocks), world_size, block_names)
         else:  # keywords override the plan's choices
             plan_layout = _runtime.layout_from_plan(plan, len(blocks), world_size, block_names)
@@ -401,7 +414,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 zero_stage=plan.zero_stage if zero_stage is None else zero_stage,
                 sequence_parallel=plan.sequence_parallel if sequence_parallel is None else bool(sequence_parallel),
                 bucket_bytes=int(bucket_cap_mb * mib) if bucket_cap_mb else int(plan.dp_bucket_bytes),
-                block_names=block_names)
+                block_names=block_names,
+                recompute=_recompute_kind(recompute if recompute is not None else plan.recompute))
         if mesh is None:
             mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
         elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):
@@ -414,7 +428,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             virtual_stages=virtual_stages or 1, block_stage=list(unit_stage) if unit_stage is not None else [],
             schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
             sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
-            block_names=block_names)
+            block_names=block_names, recompute=_recompute_kind(recompute))
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
                            init_fn=init_fn)
     result.plan = plan  # None when laid out by hand

@@ -380,6 +380,8 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("allow_pipeline_parallel", &TrainingConfig::allow_pipeline_parallel)
       .def_readwrite("allow_zero", &TrainingConfig::allow_zero)
       .def_readwrite("allow_recompute", &TrainingConfig::allow_recompute)
+      .def_readwrite("recompute_modes", &TrainingConfig::recompute_modes,
+                     "Recompute modes the search may use when allow_recompute (none is always one).")
       .def_readwrite("allow_sequence_parallel", &TrainingConfig::allow_sequence_parallel)
       .def_readwrite("schedules", &TrainingConfig::schedules,
                      "A copy: assign a new list to change it (appending to the copy has no effect).")

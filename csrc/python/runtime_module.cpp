@@ -189,7 +189,8 @@ void bind_composition(py::module_& m) {
       "layout_from_pins",
       [](int64_t num_blocks, int64_t world_size, int64_t pp, int64_t dp, int64_t tp, int64_t virtual_stages,
          std::vector<int64_t> block_stage, std::optional<planner::ScheduleKind> schedule, int64_t micro_batches,
-         int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names) {
+         int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names,
+         planner::Recompute recompute) {
         LayoutPins p;
         p.pp = pp;
         p.dp = dp;
@@ -201,12 +202,13 @@ void bind_composition(py::module_& m) {
         p.zero_stage = zero_stage;
         p.sequence_parallel = sequence_parallel;
         p.bucket_bytes = bucket_bytes;
+        p.recompute = recompute;
         return layout_from_pins(p, num_blocks, world_size, block_names);
       },
       arg("num_blocks"), arg("world_size"), arg("pp") = 1, arg("dp") = 0, arg("tp") = 1, arg("virtual_stages") = 1,
       arg("block_stage") = std::vector<int64_t>{}, arg("schedule") = py::none(), arg("micro_batches") = 1,
       arg("zero_stage") = 0, arg("sequence_parallel") = false, arg("bucket_bytes") = 25 * 1024 * 1024,
-      arg("block_names") = std::vector<std::string>{});
+      arg("block_names") = std::vector<std::string>{}, arg("recompute") = planner::Recompute::none);
   m.def("even_block_stages", &even_block_stages, arg("num_blocks"), arg("num_stages"));
 
   py::class_<StateEntry>(m, "StateEntry")

@@ -154,6 +154,7 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
   l.zero_stage = pins.zero_stage;
   l.sequence_parallel = pins.sequence_parallel;
   l.bucket_bytes = pins.bucket_bytes;
+  l.recompute = pins.recompute;
   if (l.micro_batches < 1 || l.zero_stage < 0 || l.zero_stage > 3 || l.virtual_stages < 1) {
     throw std::invalid_argument("monarch: micro_batches must be >= 1, zero_stage in 0..3, virtual_stages >= 1");
   }

@@ -196,6 +196,8 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   TORCH_CHECK(layout.mesh.tp == 1, "monarch::parallelize: tp=", layout.mesh.tp,
               ": the C++ frontend cannot swap the modules of a torch::nn or TorchScript model for "
               "tensor-parallel ones; plan with tp=1 (pin tp=1), or parallelize from Python");
+  TORCH_CHECK(layout.recompute == planner::Recompute::none, "monarch::parallelize: recompute=",
+              planner::to_string(layout.recompute), ": the C++ frontend does not recompute activations");
   std::vector<int64_t> blocks = options.blocks.empty() ? find_blocks(model_) : options.blocks;
   TORCH_CHECK(layout.block_stage.size() == blocks.size(), "monarch::parallelize: the layout places ",
               layout.block_stage.size(), " blocks, the model has ", blocks.size());
@@ -493,6 +495,10 @@ std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Pla
   Layout layout = layout_from_plan(plan, static_cast<int64_t>(blocks.size()), world->size(), names, more);
   for (auto& p : more) {
     if (std::find(problems.begin(), problems.end(), p) == problems.end()) problems.push_back(p);
+  }
+  if (layout.recompute != planner::Recompute::none) {
+    problems.push_back("recompute=" + planner::to_string(layout.recompute) + ": the C++ frontend does not "
+                       "recompute activations (plan with recompute=none; the Python frontend does full)");
   }
   if (layout.mesh.tp > 1) {
     problems.push_back("tp=" + std::to_string(layout.mesh.tp) + ": the C++ frontend cannot swap torch::nn or "

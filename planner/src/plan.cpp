@@ -30,7 +30,7 @@ bool TrainingConfig::operator==(const TrainingConfig& o) const {
          optimizer_bytes == o.optimizer_bytes && activation_bytes == o.activation_bytes &&
          allow_tensor_parallel == o.allow_tensor_parallel &&
          allow_pipeline_parallel == o.allow_pipeline_parallel && allow_zero == o.allow_zero &&
-         allow_recompute == o.allow_recompute &&
+         allow_recompute == o.allow_recompute && recompute_modes == o.recompute_modes &&
          allow_sequence_parallel == o.allow_sequence_parallel && schedules == o.schedules &&
          max_micro_batch_size == o.max_micro_batch_size && dp_bucket_bytes == o.dp_bucket_bytes;
 }

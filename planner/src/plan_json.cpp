@@ -77,6 +77,9 @@ Json training_to_json(const TrainingConfig& t) {
   j["allow_pipeline_parallel"] = t.allow_pipeline_parallel;
   j["allow_zero"] = t.allow_zero;
   j["allow_recompute"] = t.allow_recompute;
+  Json modes = Json::array();
+  for (Recompute r : t.recompute_modes) modes.push_back(to_string(r));
+  j["recompute_modes"] = modes;
   j["allow_sequence_parallel"] = t.allow_sequence_parallel;
   Json schedules = Json::array();
   for (ScheduleKind s : t.schedules) schedules.push_back(to_string(s));
@@ -330,6 +333,14 @@ TrainingConfig training_from_json(const Fields& f) {
   t.allow_zero = f.boolean("allow_zero");
   t.allow_recompute = f.boolean("allow_recompute");
   t.allow_sequence_parallel = f.boolean("allow_sequence_parallel");
+  if (f.has("recompute_modes")) {  // optional: plans written before it allowed every mode
+    const Json& modes = f.array("recompute_modes");
+    t.recompute_modes.clear();
+    for (size_t i = 0; i < modes.size(); ++i) {
+      const std::string path = element(f.path("recompute_modes"), i);
+      t.recompute_modes.push_back(recompute_from_string(as_string(modes[i], path), path));
+    }
+  }
   const Json& schedules = f.array("schedules");
   t.schedules.clear();
   for (size_t i = 0; i < schedules.size(); ++i) {
@@ -482,7 +493,7 @@ Plan plan_from_value(const Json& root) {
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
-                   "allow_pipeline_parallel", "allow_zero", "allow_recompute",
+                   "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",
                    "dp_bucket_bytes"}));
   p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "order"}));

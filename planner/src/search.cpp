@@ -304,7 +304,11 @@ class Searcher {
   std::vector<Recompute> recompute_options() {
     if (pins_.recompute) return {*pins_.recompute};
     if (!training_.allow_recompute) return {Recompute::none};
-    return {Recompute::none, Recompute::selective, Recompute::full};
+    std::vector<Recompute> out = {Recompute::none};
+    for (Recompute r : training_.recompute_modes) {
+      if (r != Recompute::none) out.push_back(r);
+    }
+    return out;
   }
 
   std::vector<bool> sequence_parallel_options(int64_t tp) {

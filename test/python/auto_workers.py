@@ -124,7 +124,7 @@ def main(name, pins):
     world = torch_monarch.init(timeout=120)
     model, example, batch, lm = build(name)
     pins = dict(kv.split("=") for kv in pins.split(",") if kv) if pins else {}
-    typed = {k: (v if k == "schedule" else bool(int(v)) if k == "sequence_parallel" else int(v))
+    typed = {k: (v if k in ("schedule", "recompute") else bool(int(v)) if k == "sequence_parallel" else int(v))
              for k, v in pins.items()}
     limit = None
     if name == "big":
@@ -162,8 +162,10 @@ def main(name, pins):
         torch.save({"losses": losses, "memory": memory, "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage},
                    os.path.join(out, f"rank{world.rank}.pt"))
         return 0
+    from torch_monarch.sharded import _default_units
+    recomputed = [bool(getattr(u, "_monarch_recompute", False)) for u in _default_units(model)]
     torch.save({"losses": losses, "state": state if world.rank == 0 else None,
-                "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage},
+                "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage, "recomputed": recomputed},
                os.path.join(out, f"rank{world.rank}.pt"))
     return 0
 

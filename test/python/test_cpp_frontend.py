@@ -94,6 +94,15 @@ def test_a_saved_plan_loads_back_and_a_plan_for_another_model_or_world_is_refuse
     assert "the plan has 4 blocks, the model 3" in p.stdout and "parameters, the model has" in p.stdout, \
         p.stdout[-3000:]
 
+    # Recomputation, which the C++ frontend does not do: refused, naming the field.
+    recompute = dict(saved, recompute="full")
+    recompute_plan = str(tmp_path / "recompute.json")
+    with open(recompute_plan, "w") as f:
+        json.dump(recompute, f)
+    p = launch(4, "--plan", recompute_plan)
+    assert p.returncode != 0
+    assert "recompute=full: the C++ frontend does not recompute activations" in p.stdout, p.stdout[-3000:]
+
     # A plan with tensor parallelism: refused by the C++ frontend, saying why.
     saved["mesh"]["tp"], saved["mesh"]["dp"] = 2, 1
     saved["num_micro_batches"] *= 2  # the global batch still adds up (the plan is valid)

@@ -31,6 +31,10 @@ CASES = [
     (2, "bert"), (2, "bert:tp=2"), (2, "bert:zero_stage=3"),
     (2, "mlp"), (4, "mlp"), (2, "mlp:zero_stage=3"), (2, "mlp:zero_stage=0"),
     (2, "resnet18"), (2, "resnet18:zero_stage=3"),
+    # Full activation recomputation composed with each kind of layout.
+    (2, "gpt2:recompute=full,zero_stage=0"), (2, "gpt2:recompute=full,zero_stage=3"),
+    (4, "gpt2:pp=2,recompute=full,schedule=zb_h1"), (4, "llama:pp=2,tp=2,recompute=full"),
+    (2, "llama:tp=2,sequence_parallel=1,recompute=full"), (2, "bert:recompute=full,zero_stage=2"),
 ]
 
 
@@ -47,13 +51,18 @@ def test_parallelize_matches_one_process(ranks, scenario):
     assert mesh["pp"] * mesh["dp"] * mesh["tp"] == ranks
     for key, value in (kv.split("=") for kv in pins.split(",") if kv):
         field = {"tp": ("mesh", "tp"), "pp": ("mesh", "pp"), "dp": ("mesh", "dp"), "zero_stage": ("zero_stage",),
-                 "schedule": ("schedule",), "sequence_parallel": ("sequence_parallel",)}[key]
+                 "schedule": ("schedule",), "sequence_parallel": ("sequence_parallel",),
+                 "recompute": ("recompute",)}[key]
         got = plan[field[0]][field[1]] if len(field) == 2 else plan[field[0]]
         want = bool(int(value)) if key == "sequence_parallel" else value
         assert str(got) == str(want), f"pin {key}={value} but the plan has {got}"
     for rank in range(ranks):
         res = torch.load(r.result_path(rank))
         assert res["mesh"] == (mesh["pp"], mesh["dp"], mesh["tp"])
+        # The plan's recompute is carried out: every block re-runs in backward, or none does.
+        assert set(res["recomputed"]) <= {plan["recompute"] == "full"}, res["recomputed"]
+        if plan["recompute"] == "full":
+            assert res["recomputed"], "recompute=full but the model has no blocks to recompute"
         for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
             assert got == pytest.approx(want, rel=LOSS_REL), f"{scenario} rank {rank}: loss of step {step}"
     state = torch.load(r.result_path(0))["state"]

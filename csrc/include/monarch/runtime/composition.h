@@ -54,6 +54,7 @@ struct LayoutPins {
   int64_t zero_stage = 0;
   bool sequence_parallel = false;
   int64_t bucket_bytes = 25 * 1024 * 1024;
+  planner::Recompute recompute = planner::Recompute::none;
 };
 
 // The plan's layout for a model with `num_blocks` blocks on `world_size` ranks. Throws

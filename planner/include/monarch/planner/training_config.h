@@ -39,6 +39,9 @@ struct TrainingConfig {
   bool allow_pipeline_parallel = true;
   bool allow_zero = true;
   bool allow_recompute = true;
+  // Recomputation modes the search may use when allow_recompute (a runtime that implements
+  // only some lists those; `none` is always a candidate).
+  std::vector<Recompute> recompute_modes = {Recompute::none, Recompute::selective, Recompute::full};
   bool allow_sequence_parallel = true;
   // Schedules the search may use. GPipe is left out by default: it has 1F1B's bubble and
   // keeps all m micro-batches' activations instead of at most p, so it never wins; pin it

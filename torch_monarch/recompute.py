@@ -1,0 +1,54 @@
+"""Activation recomputation as a plan says (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Sec. 5).
+
+``full``: each block keeps only its input during forward; its backward first re-runs the
+block's forward (same RNG state, so dropout masks match) to rebuild what it needs. Built on
+non-reentrant checkpointing (saved-tensor hooks): gradients still reach the parameters
+through the original graph, so the data-parallel and ZeRO engines' gradient hooks fire once,
+as without recomputation, and module hooks outside the block (ZeRO's gather / free) run
+once. ``selective`` (only the attention core re-run) needs the attention core as a separate
+call, which models written the usual way do not have: refused.
+"""
+
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "full")
+
+
+def mode_name(mode):
+    return str(mode).split(".")[-1] if mode is not None else "none"
+
+
+def check_mode(mode):
+    """Refuses a mode the runtime cannot carry out, naming it."""
+    name = mode_name(mode)
+    if name == "selective":
+        raise ValueError("recompute: 'selective' (re-running only the attention core) is not supported by the "
+                         "runtime: the attention core of a user's module is not a separate call; use "
+                         "recompute='full' or 'none'")
+    if name not in MODES:
+        raise ValueError(f"recompute: unknown mode {mode!r} (expected one of {MODES})")
+    return name
+
+
+def apply(blocks, mode):
+    """Makes each block recompute its activations during backward (``full``); ``none`` leaves
+    them as they are. The block's own forward is wrapped, inside its module hooks."""
+    if check_mode(mode) == "none":
+        return
+    for block in blocks:
+        if getattr(block, "_monarch_recompute", False):
+            continue
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)  # inference keeps nothing anyway
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._monarch_recompute = True
