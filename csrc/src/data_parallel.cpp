@@ -1,6 +1,7 @@
 #include "monarch/runtime/data_parallel.h"
 
 #include "monarch/runtime/replicas.h"
+#include "autograd_hooks.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -12,21 +13,6 @@
 #include <sstream>
 
 namespace monarch {
-namespace {
-
-// Runs `fn` after a gradient accumulator has updated its parameter's .grad.
-struct AfterAccumulation : torch::autograd::FunctionPostHook {
-  explicit AfterAccumulation(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    fn_();
-    return outputs;
-  }
-  std::function<void()> fn_;
-};
-
-}  // namespace
-
 namespace {
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -54,7 +40,8 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(accumulator, "monarch::DataParallel: parameter ", i, " is not a leaf tensor");
-    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<AfterAccumulation>([this, i] { on_gradient(i); })));
+    hook_keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<detail::AfterAccumulation>([this, i](const at::Tensor&) { on_gradient(i); })));
     accumulators_.push_back(std::move(accumulator));
   }
 }

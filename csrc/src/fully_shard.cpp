@@ -3,13 +3,34 @@
 #include <algorithm>
 
 #include "monarch/runtime/replicas.h"
+#include "autograd_hooks.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <set>
 
 namespace monarch {
+namespace {
+
+// Gives a storage `nbytes` of fresh memory, or none (0). Tensors viewing it keep their shape:
+// autograd keeps views of a gathered unit's parameters (e.g. a linear's transposed weight) for
+// backward; emptying the storage they share frees the memory anyway, and gathering into the
+// same storage again makes those views valid before the unit's backward (as PyTorch FSDP
+// frees and refills its flat parameter's storage).
+void resize_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (nbytes == 0) {
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  } else {
+    TORCH_CHECK(s->allocator(), "monarch::FullyShard: storage without an allocator");
+    s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  }
+  s->set_nbytes(nbytes);
+}
+
+}  // namespace
 
 FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
                                    FullyShardOptions options, Materialize materialize)
@@ -51,24 +72,11 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     init_unit(units_[u], std::move(real));
   }
   unit_grads_ready_.assign(units_.size(), false);
-  for (size_t u = 0; u < units_.size(); ++u) {
-    for (size_t i = 0; i < units_[u].params.size(); ++i) {
-      const auto& p = units_[u].params[i];
-      const int64_t unit = static_cast<int64_t>(u);
-      hooks_.emplace_back(p, p.register_hook([this, unit, i](const at::Tensor& g) { on_gradient(unit, i, g); }));
-    }
-  }
   next_reduce_ = num_units() - 1;
 }
 
 FullyShardEngine::~FullyShardEngine() {
-  for (auto& [tensor, id] : hooks_) {
-    try {
-      tensor.remove_hook(id);
-    } catch (...) {
-      // The parameter may be gone with its module.
-    }
-  }
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
 void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
@@ -89,6 +97,22 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
   }
   u.shard = flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel).clone().requires_grad_(true);
   u.pending = u.params.size();
+  // After each parameter's gradient accumulator, as DDP's reducer: the gradient seen is the
+  // one the parameter's own hooks (registered before or after) produced, and the copy the
+  // accumulator stored can be dropped at once. Taken while the parameter has its full shape:
+  // the accumulator checks incoming gradients against the shape it was created with, and in
+  // the compute dtype: changing a parameter's dtype later (set_data) would drop it.
+  const int64_t unit = &u - units_.data();
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    if (u.params[i].scalar_type() != options_.compute_dtype) {
+      u.params[i].set_data(u.params[i].detach().to(options_.compute_dtype));
+    }
+    auto accumulator = torch::autograd::impl::grad_accumulator(u.params[i]);
+    TORCH_CHECK(accumulator, "monarch::FullyShard: a parameter of unit ", unit, " is not a leaf tensor");
+    hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<detail::AfterAccumulation>(
+        [this, unit, i](const at::Tensor& g) { on_gradient(unit, i, g); })));
+    accumulators_.push_back(std::move(accumulator));
+  }
   if (sharded_parameters()) {
     // Parameters hold no storage until gathered.
     for (auto& p : u.params) p.set_data(at::empty({0}, p.options().dtype(options_.compute_dtype)));
@@ -116,7 +140,11 @@ void FullyShardEngine::start_gather(int64_t unit) {
     return;
   }
   at::NoGradGuard no_grad;
-  u.full = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+  if (!u.full.defined()) {
+    u.full = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+  } else {
+    resize_storage(u.full, static_cast<size_t>(u.full.numel()) * u.full.element_size());  // refill the same storage
+  }
   u.gather = group_.all_gather(u.full, u.shard.detach().to(options_.compute_dtype));
 }
 
@@ -136,9 +164,11 @@ void FullyShardEngine::finish_gather(int64_t unit) {
 void FullyShardEngine::free_parameters(int64_t unit) {
   Unit& u = units_[unit];
   if (!u.gathered) return;
-  // Drop the storage (shapes are kept in the unit for the next gather).
+  // Parameters hold nothing until gathered again (shapes are kept in the unit); the gathered
+  // storage is emptied, not dropped, so autograd's saved views of it are refilled by the
+  // next gather.
   for (auto& p : u.params) p.set_data(at::empty({0}, p.options()));
-  u.full = at::Tensor();
+  if (u.full.defined()) resize_storage(u.full, 0);  // a unit without parameters has none
   u.gathered = false;
 }
 
@@ -204,8 +234,14 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
   at::NoGradGuard no_grad;
   Unit& u = units_[unit];
   if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
-  u.grad_flat.narrow(0, u.offsets[index], u.numels[index]).add_(grad.reshape({-1}).to(at::kFloat));
+  if (grad.defined()) u.grad_flat.narrow(0, u.offsets[index], u.numels[index]).add_(grad.reshape({-1}).to(at::kFloat));
+  // The accumulator's copy is not needed: the unit's flat buffer holds it (stage 1 puts the
+  // reduced gradient back in .grad when the step's backward ends).
+  u.params[index].mutable_grad() = at::Tensor();
   if (--u.pending == 0) {
+    // Every operation that read the unit's parameters has run its backward (an accumulator
+    // runs after all of its parameter's uses): the gathered parameters can go now.
+    if (sharded_parameters() && unit != 0) free_parameters(unit);
     unit_grads_ready_[unit] = true;
     while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
   }
@@ -216,16 +252,50 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
 void FullyShardEngine::reduce_unit(int64_t unit) {
   Unit& u = units_[unit];
   if (u.numel == 0) {  // nothing to reduce; Gloo would divide by the zero element count
-    u.reduced = at::empty({0}, at::kFloat);
     u.reduce = Handle();
-    return;
-  }
-  if (options_.zero_stage == 1) {
+  } else if (options_.zero_stage == 1) {
     u.reduce = group_.all_reduce(u.grad_flat, /*average=*/true);
   } else {
     u.reduced = at::empty({u.shard_numel}, at::kFloat);
     u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
   }
+  u.reduce_launched = true;
+  // One reduction in flight behind this one: the unit launched before (the next one up)
+  // finishes now, so at most two units' full gradient buffers (and, under stage 3, their
+  // gathered parameters) are alive at once during backward.
+  if (unit + 1 < num_units() && units_[unit + 1].reduce_launched) finish_unit(unit + 1);
+}
+
+void FullyShardEngine::finish_unit(int64_t k) {
+  at::NoGradGuard no_grad;
+  Unit& u = units_[k];
+  if (!u.reduce_launched) return;
+  u.reduce.wait();
+  at::Tensor mine;
+  if (u.numel == 0) {
+    mine = at::zeros({0}, at::kFloat);
+  } else if (options_.zero_stage == 1) {
+    mine = u.grad_flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel);
+    // Stage 1 keeps the averaged full gradient in .grad, as DDP would.
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto& p = u.params[i];
+      p.mutable_grad() = u.grad_flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).to(p.scalar_type());
+    }
+  } else {
+    mine = u.reduced.div_(static_cast<double>(group_.size()));
+  }
+  if (u.shard.grad().defined()) {
+    u.shard.mutable_grad().add_(mine);
+  } else {
+    u.shard.mutable_grad() = mine.clone();
+  }
+  u.grad_flat = at::Tensor();
+  u.reduced = at::Tensor();
+  u.reduce = Handle();
+  u.reduce_launched = false;
+  u.pending = u.params.size();
+  u.backward_ready = false;
+  if (sharded_parameters() && k != 0) free_parameters(k);
 }
 
 void FullyShardEngine::finish_backward() {
@@ -239,35 +309,8 @@ void FullyShardEngine::finish_backward() {
     }
   }
   while (next_reduce_ >= 0) reduce_unit(next_reduce_--);
-  const double n = static_cast<double>(group_.size());
-  for (int64_t k = num_units() - 1; k >= 0; --k) {
-    Unit& u = units_[k];
-    u.reduce.wait();
-    at::Tensor mine;
-    if (options_.zero_stage == 1) {
-      mine = u.grad_flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel);
-      // Stage 1 keeps the averaged full gradient in .grad, as DDP would.
-      for (size_t i = 0; i < u.params.size(); ++i) {
-        auto& p = u.params[i];
-        auto g = u.grad_flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).to(p.scalar_type());
-        if (p.grad().defined()) p.mutable_grad().copy_(g); else p.mutable_grad() = g;
-      }
-    } else {
-      mine = u.reduced.div_(n);
-      for (auto& p : u.params) p.mutable_grad() = at::Tensor();  // drop full gradients
-    }
-    if (u.shard.grad().defined()) {
-      u.shard.mutable_grad().add_(mine);
-    } else {
-      u.shard.mutable_grad() = mine.clone();
-    }
-    u.grad_flat = at::Tensor();
-    u.reduced = at::Tensor();
-    u.reduce = Handle();
-    u.pending = u.params.size();
-    u.backward_ready = false;
-    if (sharded_parameters()) free_parameters(k);
-  }
+  for (int64_t k = num_units() - 1; k >= 0; --k) finish_unit(k);
+  if (sharded_parameters()) free_parameters(0);
   std::fill(unit_grads_ready_.begin(), unit_grads_ready_.end(), false);
   next_reduce_ = num_units() - 1;
   callback_queued_ = false;

@@ -16,9 +16,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "monarch/runtime/communicator.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 namespace monarch {
 
@@ -84,6 +89,7 @@ class FullyShardEngine {
     size_t pending = 0;            // parameters whose gradient has not arrived
     bool gathered = false;
     bool backward_ready = false;   // re-gathered for this backward
+    bool reduce_launched = false;  // its gradient reduction was started this backward
     int64_t shard_version = -1;    // shard's version when parameters were last synced
   };
 
@@ -94,13 +100,16 @@ class FullyShardEngine {
   void before_backward(int64_t unit);
   void on_gradient(int64_t unit, size_t index, const at::Tensor& grad);
   void reduce_unit(int64_t unit);
+  void finish_unit(int64_t unit);
   void finish_backward();
   bool sharded_parameters() const { return options_.zero_stage >= 3; }
 
   std::vector<Unit> units_;
   Communicator& group_;
   FullyShardOptions options_;
-  std::vector<std::pair<at::Tensor, unsigned>> hooks_;
+  // Post hooks on the parameters' gradient accumulators (see on_gradient).
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
   int64_t next_reduce_ = 0;  // reductions launch in unit order on every rank
   std::vector<bool> unit_grads_ready_;
   bool callback_queued_ = false;

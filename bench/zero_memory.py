@@ -1,0 +1,136 @@
+"""Peak memory per rank (high-water mark) of ZeRO-1/2/3 vs data parallelism, side by side,
+with torch's DistributedDataParallel as the baseline, on 2 and 4 ranks.
+
+The model: 8 blocks of two 2048 x 2048 linears (+ bias, tanh) and a 2048 x 2048 head, fp32,
+256 MiB of parameters; AdamW; 3 steps of a batch of 8 x 2048 per rank. Each layout runs in
+its own job (started by the launcher); each rank reports its peak resident memory over the
+whole run (VmHWM) minus its resident memory before the model was built (torch imported,
+process group joined): parameters, gradients, optimizer state, communication buffers and
+activations at their worst moment. glibc's mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_)
+so freed tensors leave the process at once.
+
+    python3 bench/zero_memory.py [--ranks 2 4] [--out bench/results/zero_memory.json]
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WIDTH, BLOCKS, BATCH, STEPS = 2048, 8, 8, 3
+LAYOUTS = ["torch_ddp", "dp", "zero1", "zero2", "zero3"]
+
+
+def vm(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def worker(layout, out_dir):
+    import torch
+    from torch import nn
+    import torch_monarch
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if layout == "torch_ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    else:
+        world = torch_monarch.init()
+        mesh = torch_monarch.device_mesh()
+    baseline = vm("VmRSS")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return x + torch.tanh(self.b(torch.tanh(self.a(x))))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(BLOCKS)])
+            self.head = nn.Linear(WIDTH, WIDTH, bias=False)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    if layout == "torch_ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        params = list(wrapped.parameters())
+    elif layout == "dp":
+        wrapped = torch_monarch.DataParallel(model, mesh=mesh)
+        params = list(wrapped.parameters())
+    else:
+        wrapped = torch_monarch.fully_shard(model, mesh=mesh, zero_stage=int(layout[-1]))
+        params = list(wrapped.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, WIDTH, generator=g)
+        opt.zero_grad(set_to_none=True)
+        wrapped(x).square().mean().backward()
+        opt.step()
+    peak = vm("VmHWM") - baseline
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_growth": peak}, f)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(layout, ranks):
+    out = tempfile.mkdtemp(prefix="monarch-zero-memory-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(free_port()), __file__, "--worker", layout, out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    peaks = []
+    for r in range(ranks):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            peaks.append(json.load(f)["peak_growth"])
+    return max(peaks)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    model_bytes = (BLOCKS * 2 * (WIDTH * WIDTH + WIDTH) + WIDTH * WIDTH) * 4
+    results = {"model_bytes": model_bytes, "steps": STEPS, "batch_per_rank": BATCH, "ranks": {}}
+    print(f"model {model_bytes / 2**20:.0f} MiB fp32, AdamW; peak growth per rank (worst rank), MiB")
+    print(f"{'ranks':>5} " + " ".join(f"{l:>10}" for l in args.layouts) + "   zero3/dp")
+    for n in args.ranks:
+        row = {layout: run(layout, n) for layout in args.layouts}
+        results["ranks"][str(n)] = row
+        ratio = row["zero3"] / row["dp"] if "zero3" in row and "dp" in row else float("nan")
+        print(f"{n:>5} " + " ".join(f"{row[l] / 2**20:>10.0f}" for l in args.layouts) + f"   {ratio:>8.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -1,0 +1,31 @@
+"""ZeRO-3's peak memory (high-water mark per rank, over wrapping and three AdamW steps) against
+data parallelism's on the same 272 MiB model, measured by bench/zero_memory.py in jobs
+started by the launcher: gathered units are freed as soon as their backward is done (their
+storage emptied, so autograd's saved views of it hold nothing), full gradients never outlive
+their unit's reduction, and at most two units' gradient buffers exist at once."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from dist_harness import HERE
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def test_zero3_peak_memory_is_a_fraction_of_data_parallel():
+    out = tempfile.mktemp(suffix=".json")
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "zero_memory.py"), "--ranks", "2", "4",
+                    "--layouts", "dp", "zero3", "--out", out], check=True, cwd=ROOT, timeout=900)
+    with open(out) as f:
+        r = json.load(f)
+    model = r["model_bytes"]
+    for ranks, limit in (("2", 0.65), ("4", 0.45)):
+        row = r["ranks"][ranks]
+        # Data parallelism: parameters, gradients, Adam's two moments and the gradient buckets.
+        assert row["dp"] > 4 * model, row
+        assert row["zero3"] <= limit * row["dp"], (ranks, row)
+    # The sharded part shrinks with the ranks.
+    assert r["ranks"]["4"]["zero3"] < r["ranks"]["2"]["zero3"]
