@@ -152,6 +152,7 @@ class ParallelModel(nn.Module):
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
                                                init_fn=init_fn)
+                self._composition.set_fully_shard(s, self._wrapped[s]._engine)
             else:
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])

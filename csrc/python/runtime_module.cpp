@@ -246,6 +246,7 @@ void bind_composition(py::module_& m) {
            arg("tp_replicated") = std::vector<at::Tensor>{}, py::keep_alive<1, 4>(),
            "stages: [(stage, parameters, DataParallelEngine or None)] for this rank's stages. Collective.")
       .def("set_data_parallel", &Composition::set_data_parallel, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
+      .def("set_fully_shard", &Composition::set_fully_shard, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
       .def_property_readonly("layout", &Composition::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("local_stages", &Composition::local_stages)
       .def_property_readonly("executor", &Composition::executor, py::return_value_policy::reference_internal)
@@ -422,6 +423,7 @@ PYBIND11_MODULE(_runtime, m) {
       .def("before_forward", &FullyShardEngine::before_forward, py::call_guard<py::gil_scoped_release>())
       .def("after_forward", &FullyShardEngine::after_forward)
       .def("sync_parameters", &FullyShardEngine::sync_parameters, py::call_guard<py::gil_scoped_release>())
+      .def("set_sync", &FullyShardEngine::set_sync, py::arg("sync"))
       .def("full_parameters", &FullyShardEngine::full_parameters, py::call_guard<py::gil_scoped_release>())
       .def(
           "load_full_parameters",

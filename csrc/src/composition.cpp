@@ -215,6 +215,16 @@ void Composition::set_data_parallel(int64_t stage, DataParallelEngine* engine) {
   TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
 }
 
+void Composition::set_fully_shard(int64_t stage, FullyShardEngine* engine) {
+  for (auto& s : stages_) {
+    if (s.stage == stage) {
+      s.fully_shard = engine && engine->options().zero_stage < 3 ? engine : nullptr;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
+}
+
 std::vector<int64_t> Composition::local_stages() const {
   std::vector<int64_t> out;
   for (const auto& s : stages_) out.push_back(s.stage);
@@ -224,6 +234,7 @@ std::vector<int64_t> Composition::local_stages() const {
 void Composition::set_sync(bool sync) {
   for (auto& s : stages_) {
     if (s.data_parallel) s.data_parallel->set_sync(sync);
+    if (s.fully_shard) s.fully_shard->set_sync(sync);
   }
 }
 
@@ -260,7 +271,9 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss) {
         },
         [this](int64_t stage, int64_t, bool is_last) {
           for (auto& s : stages_) {
-            if (s.stage == stage && s.data_parallel) s.data_parallel->set_sync(is_last);
+            if (s.stage != stage) continue;
+            if (s.data_parallel) s.data_parallel->set_sync(is_last);
+            if (s.fully_shard) s.fully_shard->set_sync(is_last);
           }
         });
     PipelineStepStats stats;

@@ -242,6 +242,7 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
     // Every operation that read the unit's parameters has run its backward (an accumulator
     // runs after all of its parameter's uses): the gathered parameters can go now.
     if (sharded_parameters() && unit != 0) free_parameters(unit);
+    if (!sync_) return;  // accumulating: the sum is reduced by the next synced backward
     unit_grads_ready_[unit] = true;
     while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
   }
@@ -298,8 +299,22 @@ void FullyShardEngine::finish_unit(int64_t k) {
   if (sharded_parameters() && k != 0) free_parameters(k);
 }
 
+void FullyShardEngine::set_sync(bool sync) {
+  TORCH_CHECK(sync || !sharded_parameters(), "monarch::FullyShard: gradient accumulation without sync "
+              "(no_sync) is for ZeRO stages 1-2; stage 3 reduces every backward");
+  sync_ = sync;
+}
+
 void FullyShardEngine::finish_backward() {
   at::NoGradGuard no_grad;
+  if (!sync_) {  // gradients stay in the units' flat buffers until a synced backward
+    for (auto& u : units_) {
+      u.pending = u.params.size();
+      u.backward_ready = false;
+    }
+    callback_queued_ = false;
+    return;
+  }
   // Units with parameters that got no gradient (unused) still take part, with zeros.
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];

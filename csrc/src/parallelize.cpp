@@ -348,6 +348,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       FullyShardOptions o;
       o.zero_stage = layout.zero_stage;
       st->zero = std::make_unique<FullyShardEngine>(units, mesh->group("dp"), o);
+      composition_->set_fully_shard(st->id, st->zero.get());
     }
   }
 

@@ -186,6 +186,9 @@ int main(int argc, char** argv) {
       losses.push_back(loss);
       if (lead) std::printf("step %lld  loss %.6f\n", static_cast<long long>(step), loss);
     }
+    // Bytes this rank sent along dp per step (gradient reduction, ZeRO gathers).
+    const double dp_bytes = model->mesh().group("dp").counters().total() / static_cast<double>(c.steps);
+    if (lead) std::printf("dp bytes per step: %.0f\n", dp_bytes);
     auto trained = model->state_dict();  // collective: the whole model on every rank
 
     // The same model, data and optimizer in one process (rank 0).

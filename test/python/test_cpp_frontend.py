@@ -142,3 +142,24 @@ def test_the_example_builds_against_the_installed_cmake_package():
     p = launch(2, "--pp", "2", binary=binary)
     assert p.returncode == 0, p.stdout[-3000:]
     assert parity(p)[1] == "ok"
+
+
+def dp_bytes(p):
+    m = re.search(r"dp bytes per step: (\d+)", p.stdout)
+    assert m, p.stdout[-3000:]
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("zero", ["1", "2"])
+def test_zero_1_and_2_reduce_once_per_step_under_gradient_accumulation(zero):
+    # 8 micro-batches per dp rank move the bytes of one (gradients accumulate locally, the
+    # sum is reduced on the last); ZeRO-3 gathers and reduces every micro-batch.
+    one = launch(2, "--pp", "1", "--zero", zero, "--micro-batch", "8")
+    eight = launch(2, "--pp", "1", "--zero", zero, "--micro-batch", "1")
+    for p in (one, eight):
+        assert p.returncode == 0 and parity(p)[1] == "ok", p.stdout[-3000:]
+    assert parity(eight)[0].endswith("micro_batches=8"), parity(eight)[0]
+    assert dp_bytes(one) > 0 and dp_bytes(eight) == dp_bytes(one)
+    zero3 = launch(2, "--pp", "1", "--zero", "3", "--micro-batch", "2")
+    assert zero3.returncode == 0 and parity(zero3)[1] == "ok"
+    assert dp_bytes(zero3) > 3 * dp_bytes(one)

@@ -24,6 +24,7 @@
 
 #include "monarch/planner/plan.h"
 #include "monarch/runtime/data_parallel.h"
+#include "monarch/runtime/fully_shard.h"
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/pipeline.h"
 
@@ -99,6 +100,9 @@ struct LocalStage {
   // Set (here or with set_data_parallel) when the stage is wrapped in DDP-style data
   // parallelism: the engine turns its gradient sync off for all but the last micro-batch.
   DataParallelEngine* data_parallel = nullptr;
+  // Set (set_fully_shard) when wrapped in ZeRO-1/2: gradients accumulate over micro-batches
+  // and are reduced once per step, as with data parallelism.
+  FullyShardEngine* fully_shard = nullptr;
 };
 
 class Composition {
@@ -121,6 +125,9 @@ class Composition {
 
   // The DDP-style engine wrapping local stage `stage` (not owned).
   void set_data_parallel(int64_t stage, DataParallelEngine* engine);
+  // The ZeRO engine wrapping local stage `stage` (not owned); stage 3 engines are left
+  // syncing every micro-batch.
+  void set_fully_shard(int64_t stage, FullyShardEngine* engine);
 
   const Layout& layout() const { return layout_; }
   DeviceMesh& mesh() { return *mesh_; }

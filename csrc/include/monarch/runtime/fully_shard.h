@@ -63,6 +63,12 @@ class FullyShardEngine {
   // Call with the unit's outputs: arranges the re-gather before its backward and frees the
   // gathered parameters (stage 3 with reshard_after_forward).
   void after_forward(int64_t unit, const std::vector<at::Tensor>& outputs);
+  // Gradient accumulation: with sync off, backward only adds each unit's gradient into its
+  // flat buffer (kept between backwards); the next backward with sync on reduces the sum
+  // once, so a step of m micro-batches moves the bytes of one. Stages 1-2 (stage 3 would keep
+  // every unit's full gradient: it reduces every backward; set_sync(false) is refused).
+  void set_sync(bool sync);
+  bool sync() const { return sync_; }
   // Copies updated shards into the full parameters (stages 1-2; stage 3 gathers lazily).
   void sync_parameters();
   // Every parameter, whole and fp32, in unit order (for a full state dict).
@@ -113,6 +119,7 @@ class FullyShardEngine {
   int64_t next_reduce_ = 0;  // reductions launch in unit order on every rank
   std::vector<bool> unit_grads_ready_;
   bool callback_queued_ = false;
+  bool sync_ = true;
 };
 
 }  // namespace monarch
