@@ -43,7 +43,7 @@ def worker(layout, out_dir):
         import torch.distributed as dist
         dist.init_process_group("gloo")
     else:
-        world = torch_monarch.init()
+        torch_monarch.init()
         mesh = torch_monarch.device_mesh()
     baseline = vm("VmRSS")
 
