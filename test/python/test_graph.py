@@ -176,9 +176,13 @@ def test_custom_modules_say_how_they_split():
 def test_a_plan_field_the_runtime_cannot_carry_out_is_refused():
     model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=8)
     x = torch.zeros(2, 8, dtype=torch.long)
-    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="full")
-    with pytest.raises(ValueError, match=r"recompute: the plan recomputes activations \(full\)"):
+    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="selective")
+    with pytest.raises(ValueError, match=r"recompute: the plan recomputes the attention core only \(selective\)"):
         torch_monarch.check_plan(p, model, x, world_size=2)
+    # Whole blocks are recomputed by the runtime: such a plan is accepted.
+    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="full")
+    assert str(p.recompute).endswith("full")
+    torch_monarch.check_plan(p, model, x, world_size=2)
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
