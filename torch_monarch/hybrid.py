@@ -81,8 +81,7 @@ class ParallelModel(nn.Module):
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
                           if p is not None and shard_spec(p)}
         pp_rank = mesh.coordinate("pp")
-        # The schedule's rule, checked by the engine: stage s runs on pipeline rank s % pp.
-        self._local = [s for s in range(layout.num_stages) if s % self.pp == pp_rank]
+        self._local = list(layout.stages_of(pp_rank))  # the engine's rule (checked against the schedule)
         if self.pp > 1:
             stages = split_model(model, layout.num_stages, units, list(layout.block_stage))
             self.num_stages = len(stages)
@@ -206,7 +205,8 @@ class ParallelModel(nn.Module):
             raise RuntimeError(f"parallelize: load_state_dict: missing {missing}, unexpected {unexpected}")
         names = [n for s in self._local for n in self._plain[s].state_dict().keys()]
         # This rank's tp slices, every shape checked (all problems in one error).
-        mine_all = self._composition.local_slices({k: v for k, v in state_dict.items() if k in set(names)}, names)
+        wanted = set(names)
+        mine_all = self._composition.local_slices({k: v for k, v in state_dict.items() if k in wanted}, names)
         for s in self._local:
             mine = {n: mine_all[n] for n in self._plain[s].state_dict().keys() if n in mine_all}
             wrapped = self._wrapped[s]
@@ -221,11 +221,7 @@ class ParallelModel(nn.Module):
     def local_batch(self, *tensors):
         """This dp rank's share (along dim 0) of each global-batch tensor: what ``train_step``
         takes. Ranks of one dp replica (across pp and tp) get the same share."""
-        out = []
-        for t in tensors:
-            if t.shape[0] % self.dp != 0:
-                raise ValueError(f"local_batch: a batch of {t.shape[0]} does not split over dp={self.dp}")
-            out.append(self._composition.local_batch(t))
+        out = [self._composition.local_batch(t) for t in tensors]
         return tuple(out) if len(out) != 1 else out[0]
 
     def tp_spec(self, name):

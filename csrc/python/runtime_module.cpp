@@ -179,6 +179,7 @@ void bind_composition(py::module_& m) {
       .def_readonly("bucket_bytes", &Layout::bucket_bytes)
       .def_readonly("recompute", &Layout::recompute)
       .def_property_readonly("num_stages", &Layout::num_stages)
+      .def("stages_of", &Layout::stages_of, arg("pp_rank"))
       .def("summary", &Layout::summary)
       .def("__repr__", [](const Layout& l) { return "Layout(" + l.summary() + ")"; });
   m.def("layout_from_plan",

@@ -60,6 +60,12 @@ std::vector<std::string> block_stage_problems(const std::vector<int64_t>& block_
 
 }  // namespace
 
+std::vector<int64_t> Layout::stages_of(int64_t pp_rank) const {
+  std::vector<int64_t> out;
+  for (int64_t s = pp_rank; s < num_stages(); s += mesh.pp) out.push_back(s);
+  return out;
+}
+
 std::string Layout::summary() const {
   std::ostringstream out;
   out << "pp=" << mesh.pp << " dp=" << mesh.dp << " tp=" << mesh.tp << " zero=" << zero_stage
@@ -312,15 +318,20 @@ double Composition::global_mean(double value) {
 
 std::vector<at::Tensor> Composition::micro_batches(const at::Tensor& batch, const std::string& what) const {
   const int64_t m = layout_.micro_batches;
-  TORCH_CHECK(batch.dim() > 0 && batch.size(0) % m == 0, "monarch: the local batch of ",
-              batch.dim() ? batch.size(0) : 0, " ", what, " does not split into ", m, " micro-batches");
+  if (batch.dim() == 0 || batch.size(0) % m != 0) {  // bad input: std::invalid_argument (Python: ValueError)
+    throw std::invalid_argument("monarch: the local batch of " + std::to_string(batch.dim() ? batch.size(0) : 0) +
+                                " " + what + " does not split into " + std::to_string(m) + " micro-batches");
+  }
   return batch.chunk(m, 0);
 }
 
 at::Tensor Composition::local_batch(const at::Tensor& global) const {
   const int64_t dp = layout_.mesh.dp;
-  TORCH_CHECK(global.dim() > 0 && global.size(0) % dp == 0, "monarch: a batch of ",
-              global.dim() ? global.size(0) : 0, " does not split over dp=", dp);
+  if (global.dim() == 0 || global.size(0) % dp != 0) {
+    throw std::invalid_argument("monarch: local_batch: a batch of " +
+                                std::to_string(global.dim() ? global.size(0) : 0) + " does not split over dp=" +
+                                std::to_string(dp));
+  }
   return global.chunk(dp, 0)[mesh_->coordinate("dp")];
 }
 

@@ -271,8 +271,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   std::set<const void*> local_ids;
   std::vector<at::Tensor> tied_local;
   std::set<const void*> tied_local_ids;
-  for (int64_t s = 0; s < num_stages; ++s) {
-    if (s % layout.mesh.pp != pp_rank) continue;
+  for (int64_t s : layout.stages_of(pp_rank)) {
     auto st = std::make_unique<Stage>();
     st->id = s;
     std::set<const void*> seen;

@@ -31,6 +31,12 @@ def launch(nproc, *args, binary=BINARY, timeout=240):
     return p
 
 
+def write_plan(path, plan):
+    with open(path, "w") as f:
+        json.dump(plan, f)
+    return str(path)
+
+
 def parity(p):
     m = PARITY.search(p.stdout)
     assert m, p.stdout[-3000:]
@@ -78,10 +84,7 @@ def test_a_saved_plan_loads_back_and_a_plan_for_another_model_or_world_is_refuse
 
     # Edited: another ZeRO stage; the run follows the edit.
     saved["zero_stage"] = 3
-    edited = str(tmp_path / "edited.json")
-    with open(edited, "w") as f:
-        json.dump(saved, f)
-    p = launch(4, "--plan", edited)
+    p = launch(4, "--plan", write_plan(tmp_path / "edited.json", saved))
     assert p.returncode == 0, p.stdout[-3000:]
     assert parity(p)[0].startswith("pp=2 dp=2 tp=1 zero=3")
 
@@ -95,21 +98,14 @@ def test_a_saved_plan_loads_back_and_a_plan_for_another_model_or_world_is_refuse
         p.stdout[-3000:]
 
     # Recomputation, which the C++ frontend does not do: refused, naming the field.
-    recompute = dict(saved, recompute="full")
-    recompute_plan = str(tmp_path / "recompute.json")
-    with open(recompute_plan, "w") as f:
-        json.dump(recompute, f)
-    p = launch(4, "--plan", recompute_plan)
+    p = launch(4, "--plan", write_plan(tmp_path / "recompute.json", dict(saved, recompute="full")))
     assert p.returncode != 0
     assert "recompute=full: the C++ frontend does not recompute activations" in p.stdout, p.stdout[-3000:]
 
     # A plan with tensor parallelism: refused by the C++ frontend, saying why.
     saved["mesh"]["tp"], saved["mesh"]["dp"] = 2, 1
     saved["num_micro_batches"] *= 2  # the global batch still adds up (the plan is valid)
-    tp_plan = str(tmp_path / "tp.json")
-    with open(tp_plan, "w") as f:
-        json.dump(saved, f)
-    p = launch(4, "--plan", tp_plan)
+    p = launch(4, "--plan", write_plan(tmp_path / "tp.json", saved))
     assert p.returncode != 0
     assert "cannot swap torch::nn or TorchScript modules for tensor-parallel ones" in p.stdout, p.stdout[-3000:]
 

@@ -150,3 +150,13 @@ TEST_CASE("a body of blocks nested in a Sequential is opened, names kept", "[run
   for (const auto& p : chain.pieces) x = p.forward(x);
   CHECK(torch::equal(x, model->forward(tokens)));
 }
+
+TEST_CASE("each pipeline rank runs stages s with s % pp == its rank", "[runtime][composition]") {
+  LayoutPins pins;
+  pins.pp = 2;
+  pins.virtual_stages = 2;
+  pins.schedule = planner::ScheduleKind::interleaved_1f1b;
+  const Layout l = layout_from_pins(pins, 4, 2);
+  CHECK(l.stages_of(0) == std::vector<int64_t>{0, 2});
+  CHECK(l.stages_of(1) == std::vector<int64_t>{1, 3});
+}

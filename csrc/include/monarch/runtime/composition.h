@@ -42,6 +42,9 @@ struct Layout {
   int64_t bucket_bytes = 25 * 1024 * 1024;
   planner::Recompute recompute = planner::Recompute::none;
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
+  // The stages pipeline rank `pp_rank` runs (stage s on rank s % pp, as every schedule
+  // places them); frontends build exactly these, and the state dict's owner follows it.
+  std::vector<int64_t> stages_of(int64_t pp_rank) const;
   std::string summary() const;
 };
 
