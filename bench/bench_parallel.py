@@ -107,7 +107,7 @@ def tp_worker(cfg):
     mesh = torch_monarch.device_mesh(tp=world.size)
     layers, m = 4, 2
     pm = parallelize(make_model(layers=layers), mesh, micro_batches=m, sequence_parallel=cfg["sp"])
-    opt = make_optimizer(pm.parameters())
+    opt = make_optimizer(pm.named_parameters())
     tp = mesh.group("tp")
 
     def step(k):

@@ -24,7 +24,7 @@ from . import recompute as _recompute
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
-from .sharded import _default_units, fully_shard
+from .sharded import FullyShardedModule, _default_units, fully_shard
 from .pipeline import split_model
 from .tensor_parallel_modules import shard_spec, tensor_parallel
 
@@ -80,6 +80,14 @@ class ParallelModel(nn.Module):
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
                           if p is not None and shard_spec(p)}
+        # Every name of every parameter -> its first name in the model (model.named_parameters()'
+        # name): a weight tied between the pipeline's ends is "lm_head.weight" in the last
+        # stage and "wte.weight" in the model; parameters are named as the model names them.
+        first = {}
+        for pname, p in model.named_parameters():
+            first.setdefault(id(p), pname)
+        self._canonical = {f"{m}.{n}" if m else n: first[id(p)] for m, mod in model.named_modules()
+                           for n, p in mod._parameters.items() if p is not None and id(p) in first}
         pp_rank = mesh.coordinate("pp")
         self._local = list(layout.stages_of(pp_rank))  # the engine's rule (checked against the schedule)
         if self.pp > 1:
@@ -157,13 +165,28 @@ class ParallelModel(nn.Module):
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
 
     # -- what the optimizer sees ------------------------------------------------------
-    def parameters(self, recurse: bool = True):
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """What this rank's optimizer steps on, under the names the parameters have in the
+        original model: its stages' parameters (tp shards where tp split them), ZeRO's
+        per-parameter shards in their place (rows along dim 0, same number of dimensions),
+        so parameter groups by name or shape work as for the unwrapped model. A weight tied
+        between the pipeline's ends appears once, under its first name."""
         seen = set()
-        for m in self.stages:
-            for p in list(m.parameters()) + (list(m.ignored_parameters) if hasattr(m, "ignored_parameters") else []):
+        dot = "." if prefix else ""
+        for s in self._local:
+            wrapped = self._wrapped[s]
+            named = list(wrapped.named_parameters()) if isinstance(wrapped, FullyShardedModule) else []
+            ignored = {id(p) for p in getattr(wrapped, "ignored_parameters", ())}
+            plain = [(n, p) for n, p in self._plain[s].named_parameters()
+                     if not named or id(p) in ignored]
+            for name, p in named + plain:
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield p
+                    yield f"{prefix}{dot}{self._canonical.get(name, name)}", p
+
+    def parameters(self, recurse: bool = True):
+        for _, p in self.named_parameters():
+            yield p
 
     def named_local_parameters(self):
         """(name in the original model, tensor, tp shard spec or None) for every parameter

@@ -26,9 +26,13 @@ def _default_units(module: nn.Module):
 
 
 class FullyShardedModule(nn.Module):
-    """The sharded model. ``parameters()`` yields this rank's fp32 shards (one per unit):
-    build the optimizer over them. ``state_dict()`` returns the full, unsharded state that
-    loads into the unwrapped model; ``sharded_state_dict()`` this rank's shards."""
+    """The sharded model. ``parameters()`` / ``named_parameters()`` yield this rank's fp32
+    shard of every parameter under the parameter's own name (its rows along dim 0, with the
+    parameter's number of dimensions; possibly empty on the last ranks): build the optimizer
+    over them, with parameter groups by name or shape as for the plain model (elementwise
+    optimizers: SGD, Adam(W), ... behave exactly as unsharded). ``state_dict()`` returns the
+    full, unsharded state that loads into the unwrapped model; ``sharded_state_dict()`` this
+    rank's shards."""
 
     def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
                  ignored_parameters=(), init_fn=None):
@@ -37,10 +41,15 @@ class FullyShardedModule(nn.Module):
         self.mesh = mesh
         self.ignored_parameters = list(ignored_parameters)
         ignored = {id(p) for p in self.ignored_parameters}
-        unit_ids = {}
+        # A parameter used by more than one unit (shared between blocks) would be freed by
+        # one while the other still needs it: it goes to the root unit, gathered throughout.
+        unit_ids, shared = {}, set()
         for i, unit in enumerate(units):
             for p in unit.parameters():
-                unit_ids.setdefault(id(p), i + 1)
+                if unit_ids.setdefault(id(p), i + 1) != i + 1:
+                    shared.add(id(p))
+        for pid in shared:
+            unit_ids.pop(pid)
         groups = [[] for _ in range(len(units) + 1)]
         names = [[] for _ in range(len(units) + 1)]
         for name, p in module.named_parameters():
@@ -49,9 +58,11 @@ class FullyShardedModule(nn.Module):
             k = unit_ids.get(id(p), 0)
             groups[k].append(p)
             names[k].append(name)
-        self._unit_names = names  # per unit, in the order the engine packs them
-        self._unit_numels = [[p.numel() for p in group] for group in groups]  # before stage 3 frees them
-        self._names = [n for group in names for n in group]
+        self._names = [n for group in names for n in group]  # the engine's order
+        # Every name of every parameter (a tied weight has one per module), with its shape
+        # taken now: under ZeRO-3 the parameters hold nothing between forwards.
+        self._shapes = {f"{m}.{n}" if m else n: tuple(p.shape) for m, mod in module.named_modules()
+                        for n, p in mod._parameters.items() if p is not None}
         options = _runtime.FullyShardOptions()
         options.zero_stage = zero_stage
         options.reshard_after_forward = reshard_after_forward
@@ -94,13 +105,13 @@ class FullyShardedModule(nn.Module):
         self._engine.after_forward(0, _tensors(out))
         return out
 
-    # The optimizer steps on the shards.
+    # The optimizer steps on the shards, one per parameter, under the parameters' names.
     def parameters(self, recurse: bool = True):
         return iter(self._shards)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        for i, s in enumerate(self._shards):
-            yield f"{prefix}{'.' if prefix else ''}shard.{i}", s
+        for name, s in zip(self._names, self._shards):
+            yield f"{prefix}{'.' if prefix else ''}{name}", s
 
     @property
     def zero_stage(self):
@@ -122,52 +133,57 @@ class FullyShardedModule(nn.Module):
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
         """Loads a whole (unsharded) state dict, as ``state_dict()`` returns it or the
-        unwrapped model saves it: each rank keeps its slice of every unit (the parameters
+        unwrapped model saves it: each rank keeps its rows of every parameter (the parameters
         refresh from the shards before the next forward); buffers and ignored parameters,
-        whole on every rank, are copied."""
-        sharded = set(self._names)
-        expected = list(self.module.state_dict().keys())
+        whole on every rank, are copied. Every entry's shape is checked before anything is
+        copied (all mismatches in one error, by name); dtypes convert as in torch."""
+        expected = self.module.state_dict(keep_vars=True)
         missing = [n for n in expected if n not in state_dict]
         unexpected = [n for n in state_dict if n not in expected]
         if strict and (missing or unexpected):
             raise RuntimeError(f"fully_shard: load_state_dict: missing {missing}, unexpected {unexpected}")
-        rank, world = self.mesh.coordinate("dp"), self.mesh.axis_size("dp")
+        wrong = []
+        for name, value in state_dict.items():
+            if name not in expected:
+                continue
+            want = self._shapes.get(name, tuple(expected[name].shape))
+            if not isinstance(value, torch.Tensor):
+                wrong.append(f"{name}: expected a tensor of shape {list(want)}, got {type(value).__name__}")
+            elif tuple(value.shape) != want:
+                wrong.append(f"{name}: the checkpoint holds {list(value.shape)}, the model {list(want)}")
+        if wrong:
+            raise RuntimeError("fully_shard: load_state_dict: shape mismatch:\n  " + "\n  ".join(wrong))
+        self._engine.load_full_parameters([state_dict.get(n) for n in self._names])
         params = dict(self.module.named_parameters())
-        for names, numels, shard in zip(self._unit_names, self._unit_numels, self._shards):
-            n = shard.numel()
-            flat = torch.zeros(n * world, dtype=shard.dtype)
-            flat[rank * n:(rank + 1) * n].copy_(shard)  # what a non-strict load leaves out stays
-            offset = 0
-            for name, numel in zip(names, numels):
-                if name in state_dict:
-                    flat[offset:offset + numel].copy_(state_dict[name].reshape(-1))
-                offset += numel
-            shard.copy_(flat[rank * n:(rank + 1) * n])  # bumps the version: parameters refresh
         aliases = {f"{m}.{k}" if m else k: id(p) for m, mod in self.module.named_modules()
                    for k, p in mod._parameters.items() if p is not None}
-        sharded_ids = {id(params[n]) for n in sharded}
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        sharded_ids = {id(params[n]) for n in self._names}
+        for name, t in expected.items():
             if name in state_dict and aliases.get(name) not in sharded_ids:
                 t.detach().copy_(state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
     def sharded_state_dict(self):
-        """This rank's fp32 shards (one per unit) with where they belong: each rank saves
-        and loads only its own 1/N."""
+        """This rank's fp32 shards by parameter name, with where they belong: each rank
+        saves and loads only its own rows."""
         return {"rank": self.mesh.coordinate("dp"), "world": self.mesh.axis_size("dp"),
-                "shard_numels": [s.numel() for s in self._shards],
-                "shards": [s.detach().clone() for s in self._shards]}
+                "shards": OrderedDict((n, s.detach().clone()) for n, s in zip(self._names, self._shards))}
 
     def load_sharded_state_dict(self, state):
         rank, world = self.mesh.coordinate("dp"), self.mesh.axis_size("dp")
         if state.get("world") != world or state.get("rank") != rank:
             raise ValueError(f"sharded state dict: saved by rank {state.get('rank')} of "
                              f"{state.get('world')}, loading on rank {rank} of {world}")
-        if [t.numel() for t in state["shards"]] != [s.numel() for s in self._shards]:
-            raise ValueError("sharded state dict: shard sizes differ (a different model or unit split)")
+        saved = state.get("shards", {})
+        problems = [f"{n}: missing" for n in self._names if n not in saved]
+        problems += [f"{n}: not in the model" for n in saved if n not in self._names]
+        problems += [f"{n}: saved {list(saved[n].shape)}, this rank holds {list(s.shape)}"
+                     for n, s in zip(self._names, self._shards) if n in saved and saved[n].shape != s.shape]
+        if problems:
+            raise ValueError("sharded state dict (a different model or unit split?):\n  " + "\n  ".join(problems))
         with torch.no_grad():
-            for shard, saved in zip(self._shards, state["shards"]):
-                shard.copy_(saved)  # bumps the version: parameters refresh before the next forward
+            for name, shard in zip(self._names, self._shards):
+                shard.copy_(saved[name])  # bumps the version: parameters refresh before the next forward
 
 
 def _tensors(output):

@@ -79,23 +79,69 @@ FullyShardEngine::~FullyShardEngine() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
+int64_t FullyShardEngine::local_rows(const Unit& u, size_t i, int64_t r) const {
+  return std::clamp<int64_t>(u.rows[i] - r * u.chunk_rows[i], 0, u.chunk_rows[i]);
+}
+
+// Rank r's slice of parameter i (its rows [r*c, r*c + l)) sits at r * shard_numel +
+// shard_offsets[i] in the padded rank-major layout the collectives use. When every rank holds
+// c whole rows, that is one strided copy; otherwise one copy per rank.
+void FullyShardEngine::unpack(const Unit& u, size_t i, const at::Tensor& padded, const at::Tensor& whole) const {
+  const int64_t n = group_.size(), c = u.chunk_rows[i], rn = u.row_numel[i];
+  if (c * n == u.rows[i]) {
+    whole.view({n, c * rn}).copy_(padded.view({n, u.shard_numel}).narrow(1, u.shard_offsets[i], c * rn));
+    return;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t l = local_rows(u, i, r);
+    if (l == 0) break;
+    whole.narrow(0, r * c * rn, l * rn).copy_(padded.narrow(0, r * u.shard_numel + u.shard_offsets[i], l * rn));
+  }
+}
+
+void FullyShardEngine::pack_add(const Unit& u, size_t i, const at::Tensor& padded, const at::Tensor& whole) const {
+  const int64_t n = group_.size(), c = u.chunk_rows[i], rn = u.row_numel[i];
+  if (c * n == u.rows[i]) {
+    padded.view({n, u.shard_numel}).narrow(1, u.shard_offsets[i], c * rn).add_(whole.view({n, c * rn}));
+    return;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t l = local_rows(u, i, r);
+    if (l == 0) break;
+    padded.narrow(0, r * u.shard_numel + u.shard_offsets[i], l * rn).add_(whole.narrow(0, r * c * rn, l * rn));
+  }
+}
+
 void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
   at::NoGradGuard no_grad;
   u.params = std::move(params);
+  const int64_t n = group_.size(), rank = group_.group_rank();
   for (const auto& p : u.params) {
     u.offsets.push_back(u.numel);
     u.shapes.push_back(p.sizes().vec());
     u.numels.push_back(p.numel());
     u.numel += p.numel();
+    const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
+    const int64_t row_numel = p.dim() == 0 ? 1 : p.numel() / std::max<int64_t>(rows, 1);
+    const int64_t chunk = (rows + n - 1) / n;
+    u.rows.push_back(rows);
+    u.row_numel.push_back(p.dim() == 0 || rows > 0 ? row_numel : 0);
+    u.chunk_rows.push_back(chunk);
+    u.shard_offsets.push_back(u.shard_numel);
+    u.shard_numel += chunk * u.row_numel.back();
   }
-  const int64_t n = group_.size();
-  u.shard_numel = (u.numel + n - 1) / n;
-  // My slice of the flat fp32 unit, zero-padded at the end.
-  auto flat = at::zeros({u.shard_numel * n}, at::kFloat);
+  // My rows of every parameter, packed; the shard tensors the optimizer sees are views of it
+  // (detached: leaves of their own that share its storage and version counter).
+  u.flat_shard = at::zeros({u.shard_numel}, at::kFloat);
   for (size_t i = 0; i < u.params.size(); ++i) {
-    flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(u.params[i].detach().reshape({-1}));
+    const int64_t l = local_rows(u, i, rank), rn = u.row_numel[i];
+    auto mine = u.flat_shard.narrow(0, u.shard_offsets[i], l * rn);
+    if (l > 0) mine.copy_(u.params[i].detach().reshape({-1}).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
+    std::vector<int64_t> shape = u.shapes[i];
+    if (shape.empty()) shape.push_back(1);
+    shape[0] = l;
+    u.shards.push_back(mine.view(shape).detach().requires_grad_(true));
   }
-  u.shard = flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel).clone().requires_grad_(true);
   u.pending = u.params.size();
   // After each parameter's gradient accumulator, as DDP's reducer: the gradient seen is the
   // one the parameter's own hooks (registered before or after) produced, and the copy the
@@ -117,18 +163,20 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     // Parameters hold no storage until gathered.
     for (auto& p : u.params) p.set_data(at::empty({0}, p.options().dtype(options_.compute_dtype)));
   } else {
-    u.full = flat.narrow(0, 0, u.numel).to(options_.compute_dtype);
+    u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
     for (size_t i = 0; i < u.params.size(); ++i) {
-      u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+      auto whole = u.full.narrow(0, u.offsets[i], u.numels[i]);
+      whole.copy_(u.params[i].detach().reshape({-1}));
+      u.params[i].set_data(whole.view(u.shapes[i]));
     }
     u.gathered = true;
-    u.shard_version = u.shard._version();
+    u.shard_version = u.flat_shard._version();
   }
 }
 
 std::vector<at::Tensor> FullyShardEngine::shards() const {
   std::vector<at::Tensor> out;
-  for (const auto& u : units_) out.push_back(u.shard);
+  for (const auto& u : units_) out.insert(out.end(), u.shards.begin(), u.shards.end());
   return out;
 }
 
@@ -140,12 +188,8 @@ void FullyShardEngine::start_gather(int64_t unit) {
     return;
   }
   at::NoGradGuard no_grad;
-  if (!u.full.defined()) {
-    u.full = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
-  } else {
-    resize_storage(u.full, static_cast<size_t>(u.full.numel()) * u.full.element_size());  // refill the same storage
-  }
-  u.gather = group_.all_gather(u.full, u.shard.detach().to(options_.compute_dtype));
+  u.incoming = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+  u.gather = group_.all_gather(u.incoming, u.flat_shard.to(options_.compute_dtype));
 }
 
 void FullyShardEngine::finish_gather(int64_t unit) {
@@ -155,9 +199,18 @@ void FullyShardEngine::finish_gather(int64_t unit) {
   u.gather.wait();
   u.gather = Handle();
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < u.params.size(); ++i) {
-    u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
+  const size_t nbytes = static_cast<size_t>(u.numel) * c10::elementSize(options_.compute_dtype);
+  if (!u.full.defined()) {
+    u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
+  } else {
+    resize_storage(u.full, nbytes);  // refill the same storage
   }
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    auto whole = u.full.narrow(0, u.offsets[i], u.numels[i]);
+    unpack(u, i, u.incoming, whole);
+    u.params[i].set_data(whole.view(u.shapes[i]));
+  }
+  u.incoming = at::Tensor();
   u.gathered = true;
 }
 
@@ -179,16 +232,17 @@ void FullyShardEngine::sync_parameters() {
   std::vector<Handle> handles;
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
-    if (u.numel == 0 || u.shard._version() == u.shard_version) continue;
+    if (u.numel == 0 || u.flat_shard._version() == u.shard_version) continue;
     auto gathered = at::empty({u.shard_numel * group_.size()}, at::kFloat);
-    handles.push_back(group_.all_gather(gathered, u.shard.detach()));
+    handles.push_back(group_.all_gather(gathered, u.flat_shard));
     gathers.emplace_back(k, gathered);
   }
-  for (size_t i = 0; i < handles.size(); ++i) {
-    handles[i].wait();
-    Unit& u = units_[gathers[i].first];
-    u.full.copy_(gathers[i].second.narrow(0, 0, u.numel));
-    u.shard_version = u.shard._version();
+  for (size_t g = 0; g < handles.size(); ++g) {
+    handles[g].wait();
+    Unit& u = units_[gathers[g].first];
+    const auto padded = gathers[g].second.to(options_.compute_dtype);
+    for (size_t i = 0; i < u.params.size(); ++i) unpack(u, i, padded, u.full.narrow(0, u.offsets[i], u.numels[i]));
+    u.shard_version = u.flat_shard._version();
   }
 }
 
@@ -234,7 +288,7 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
   at::NoGradGuard no_grad;
   Unit& u = units_[unit];
   if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
-  if (grad.defined()) u.grad_flat.narrow(0, u.offsets[index], u.numels[index]).add_(grad.reshape({-1}).to(at::kFloat));
+  if (grad.defined()) pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(at::kFloat));
   // The accumulator's copy is not needed: the unit's flat buffer holds it (stage 1 puts the
   // reduced gradient back in .grad when the step's backward ends).
   u.params[index].mutable_grad() = at::Tensor();
@@ -280,15 +334,23 @@ void FullyShardEngine::finish_unit(int64_t k) {
     // Stage 1 keeps the averaged full gradient in .grad, as DDP would.
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
-      p.mutable_grad() = u.grad_flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).to(p.scalar_type());
+      auto whole = at::empty({u.numels[i]}, at::kFloat);
+      unpack(u, i, u.grad_flat, whole);
+      p.mutable_grad() = whole.view(u.shapes[i]).to(p.scalar_type());
     }
   } else {
     mine = u.reduced.div_(static_cast<double>(group_.size()));
   }
-  if (u.shard.grad().defined()) {
-    u.shard.mutable_grad().add_(mine);
-  } else {
-    u.shard.mutable_grad() = mine.clone();
+  // Each parameter's rows of the reduced gradient into its shard's .grad (accumulated when
+  // the caller kept last step's, as .grad always is).
+  for (size_t i = 0; i < u.shards.size(); ++i) {
+    at::Tensor& shard = u.shards[i];
+    auto part = mine.narrow(0, u.shard_offsets[i], shard.numel()).view(shard.sizes());
+    if (shard.grad().defined()) {
+      shard.mutable_grad().add_(part);
+    } else {
+      shard.mutable_grad() = part.clone();
+    }
   }
   u.grad_flat = at::Tensor();
   u.reduced = at::Tensor();
@@ -336,10 +398,12 @@ std::vector<at::Tensor> FullyShardEngine::full_parameters() {
   std::vector<at::Tensor> out;
   for (auto& u : units_) {
     if (u.numel == 0) continue;  // no parameters, no collective
-    auto flat = at::empty({u.shard_numel * group_.size()}, at::kFloat);
-    group_.all_gather(flat, u.shard.detach()).wait();
+    auto padded = at::empty({u.shard_numel * group_.size()}, at::kFloat);
+    group_.all_gather(padded, u.flat_shard).wait();
     for (size_t i = 0; i < u.params.size(); ++i) {
-      out.push_back(flat.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]).clone());
+      auto whole = at::empty({u.numels[i]}, at::kFloat);
+      unpack(u, i, padded, whole);
+      out.push_back(whole.view(u.shapes[i]));
     }
   }
   return out;
@@ -355,19 +419,17 @@ void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& value
   const int64_t rank = group_.group_rank();
   for (auto& u : units_) {
     if (u.numel == 0) continue;
-    const int64_t lo = rank * u.shard_numel, hi = lo + u.shard_numel;
     for (size_t i = 0; i < u.params.size(); ++i, ++k) {
       const at::Tensor& v = values[k];
       if (!v.defined()) continue;
-      TORCH_CHECK(v.numel() == u.numels[i] && v.sizes().vec() == u.shapes[i], "monarch: fully_shard: ",
-                  "load_full_parameters: parameter ", k, " has shape ", v.sizes(), ", the unit holds ",
-                  at::IntArrayRef(u.shapes[i]));
-      // The overlap of [offset, offset + numel) with this rank's [lo, hi); the copy into the
-      // shard (a view sharing its version counter) makes the parameters refresh.
-      const int64_t begin = std::max(lo, u.offsets[i]), end = std::min(hi, u.offsets[i] + u.numels[i]);
-      if (begin >= end) continue;
-      auto flat = v.detach().reshape(-1).to(at::kFloat);
-      u.shard.detach().narrow(0, begin - lo, end - begin).copy_(flat.narrow(0, begin - u.offsets[i], end - begin));
+      TORCH_CHECK(v.sizes().vec() == u.shapes[i], "monarch: fully_shard: load_full_parameters: parameter ", k,
+                  " has shape ", v.sizes(), ", the unit holds ", at::IntArrayRef(u.shapes[i]));
+      // My rows; the copy into the flat shard (whose version counter the parameters watch)
+      // makes them refresh before the next forward.
+      const int64_t l = local_rows(u, i, rank), rn = u.row_numel[i];
+      if (l == 0) continue;
+      u.flat_shard.narrow(0, u.shard_offsets[i], l * rn)
+          .copy_(v.detach().reshape(-1).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
     }
   }
 }

@@ -180,6 +180,7 @@ struct ParallelModule::Stage {
   std::vector<at::Tensor> owned;             // parameters the dp wrapper handles (not tied), each once
   std::vector<at::Tensor> all;               // + tied: what ZB-H1's weight pass differentiates
   std::vector<const void*> zero_order;       // parameters in the ZeRO engine's order
+  std::vector<std::string> zero_names;       // the engine's shards(), by name
   std::unique_ptr<DataParallelEngine> dp;
   std::unique_ptr<FullyShardEngine> zero;
 };
@@ -341,6 +342,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       for (const auto& u : units) {
         int64_t numel = 0;
         for (const auto& t : u) numel += t.numel();
+        for (const auto& t : u) st->zero_names.push_back(first_name.at(id_of(t)));  // shards()' order
         if (numel == 0) continue;  // full_parameters() skips empty units
         for (const auto& t : u) st->zero_order.push_back(id_of(t));
       }
@@ -354,12 +356,17 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   std::set<const void*> given;
   for (auto& st : stages_) {
     const auto params = st->zero ? st->zero->shards() : st->owned;
-    for (const auto& t : params) {
-      if (given.insert(id_of(t)).second) optimizer_parameters_.push_back(t);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& t = params[i];
+      if (!given.insert(id_of(t)).second) continue;
+      optimizer_parameters_.push_back(t);
+      optimizer_names_.push_back(st->zero ? st->zero_names.at(i) : first_name.at(id_of(t)));
     }
   }
   for (const auto& t : tied_ordered) {
-    if (given.insert(id_of(t)).second) optimizer_parameters_.push_back(t);
+    if (!given.insert(id_of(t)).second) continue;
+    optimizer_parameters_.push_back(t);
+    optimizer_names_.push_back(first_name.at(id_of(t)));
   }
 }
 

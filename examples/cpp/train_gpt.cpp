@@ -26,6 +26,18 @@
 
 namespace {
 
+// AdamW with parameter groups as GPT training scripts make them: weight decay on matrices
+// only, none on 1-D tensors (biases, norm weights). By name and shape, so it works the same
+// on the plain model and on parallelize's parameters (ZeRO shards keep both).
+torch::optim::AdamW make_optimizer(const std::vector<std::pair<std::string, at::Tensor>>& named, double lr) {
+  std::vector<at::Tensor> decay, flat;
+  for (const auto& [name, t] : named) (t.dim() < 2 || name.find("bias") != std::string::npos ? flat : decay).push_back(t);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.05)));
+  if (!flat.empty()) groups.emplace_back(flat, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.0)));
+  return torch::optim::AdamW(groups, torch::optim::AdamWOptions(lr));
+}
+
 struct Config {
   int64_t vocab = 64, hidden = 32, heads = 4, layers = 4, seq = 16, global_batch = 16, steps = 5;
   double lr = 1e-2;
@@ -176,7 +188,7 @@ int main(int argc, char** argv) {
     monarch::ParallelizeOptions popts;
     popts.world = world;
     auto model = monarch::parallelize(build(), plan, popts);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(c.lr).weight_decay(0.01));
+    auto opt = make_optimizer(model->named_parameters(), c.lr);
     std::vector<double> losses;
     for (int64_t step = 0; step < c.steps; ++step) {
       auto [x, y] = batch(c, step);
@@ -195,14 +207,14 @@ int main(int argc, char** argv) {
     int status = 0;
     if (lead) {
       auto reference = build();
-      std::vector<at::Tensor> params;
+      std::vector<std::pair<std::string, at::Tensor>> params;
       std::set<const void*> seen;
       for (auto& p : reference.pieces) {
         for (auto& [name, t] : p.parameters) {
-          if (seen.insert(t.unsafeGetTensorImpl()).second) params.push_back(t);
+          if (seen.insert(t.unsafeGetTensorImpl()).second) params.emplace_back(name, t);
         }
       }
-      torch::optim::AdamW ref_opt(params, torch::optim::AdamWOptions(c.lr).weight_decay(0.01));
+      auto ref_opt = make_optimizer(params, c.lr);
       double worst_loss = 0, worst_param = 0;
       for (int64_t step = 0; step < c.steps; ++step) {
         auto [x, y] = batch(c, step);

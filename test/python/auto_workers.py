@@ -104,9 +104,24 @@ def loss_fn_for(model, lm):
     return lambda logits, y: F.cross_entropy(logits, y)
 
 
+def make_optimizer(name, named_parameters):
+    """AdamW with parameter groups by name and shape, as training scripts make them: the
+    embeddings (any name with "emb", "wte", "wpe") at half the learning rate and no weight
+    decay, no weight decay on 1-D tensors (biases, norms), 0.05 on the rest. Parity with
+    these groups shows each parameter (ZeRO shards and tp shards too) lands in the same group
+    under parallelize as in the plain model."""
+    decay, flat, embeddings = [], [], []
+    for n, p in named_parameters:
+        (embeddings if any(k in n for k in ("emb", "wte", "wpe")) else flat if p.dim() < 2 else decay).append(p)
+    lr = lr_of(name)
+    groups = [{"params": decay, "weight_decay": 0.05}, {"params": flat, "weight_decay": 0.0},
+              {"params": embeddings, "lr": lr / 2, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, eps=EPS)
+
+
 def train_reference(name):
     model, _, batch, lm = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr_of(name), eps=EPS)
+    opt = make_optimizer(name, model.named_parameters())
     loss_fn = loss_fn_for(model, lm)
     losses = []
     for step in range(STEPS):
@@ -142,7 +157,7 @@ def main(name, pins):
         memory = {"model_bytes": model_bytes, "limit_over_baseline": limit - before,
                   "peak_growth": _vm("VmHWM") - hwm_before,
                   "held": sum(p.numel() * p.element_size() for p in pm.parameters())}
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr_of(name), eps=EPS)
+    opt = make_optimizer(name, pm.named_parameters())
     loss_fn = loss_fn_for(pm, lm)
     dp, dp_rank = pm.dp, pm.mesh.coordinate("dp")
     local = GLOBAL_BATCH // dp

@@ -132,7 +132,7 @@ def from_plan(world):
     model = make_model(layers=4)
     pm = torch_monarch.parallelize(model, plan=plan)
     mesh = pm.mesh
-    opt = make_optimizer(pm.parameters())
+    opt = make_optimizer(pm.named_parameters())
     losses = []
     for step in range(STEPS):
         inputs, targets = batch(step, GLOBAL_BATCH)
@@ -202,7 +202,7 @@ def main(layout):
     pm = torch_monarch.parallelize(model, mesh, schedule=cfg["schedule"] if cfg["pp"] > 1 else None,
                      micro_batches=cfg["m"], virtual_stages=cfg["v"], sequence_parallel=bool(cfg["sp"]),
                      zero_stage=cfg["zero"])
-    opt = make_optimizer(pm.parameters())
+    opt = make_optimizer(pm.named_parameters())
     tp = mesh.axis_size("tp")
 
     def loss(logits, targets):

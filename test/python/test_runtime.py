@@ -64,11 +64,14 @@ def test_bf16_compression_halves_bytes():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_fully_shard_parity_and_memory(reference, stage, ranks):
-    for rank, result in enumerate(run_ok(ranks, f"zero{stage}")):
+    results = run_ok(ranks, f"zero{stage}")
+    # The ranks' shards add up to the model, each element held once.
+    assert sum(r["facts"]["shard"] for r in results) == results[0]["facts"]["total"]
+    for rank, result in enumerate(results):
         who = f"zero{stage} on {ranks} ranks, rank {rank}"
         assert_parity(result, reference, who)
         f = result["facts"]
-        # Persistent per-rank storage: ceil(unit / N) elements per unit for the shard, its
+        # Persistent per-rank storage: this rank's rows of every parameter for the shard, its
         # gradient and each optimizer state tensor.
         assert f["shard"] == f["expected"], who
         assert f["shard_grad"] == f["expected"], who

@@ -69,8 +69,16 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def make_optimizer(params):
-    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+def make_optimizer(named_parameters):
+    """AdamW with parameter groups by name and shape, as GPT training scripts make them: the
+    embeddings at half the learning rate, no weight decay on 1-D tensors (biases, norms).
+    Takes (name, tensor) pairs: what every wrapper's named_parameters() gives, shards too."""
+    decay, flat, embeddings = [], [], []
+    for name, p in named_parameters:
+        (embeddings if "wte" in name or "wpe" in name else flat if p.dim() < 2 else decay).append(p)
+    groups = [{"params": decay}, {"params": flat, "weight_decay": 0.0},
+              {"params": embeddings, "lr": 1.5e-3, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=3e-3, weight_decay=0.01)
 
 
 STEPS, GLOBAL_BATCH = 10, 8
@@ -80,7 +88,7 @@ def train_reference(steps=STEPS, global_batch=GLOBAL_BATCH, with_grads=False, la
     """Losses per step and the final state dict; with_grads adds the gradients of step 0."""
     torch.set_num_threads(1)
     model = make_model(layers=layers)
-    opt = make_optimizer(model.parameters())
+    opt = make_optimizer(model.named_parameters())
     losses, grads = [], {}
     for step in range(steps):
         inputs, targets = batch(step, global_batch)

@@ -25,7 +25,7 @@ def train_dp(mesh, accumulation=1, compression=None, die_at=None):
     dp = mesh.group("dp")
     model = torch_monarch.DataParallel(make_model(seed=1234 + dp.rank), mesh=mesh,
                                        bucket_cap_mb=16 / 1024, gradient_compression=compression)
-    opt = make_optimizer(model.parameters())  # an ordinary torch.optim optimizer
+    opt = make_optimizer(model.named_parameters())  # an ordinary torch.optim optimizer
     local = GLOBAL_BATCH // dp.size
     micro = local // accumulation
     losses = []
@@ -57,7 +57,7 @@ def train_sharded(mesh, stage, mixed_precision=None):
     dp = mesh.group("dp")
     plain = make_model(seed=1234 + dp.rank)
     model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage, mixed_precision=mixed_precision)
-    opt = make_optimizer(model.parameters())  # steps on this rank's shards
+    opt = make_optimizer(model.named_parameters())  # steps on this rank's shards
     local = GLOBAL_BATCH // dp.size
     losses = []
     for step in range(STEPS):
@@ -77,9 +77,13 @@ def train_sharded(mesh, stage, mixed_precision=None):
         "held_grad": sum(p.grad.numel() for p in plain.parameters() if p.grad is not None),
     }
     shape = make_model()
-    units = [sum(p.numel() for p in b.parameters()) for b in shape.blocks]
-    root = sum(p.numel() for p in shape.parameters()) - sum(units)
-    facts["expected"] = sum(math.ceil(n / dp.size) for n in units + [root])
+    # This rank's rows of every parameter: dim 0 split in chunks of ceil(rows / N).
+    expected = 0
+    for p in shape.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        chunk = math.ceil(rows / dp.size)
+        expected += min(max(rows - dp.rank * chunk, 0), chunk) * (p.numel() // max(rows, 1))
+    facts["expected"] = expected
     facts["total"] = sum(p.numel() for p in shape.parameters())
     # Sharded state dict round trip: save, train one more step, load, compare.
     saved = model.sharded_state_dict()

@@ -53,7 +53,15 @@ class FullyShard {
              FullyShardOptions options = {})
       : module_(std::move(module)), engine_(split_units(*module_, units, names_), group, options) {}
 
+  // What the optimizer steps on: this rank's rows of every parameter (see FullyShardEngine),
+  // and the same under the parameters' names (for parameter groups).
   std::vector<at::Tensor> shards() const { return engine_.shards(); }
+  std::vector<std::pair<std::string, at::Tensor>> named_shards() const {
+    auto shards = engine_.shards();
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (size_t i = 0; i < shards.size(); ++i) out.emplace_back(names_[i], shards[i]);
+    return out;
+  }
   FullyShardEngine& engine() { return engine_; }
 
   // Runs unit `i` (1-based over `units`; 0 is the root) around `forward`.
@@ -79,7 +87,8 @@ class FullyShard {
   }
 
  private:
-  // Unit 0: parameters of no unit; unit i: the i-th unit's. Names follow the same order.
+  // Unit 0: parameters of no unit, or of more than one (shared between units: gathered
+  // throughout); unit i: the i-th unit's. Names follow the same order.
   static std::vector<std::vector<at::Tensor>> split_units(
       torch::nn::Module& root, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
       std::vector<std::string>& names) {
@@ -91,12 +100,17 @@ class FullyShard {
     std::vector<std::vector<std::string>> unit_names(units.size() + 1);
     for (const auto& item : root.named_parameters()) {
       const void* impl = item.value().unsafeGetTensorImpl();
-      size_t unit = 0;
+      size_t unit = 0, holders = 0;
       for (size_t k = 0; k < units.size() && in_unit.count(impl); ++k) {
         for (const auto& p : units[k]->parameters()) {
-          if (p.unsafeGetTensorImpl() == impl) unit = k + 1;
+          if (p.unsafeGetTensorImpl() == impl) {
+            unit = k + 1;
+            ++holders;
+            break;
+          }
         }
       }
+      if (holders > 1) unit = 0;
       out[unit].push_back(item.value());
       unit_names[unit].push_back(item.key());
     }

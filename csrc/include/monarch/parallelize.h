@@ -90,6 +90,13 @@ class ParallelModule {
   // What this rank's optimizer steps on: its stages' parameters, ZeRO shards in place of
   // sharded ones, each tied weight once.
   std::vector<at::Tensor> parameters() const { return optimizer_parameters_; }
+  // The same under the model's names (ZeRO shards keep their parameter's name and number of
+  // dimensions), for optimizer parameter groups by name or shape.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (size_t i = 0; i < optimizer_parameters_.size(); ++i) out.emplace_back(optimizer_names_[i], optimizer_parameters_[i]);
+    return out;
+  }
   // Forward and backward of this dp rank's batch (split into the layout's micro-batches);
   // returns the global batch's mean loss on every rank.
   double train_step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn);
@@ -123,6 +130,7 @@ class ParallelModule {
   std::vector<std::unique_ptr<Stage>> stages_;
   std::unique_ptr<Composition> composition_;
   std::vector<at::Tensor> optimizer_parameters_;
+  std::vector<std::string> optimizer_names_;
 };
 
 // The plan's layout (checked against the model and the world: every difference in one

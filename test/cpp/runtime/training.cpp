@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "training.h"
 
 #include <cstdlib>
@@ -138,17 +139,14 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
     held += p.numel();
     held_grad += p.grad().defined() ? p.grad().numel() : 0;
   }
-  // Unit sizes from an unsharded copy (the sharded model's parameters may hold nothing).
+  // This rank's rows of every parameter (dim 0 split in ceil(rows / N) chunks), from an
+  // unsharded copy (the sharded model's parameters may hold nothing).
   TinyGpt shape = make_model(config);
-  int64_t root = 0;
-  for (const auto& p : shape->parameters()) root += p.numel();
-  for (const auto& block : *shape->blocks) {
-    int64_t n = 0;
-    for (const auto& p : block->parameters()) n += p.numel();
-    root -= n;
-    expected += static_cast<double>((n + dp.size() - 1) / dp.size());
+  for (const auto& p : shape->parameters()) {
+    const int64_t rows = p.dim() == 0 ? 1 : p.size(0), chunk = (rows + dp.size() - 1) / dp.size();
+    const int64_t mine = std::clamp<int64_t>(rows - dp.group_rank() * chunk, 0, chunk);
+    expected += static_cast<double>(mine * (p.numel() / std::max<int64_t>(rows, 1)));
   }
-  expected += static_cast<double>((root + dp.size() - 1) / dp.size());
   // State dict: the full parameters load into a plain model that then computes the same
   // logits as the sharded one.
   auto state_dict = sharded.state_dict();

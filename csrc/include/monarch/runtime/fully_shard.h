@@ -1,9 +1,14 @@
 #pragma once
 // Fully-sharded data parallelism (ZeRO stages 1-3 / FSDP). Parameters are grouped into
 // sharding units (e.g. one per transformer block); each rank owns a 1/N slice of every
-// unit as an fp32 shard, and the optimizer (any torch.optim / torch::optim optimizer) steps
-// on the shards. Frontends call before_forward / after_forward around each unit; gradient
-// reduction runs from autograd hooks.
+// unit in fp32. The slice is per parameter, along dim 0 (as PyTorch FSDP2 shards): rank r
+// holds rows [r*c, (r+1)*c) of each parameter, c = ceil(rows / N), so the last ranks may hold
+// fewer rows or none. Each parameter's slice is its own leaf tensor (a view of the unit's
+// flat shard, which the collectives move), so the optimizer (any elementwise torch.optim /
+// torch::optim optimizer) steps on tensors that keep the parameters' order, names and
+// number of dimensions: parameter groups by name or by dim work as with the plain model.
+// Frontends call before_forward / after_forward around each unit; gradient reduction runs
+// from autograd hooks.
 //
 //   stage 1: full parameters and gradients on every rank, gradients all-reduced, optimizer
 //            state sharded (Rajbhandari et al. 2020, P_os)
@@ -52,8 +57,12 @@ class FullyShardEngine {
   FullyShardEngine(const FullyShardEngine&) = delete;
   FullyShardEngine& operator=(const FullyShardEngine&) = delete;
 
-  // What the optimizer steps on: one fp32 shard per unit (ceil(unit elements / N)).
+  // What the optimizer steps on: this rank's fp32 rows of every parameter, unit by unit in
+  // the order the units listed them (a scalar counts as one row; a parameter this rank holds
+  // no rows of is an empty tensor, so every rank lists the same parameters).
   std::vector<at::Tensor> shards() const;
+  // Elements of one rank's flat shard of a unit (the collectives' size per rank).
+  int64_t shard_numel(int64_t unit) const { return units_.at(unit).shard_numel; }
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
   const FullyShardOptions& options() const { return options_; }
 
@@ -81,14 +90,20 @@ class FullyShardEngine {
  private:
   struct Unit {
     std::vector<at::Tensor> params;
-    std::vector<int64_t> offsets;  // of each parameter in the flat unit
+    std::vector<int64_t> offsets;  // of each parameter in the gathered (unpadded) unit
     std::vector<std::vector<int64_t>> shapes;  // parameters are empty while not gathered
     std::vector<int64_t> numels;
+    std::vector<int64_t> rows;           // dim 0 (1 for a scalar)
+    std::vector<int64_t> row_numel;      // elements per row
+    std::vector<int64_t> chunk_rows;     // ceil(rows / N): rows of each rank's slice
+    std::vector<int64_t> shard_offsets;  // of each parameter's slice in a rank's flat shard
     int64_t numel = 0;             // real elements
-    int64_t shard_numel = 0;       // ceil(numel / N)
-    at::Tensor shard;              // fp32 master slice owned by this rank
-    at::Tensor grad_flat;          // fp32 full-unit gradient buffer during backward
+    int64_t shard_numel = 0;       // sum of chunk_rows * row_numel: one rank's flat shard
+    at::Tensor flat_shard;         // fp32, this rank's slices packed (padding stays zero)
+    std::vector<at::Tensor> shards;  // per parameter: leaf views of flat_shard (its version counter)
+    at::Tensor grad_flat;          // fp32 gradient in the padded rank-major layout during backward
     at::Tensor full;               // gathered parameters (compute dtype) when gathered
+    at::Tensor incoming;           // all-gather output (padded rank-major) while in flight
     Handle gather;                 // prefetch in flight
     Handle reduce;                 // gradient reduction in flight
     at::Tensor reduced;            // its output
@@ -96,8 +111,14 @@ class FullyShardEngine {
     bool gathered = false;
     bool backward_ready = false;   // re-gathered for this backward
     bool reduce_launched = false;  // its gradient reduction was started this backward
-    int64_t shard_version = -1;    // shard's version when parameters were last synced
+    int64_t shard_version = -1;    // flat shard's version when parameters were last synced
   };
+
+  // Rows of parameter i that rank r holds.
+  int64_t local_rows(const Unit& u, size_t i, int64_t r) const;
+  // Padded rank-major layout (N x shard_numel) <-> parameter i's whole flat elements.
+  void unpack(const Unit& u, size_t i, const at::Tensor& padded, const at::Tensor& whole) const;
+  void pack_add(const Unit& u, size_t i, const at::Tensor& padded, const at::Tensor& whole) const;
 
   void init_unit(Unit& u, std::vector<at::Tensor> params);
   void start_gather(int64_t unit);
