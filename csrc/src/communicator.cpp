@@ -29,22 +29,34 @@ void ByteCounters::reset() {
   for (auto& b : bytes_) b.store(0);
 }
 
-Handle::Handle(compat::WorkPtr work, std::string what, std::function<void()> finish)
-    : work_(std::move(work)), what_(std::move(what)), finish_(std::move(finish)) {}
+Handle::Handle(compat::WorkPtr work, std::string what, std::function<void()> finish,
+               std::shared_ptr<std::string> failure)
+    : work_(std::move(work)), what_(std::move(what)), finish_(std::move(finish)), failure_(std::move(failure)) {}
 
 void Handle::wait() {
   if (waited_ || !work_) return;
+  waited_ = true;
+  if (failure_ && !failure_->empty()) {
+    TORCH_CHECK(false, what_, " abandoned: the group failed earlier: ", *failure_);
+  }
+  std::string error;
   try {
     work_->wait();
+    if (finish_) finish_();  // may run a second phase (bf16 all-reduce)
+    return;
   } catch (const c10::Error& e) {
-    waited_ = true;
-    TORCH_CHECK(false, what_, " failed: ", e.what_without_backtrace());
+    error = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    waited_ = true;
-    TORCH_CHECK(false, what_, " failed: ", e.what());
+    error = e.what();
   }
-  waited_ = true;
-  if (finish_) finish_();
+  const std::string message = what_ + " failed: " + error;
+  if (failure_ && failure_->empty()) *failure_ = message;
+  TORCH_CHECK(false, message);
+}
+
+void Communicator::check_usable() const {
+  TORCH_CHECK(failure_->empty(), "monarch: rank ", global_rank(), ": group '", name_,
+              "' cannot be used after a failed collective (every later call fails the same way): ", *failure_);
 }
 
 Communicator::Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name)
@@ -87,6 +99,7 @@ at::Tensor transport(const at::Tensor& t) {
 }  // namespace
 
 Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
+  check_usable();
   require_flat(buffer, "all_reduce buffer");
   const double n = size();
   counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
@@ -96,10 +109,11 @@ Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   auto work = group_->allreduce(tensors);
   std::function<void()> finish;
   if (average) finish = [buffer, n]() mutable { buffer.div_(n); };
-  return Handle(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish));
+  return make(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish));
 }
 
 Handle Communicator::all_reduce_max(at::Tensor buffer) {
+  check_usable();
   require_flat(buffer, "all_reduce_max buffer");
   TORCH_CHECK(buffer.scalar_type() == at::kFloat || buffer.scalar_type() == at::kDouble,
               "monarch: all_reduce_max takes fp32 or fp64 buffers, got ", buffer.scalar_type());
@@ -109,7 +123,7 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
   std::vector<at::Tensor> tensors{buffer.detach()};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  return Handle(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer));
+  return make(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer));
 }
 
 // Gloo (LibTorch 1.13) cannot reduce bf16. Same bytes as a ring all-reduce of the bf16
@@ -128,7 +142,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   auto work = group_->alltoall_base(recv_bits, send_bits, splits, splits);
   const std::string what = describe(CollectiveKind::all_reduce, buffer);
   auto group = group_;
-  return Handle(work, what, [=]() mutable {
+  return make(work, what, [=]() mutable {
     auto mine = received.view({n, chunk}).to(at::kFloat).sum(0);
     if (average) mine.div_(static_cast<double>(n));
     auto reduced = mine.to(at::kBFloat16);
@@ -142,6 +156,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
 }
 
 Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
+  check_usable();
   require_flat(output, "reduce_scatter output");
   require_flat(input, "reduce_scatter input");
   TORCH_CHECK(input.numel() == output.numel() * size(), "monarch: reduce_scatter input has ",
@@ -161,7 +176,7 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   auto work = group_->alltoall_base(recv_bytes, send_bytes, splits, splits);
   const int64_t chunk = output.numel();
   const int64_t parts = size();
-  return Handle(work, describe(CollectiveKind::reduce_scatter, input),
+  return make(work, describe(CollectiveKind::reduce_scatter, input),
                 [output, received, chunk, parts]() mutable {
                   // Low-precision sums in fp32; fp64 stays fp64.
                   auto wide = at::promote_types(received.scalar_type(), at::kFloat);
@@ -170,6 +185,7 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
 }
 
 Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
+  check_usable();
   require_flat(output, "all_gather output");
   require_flat(input, "all_gather input");
   TORCH_CHECK(output.numel() == input.numel() * size(), "monarch: all_gather output has ",
@@ -185,10 +201,11 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
   outputs[0].assign(chunks.begin(), chunks.end());
   std::vector<at::Tensor> inputs{transport(input.detach().view({-1}))};
   auto work = group_->allgather(outputs, inputs);
-  return Handle(work, describe(CollectiveKind::all_gather, output));
+  return make(work, describe(CollectiveKind::all_gather, output));
 }
 
 Handle Communicator::broadcast(at::Tensor buffer, int root) {
+  check_usable();
   require_flat(buffer, "broadcast buffer");
   TORCH_CHECK(root >= 0 && root < size(), "monarch: broadcast root ", root, " not in group '", name_, "'");
   if (group_rank_ == root) counters_.add(CollectiveKind::broadcast, bytes_of(buffer));
@@ -196,25 +213,28 @@ Handle Communicator::broadcast(at::Tensor buffer, int root) {
   std::vector<at::Tensor> tensors{transport(buffer)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  return Handle(group_->broadcast(tensors, opts), describe(CollectiveKind::broadcast, buffer));
+  return make(group_->broadcast(tensors, opts), describe(CollectiveKind::broadcast, buffer));
 }
 
 Handle Communicator::send(at::Tensor buffer, int peer, int tag) {
+  check_usable();
   require_flat(buffer, "send buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad send peer ", peer);
   counters_.add(CollectiveKind::send, bytes_of(buffer));
   std::vector<at::Tensor> tensors{transport(buffer)};
-  return Handle(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer));
+  return make(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer));
 }
 
 Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
+  check_usable();
   require_flat(buffer, "recv buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad recv peer ", peer);
   std::vector<at::Tensor> tensors{transport(buffer)};
-  return Handle(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer));
+  return make(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer));
 }
 
 Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
+  check_usable();
   require_flat(output, "all_to_all output");
   require_flat(input, "all_to_all input");
   TORCH_CHECK(input.numel() == output.numel() && input.numel() % size() == 0,
@@ -228,13 +248,14 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   std::vector<int64_t> splits(size(), input.numel() / size());
   auto out_bytes = transport(output.detach().view({-1}));  // split sizes count elements of flat views
   auto in_bytes = transport(input.detach().view({-1}));
-  return Handle(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
+  return make(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
                 describe(CollectiveKind::all_to_all, input));
 }
 
 void Communicator::barrier() {
+  check_usable();
   if (size() == 1) return;
-  Handle(group_->barrier(), "rank " + std::to_string(global_rank()) + ": barrier on group '" + name_ + "'").wait();
+  make(group_->barrier(), "rank " + std::to_string(global_rank()) + ": barrier on group '" + name_ + "'").wait();
 }
 
 }  // namespace monarch

@@ -37,6 +37,7 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
   }
   build_buckets(options_.bucket_bytes);
   ready_.assign(params_.size(), false);
+  callback_ = std::make_unique<detail::BackwardCallback>();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(accumulator, "monarch::DataParallel: parameter ", i, " is not a leaf tensor");
@@ -88,11 +89,9 @@ std::vector<int64_t> DataParallelEngine::bucket_sizes_bytes() const {
 }
 
 void DataParallelEngine::on_gradient(size_t index) {
+  recover_if_abandoned();
   if (!sync_) return;  // no_sync: autograd accumulates into .grad as usual
-  if (!callback_queued_) {
-    callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
-  }
+  callback_->queue([this] { finish_backward(); });
   TORCH_CHECK(!ready_[index], "monarch::DataParallel: parameter ", index,
               " received two gradients in one backward (reentrant backward is not supported)");
   at::NoGradGuard no_grad;
@@ -140,7 +139,7 @@ void DataParallelEngine::finish_backward() {
   launch_ready_buckets();
   const double n = static_cast<double>(group_.size());
   for (auto& b : buckets_) {
-    b.handle.wait();
+    b.handle.wait();  // on failure the state stays: the next backward or forward resets it
     if (options_.bf16_compression) b.flat.copy_(b.wire);
     b.flat.div_(n);
     for (size_t k : b.params) {
@@ -164,7 +163,22 @@ void DataParallelEngine::reset_backward_state() {
   }
   std::fill(ready_.begin(), ready_.end(), false);
   next_launch_ = 0;
-  callback_queued_ = false;
+  callback_->done();
+}
+
+void DataParallelEngine::recover_if_abandoned() {
+  if (!callback_->abandoned()) return;
+  std::string error;
+  for (size_t i = 0; i < next_launch_; ++i) {
+    try {
+      buckets_[i].handle.wait();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
+  }
+  reset_backward_state();
+  TORCH_CHECK(error.empty(), "monarch::DataParallel: the previous backward failed and so did its reductions: ", error);
+  TORCH_CHECK(!group_.failed(), "monarch::DataParallel: ", group_.failure());
 }
 
 }  // namespace monarch

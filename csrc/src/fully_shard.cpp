@@ -73,6 +73,7 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
   }
   unit_grads_ready_.assign(units_.size(), false);
   next_reduce_ = num_units() - 1;
+  callback_ = std::make_unique<detail::BackwardCallback>();
 }
 
 FullyShardEngine::~FullyShardEngine() {
@@ -248,6 +249,7 @@ void FullyShardEngine::sync_parameters() {
 
 void FullyShardEngine::before_forward(int64_t unit) {
   TORCH_CHECK(unit >= 0 && unit < num_units(), "monarch::FullyShard: no unit ", unit);
+  if (unit == 0) recover_if_abandoned();
   if (!sharded_parameters()) {
     if (unit == 0) sync_parameters();
     return;
@@ -281,10 +283,8 @@ void FullyShardEngine::before_backward(int64_t unit) {
 }
 
 void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor& grad) {
-  if (!callback_queued_) {
-    callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
-  }
+  recover_if_abandoned();
+  callback_->queue([this] { finish_backward(); });
   at::NoGradGuard no_grad;
   Unit& u = units_[unit];
   if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
@@ -374,7 +374,7 @@ void FullyShardEngine::finish_backward() {
       u.pending = u.params.size();
       u.backward_ready = false;
     }
-    callback_queued_ = false;
+    callback_->done();
     return;
   }
   // Units with parameters that got no gradient (unused) still take part, with zeros.
@@ -390,7 +390,43 @@ void FullyShardEngine::finish_backward() {
   if (sharded_parameters()) free_parameters(0);
   std::fill(unit_grads_ready_.begin(), unit_grads_ready_.end(), false);
   next_reduce_ = num_units() - 1;
-  callback_queued_ = false;
+  callback_->done();
+}
+
+// A backward that raised (see detail::BackwardCallback): wait for the collectives it left in
+// flight (ranks that failed at the same point started the same ones), then back to the state
+// between steps: no gradient buffers, stage 3's units freed, counters reset. The shards'
+// .grad may hold some units' reduced gradients, as a failed plain backward leaves partial
+// .grad: zero them before the next step.
+void FullyShardEngine::recover_if_abandoned() {
+  if (!callback_->abandoned()) return;
+  at::NoGradGuard no_grad;
+  std::string error;
+  auto settle = [&error](Handle& h) {
+    try {
+      h.wait();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
+    h = Handle();
+  };
+  for (int64_t k = 0; k < num_units(); ++k) {
+    Unit& u = units_[k];
+    settle(u.gather);
+    u.incoming = at::Tensor();
+    settle(u.reduce);
+    u.reduced = at::Tensor();
+    u.grad_flat = at::Tensor();
+    u.reduce_launched = false;
+    u.pending = u.params.size();
+    u.backward_ready = false;
+    if (sharded_parameters()) free_parameters(k);
+  }
+  std::fill(unit_grads_ready_.begin(), unit_grads_ready_.end(), false);
+  next_reduce_ = num_units() - 1;
+  callback_->done();
+  TORCH_CHECK(error.empty(), "monarch::FullyShard: the previous backward failed and so did its collectives: ", error);
+  TORCH_CHECK(!group_.failed(), "monarch::FullyShard: ", group_.failure());
 }
 
 std::vector<at::Tensor> FullyShardEngine::full_parameters() {

@@ -101,6 +101,31 @@ def test_dead_rank_fails_fast_with_named_collective():
     assert "rank 0" in r.errors[0] and "group 'dp'" in r.errors[0], r.describe()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engines_recover_after_a_failed_backward(reference, stage):
+    """A backward that raised on every rank (after some reductions started) leaves no stale
+    state: the step is redone and training equals one process's (DataParallel and ZeRO)."""
+    for rank, result in enumerate(run_ok(2, f"recover_backward{stage}")):
+        assert result["failures"] == ["injected failure in backward"], result["failures"]
+        assert_parity(result, reference, f"stage {stage} rank {rank} after a failed backward")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_failed_collective_error_repeats_on_every_later_call(stage):
+    r = launch(2, f"retry_dead_peer{stage}", env={"MONARCH_TIMEOUT_S": "10"}, timeout=120, via="env")
+    assert not r.timed_out, r.describe()
+    assert r.codes[1] == 3, r.describe()
+    assert r.codes[0] == 0, r.describe()
+    result = torch.load(r.result_path(0))
+    first, *later = result["errors"]
+    assert first is not None and "rank 0" in first and "group 'dp'" in first, first
+    original = first.split(" failed: ")[0]  # "rank 0: <collective> on group 'dp' ..."
+    for message, seconds in zip(later, result["seconds"][1:]):
+        assert message is not None and original in message, (first, message)
+        assert "received two gradients" not in message
+        assert seconds < 5, f"a later call waited {seconds:.1f} s instead of failing at once"
+
+
 def test_bad_setups_are_refused():
     r = launch(2, "dp_mismatch", via="env")
     assert r.codes == [1, 1], r.describe()

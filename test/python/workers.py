@@ -108,6 +108,74 @@ def train_sharded(mesh, stage, mixed_precision=None):
     return {"losses": losses, "state": state, "facts": facts}
 
 
+def train_after_failed_backward(mesh, stage):
+    """Step 2's first backward raises on every rank (a user's hook on block 0's output, so
+    the later blocks' gradients have arrived and some reductions started); the loop catches
+    it, zeroes the gradients and redoes the step. The engine must recover: training equals
+    the reference's."""
+    dp = mesh.group("dp")
+    plain = make_model(seed=1234 + dp.rank)
+    if stage == 0:
+        model = torch_monarch.DataParallel(plain, mesh=mesh, bucket_cap_mb=16 / 1024)
+    else:
+        model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage)
+    fail = {"now": False}
+
+    def raise_in_backward(_module, _inputs, output):
+        def hook(grad):
+            if fail["now"]:
+                fail["now"] = False
+                raise RuntimeError("injected failure in backward")
+            return grad
+        output.register_hook(hook)
+    plain.blocks[0].register_forward_hook(raise_in_backward)
+    opt = make_optimizer(model.named_parameters())
+    local = GLOBAL_BATCH // dp.size
+    losses, failures = [], []
+    for step in range(STEPS):
+        inputs, targets = batch(step, GLOBAL_BATCH)
+        x, y = inputs[dp.rank * local:(dp.rank + 1) * local], targets[dp.rank * local:(dp.rank + 1) * local]
+        for attempt in range(2):
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            fail["now"] = step == 2 and attempt == 0
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                failures.append(str(e).splitlines()[0])
+                continue
+            break
+        opt.step()
+        losses.append(global_mean(mesh, loss.item()))
+    return {"losses": losses, "state": model.state_dict(), "failures": failures}
+
+
+def retry_after_dead_peer(mesh, stage):
+    """Rank 1 dies before step 1's backward; rank 0's backward fails naming the collective.
+    Rank 0 then tries again, twice: each later call must fail at once with that first error
+    (not a misleading later one, not a hang)."""
+    import time
+    dp = mesh.group("dp")
+    plain = make_model(seed=1234)
+    model = (torch_monarch.DataParallel(plain, mesh=mesh) if stage == 0
+             else torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage))
+    inputs, targets = batch(0, GLOBAL_BATCH)
+    loss_fn(model(inputs[:2]), targets[:2]).backward()  # one good step together
+    if dp.rank == 1:
+        os._exit(3)
+    errors, seconds = [], []
+    for _ in range(3):
+        start = time.monotonic()
+        try:
+            model.zero_grad()
+            loss_fn(model(inputs[:2]), targets[:2]).backward()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+        seconds.append(time.monotonic() - start)
+    return {"errors": errors, "seconds": seconds}
+
+
 def main(scenario):
     torch.set_num_threads(1)
     if scenario == "dp_on_torch_distributed":
@@ -128,6 +196,10 @@ def main(scenario):
         result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
     elif scenario.startswith("zero"):
         result = train_sharded(mesh, int(scenario[4]))
+    elif scenario.startswith("recover_backward"):  # recover_backward0 (dp), 1-3 (ZeRO)
+        result = train_after_failed_backward(mesh, int(scenario[-1]))
+    elif scenario.startswith("retry_dead_peer"):
+        result = retry_after_dead_peer(mesh, int(scenario[-1]))
     elif scenario == "dp_user_hook":
         # A user's gradient hook registered before wrapping (doubling every gradient): the
         # engine must average what the hook produced, as DDP does.

@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,7 +43,10 @@ class ByteCounters {
 class Handle {
  public:
   Handle() = default;
-  Handle(compat::WorkPtr work, std::string what, std::function<void()> finish = {});
+  // `failure`: the group's failure latch (see Communicator): the first collective that fails
+  // writes its error there; once set, wait() fails at once with it instead of waiting.
+  Handle(compat::WorkPtr work, std::string what, std::function<void()> finish = {},
+         std::shared_ptr<std::string> failure = {});
   void wait();
   bool done() const { return waited_ || !work_; }
 
@@ -50,6 +54,7 @@ class Handle {
   compat::WorkPtr work_;
   std::string what_;
   std::function<void()> finish_;
+  std::shared_ptr<std::string> failure_;
   bool waited_ = false;
 };
 
@@ -84,14 +89,26 @@ class Communicator {
   ByteCounters& counters() { return counters_; }
   const ByteCounters& counters() const { return counters_; }
 
+  // After a collective fails (a peer died, a timeout, mismatched sizes) the group is in an
+  // unknown state, as an aborted NCCL communicator is: every later collective on it, and
+  // every wait on one in flight, fails at once with the first error (which names the rank,
+  // the collective and the group), never with a misleading later one.
+  bool failed() const { return !failure_->empty(); }
+  const std::string& failure() const { return *failure_; }
+
  private:
   std::string describe(CollectiveKind kind, const at::Tensor& t) const;
+  void check_usable() const;
+  Handle make(compat::WorkPtr work, std::string what, std::function<void()> finish = {}) const {
+    return Handle(std::move(work), std::move(what), std::move(finish), failure_);
+  }
   Handle all_reduce_bf16(at::Tensor buffer, bool average);
   compat::GlooPtr group_;
   std::vector<int> ranks_;
   int group_rank_ = 0;
   std::string name_;
   ByteCounters counters_;
+  std::shared_ptr<std::string> failure_ = std::make_shared<std::string>();
 };
 
 }  // namespace monarch

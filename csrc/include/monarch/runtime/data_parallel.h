@@ -11,6 +11,9 @@
 namespace torch::autograd {
 struct Node;
 }
+namespace monarch::detail {
+class BackwardCallback;
+}
 
 #include "monarch/runtime/communicator.h"
 
@@ -63,6 +66,10 @@ class DataParallelEngine {
   void launch_ready_buckets();
   void finish_backward();
   void reset_backward_state();
+  // A backward that raised left buckets half filled (see detail::BackwardCallback): wait for
+  // the reductions it launched (every rank that failed at the same point launched the same
+  // ones), drop the partial results, and rethrow a collective's failure if there was one.
+  void recover_if_abandoned();
 
   std::vector<at::Tensor> params_;
   Communicator& group_;
@@ -75,7 +82,7 @@ class DataParallelEngine {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // held: the tensor holds them weakly
   std::vector<uintptr_t> hook_keys_;
   size_t next_launch_ = 0;
-  bool callback_queued_ = false;
+  std::unique_ptr<detail::BackwardCallback> callback_;
   bool sync_ = true;
 };
 

@@ -29,6 +29,9 @@
 namespace torch::autograd {
 struct Node;
 }
+namespace monarch::detail {
+class BackwardCallback;
+}
 
 namespace monarch {
 
@@ -129,6 +132,7 @@ class FullyShardEngine {
   void reduce_unit(int64_t unit);
   void finish_unit(int64_t unit);
   void finish_backward();
+  void recover_if_abandoned();
   bool sharded_parameters() const { return options_.zero_stage >= 3; }
 
   std::vector<Unit> units_;
@@ -139,7 +143,7 @@ class FullyShardEngine {
   std::vector<uintptr_t> hook_keys_;
   int64_t next_reduce_ = 0;  // reductions launch in unit order on every rank
   std::vector<bool> unit_grads_ready_;
-  bool callback_queued_ = false;
+  std::unique_ptr<detail::BackwardCallback> callback_;
   bool sync_ = true;
 };
 
