@@ -73,6 +73,7 @@ check_schedule = _P.check_schedule
 simulate = _P.simulate
 closed_form_bubble_fraction = _P.closed_form_bubble_fraction
 tp_bytes_per_step = _P.tp_bytes_per_step
+bytes_per_step = _P.bytes_per_step  # (graph, plan) -> per pipeline rank {'dp', 'tp', 'pp', 'ends', 'total'}
 
 
 def _enum(enum_type, value, field):

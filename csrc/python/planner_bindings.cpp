@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/search.h"
 #include "monarch/planner/training_config.h"
+#include "monarch/planner/traffic.h"
 
 // Lists whose elements users edit in place (plan.layers[3].stage = 2) are bound as opaque
 // list types holding the C++ vector, so item access returns a reference, not a copy.
@@ -607,6 +609,18 @@ void bind_search(py::module_& m) {
       py::arg("graph"), py::arg("training"), py::arg("tp"), py::arg("micro_batch_size"),
       py::arg("num_micro_batches") = 1, py::arg("sequence_parallel") = false, py::arg("recompute") = Recompute::none,
       "Bytes one tp rank sends in tensor-parallel collectives per step, over all layers (ring volumes).");
+  m.def(
+      "bytes_per_step",
+      [](const ModelGraph& graph, const Plan& plan) {
+        std::vector<std::map<std::string, double>> out;
+        for (const auto& b : bytes_per_step(graph, plan)) {
+          out.push_back({{"dp", b.dp}, {"tp", b.tp}, {"pp", b.pp}, {"ends", b.ends}, {"total", b.total()}});
+        }
+        return out;
+      },
+      py::arg("graph"), py::arg("plan"),
+      "Bytes one rank sends per optimizer step on each mesh axis, per pipeline rank, as the runtime's "
+      "communicator counts them: [{'dp', 'tp', 'pp', 'ends', 'total'}].");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -234,14 +234,15 @@ void FullyShardEngine::sync_parameters() {
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
     if (u.numel == 0 || u.flat_shard._version() == u.shard_version) continue;
-    auto gathered = at::empty({u.shard_numel * group_.size()}, at::kFloat);
-    handles.push_back(group_.all_gather(gathered, u.flat_shard));
+    // In the compute dtype: what the parameters hold (bf16 training moves half the bytes).
+    auto gathered = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+    handles.push_back(group_.all_gather(gathered, u.flat_shard.to(options_.compute_dtype)));
     gathers.emplace_back(k, gathered);
   }
   for (size_t g = 0; g < handles.size(); ++g) {
     handles[g].wait();
     Unit& u = units_[gathers[g].first];
-    const auto padded = gathers[g].second.to(options_.compute_dtype);
+    const auto& padded = gathers[g].second;
     for (size_t i = 0; i < u.params.size(); ++i) unpack(u, i, padded, u.full.narrow(0, u.offsets[i], u.numels[i]));
     u.shard_version = u.flat_shard._version();
   }
@@ -298,18 +299,19 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
     if (sharded_parameters() && unit != 0) free_parameters(unit);
     if (!sync_) return;  // accumulating: the sum is reduced by the next synced backward
     unit_grads_ready_[unit] = true;
+    if (options_.zero_stage == 1) return;  // stage 1 keeps whole gradients until backward ends
     while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
   }
 }
 
-// Stage 1 all-reduces the unit's gradient (every rank keeps it whole); stages 2-3
-// reduce-scatter it into this rank's slice.
+// Reduce-scatter of the unit's gradient into this rank's slice: stages 2-3 as the unit's
+// backward ends, stage 1 for every unit when the backward ends (Rajbhandari et al. 2020,
+// Sec. 5: P_os keeps whole gradients through backward; either way the step moves the bytes
+// of one all-reduce with the parameters' all-gather).
 void FullyShardEngine::reduce_unit(int64_t unit) {
   Unit& u = units_[unit];
   if (u.numel == 0) {  // nothing to reduce; Gloo would divide by the zero element count
     u.reduce = Handle();
-  } else if (options_.zero_stage == 1) {
-    u.reduce = group_.all_reduce(u.grad_flat, /*average=*/true);
   } else {
     u.reduced = at::empty({u.shard_numel}, at::kFloat);
     u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
@@ -326,21 +328,7 @@ void FullyShardEngine::finish_unit(int64_t k) {
   Unit& u = units_[k];
   if (!u.reduce_launched) return;
   u.reduce.wait();
-  at::Tensor mine;
-  if (u.numel == 0) {
-    mine = at::zeros({0}, at::kFloat);
-  } else if (options_.zero_stage == 1) {
-    mine = u.grad_flat.narrow(0, group_.group_rank() * u.shard_numel, u.shard_numel);
-    // Stage 1 keeps the averaged full gradient in .grad, as DDP would.
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      auto& p = u.params[i];
-      auto whole = at::empty({u.numels[i]}, at::kFloat);
-      unpack(u, i, u.grad_flat, whole);
-      p.mutable_grad() = whole.view(u.shapes[i]).to(p.scalar_type());
-    }
-  } else {
-    mine = u.reduced.div_(static_cast<double>(group_.size()));
-  }
+  const at::Tensor mine = u.numel == 0 ? at::zeros({0}, at::kFloat) : u.reduced.div_(static_cast<double>(group_.size()));
   // Each parameter's rows of the reduced gradient into its shard's .grad (accumulated when
   // the caller kept last step's, as .grad always is).
   for (size_t i = 0; i < u.shards.size(); ++i) {

@@ -257,11 +257,19 @@ void PipelineExecutor::send_tensors(const std::vector<at::Tensor>& tensors, int 
     }
     TORCH_CHECK(static_cast<int64_t>(words.size()) <= kMetaLen, "monarch: stage ", stage,
                 " activations have too many dimensions to describe");
-    words.resize(kMetaLen, 0);
-    auto buf = at::tensor(words, at::kLong);
-    // The header's tag names the boundary, not the micro-batch: it matches whichever
-    // micro-batch each side happens to handle first.
-    pending_sends_.emplace_back(group_.send(buf, peer, tag(stage, 0, direction, kMetaSlot)), buf);
+    // The header's tags name the boundary, not the micro-batch: they match whichever
+    // micro-batch each side happens to handle first. First one word: 0 when the activations
+    // look as in the previous step (the receiver keeps that description), else the length
+    // of the description that follows.
+    auto& last = sent_header_[stage];
+    const bool same = last == words;
+    auto head = at::tensor(std::vector<int64_t>{same ? 0 : static_cast<int64_t>(words.size())}, at::kLong);
+    pending_sends_.emplace_back(group_.send(head, peer, tag(stage, 0, direction, kMetaSlot)), head);
+    if (!same) {
+      auto body = at::tensor(words, at::kLong);
+      pending_sends_.emplace_back(group_.send(body, peer, tag(stage, 1, direction, kMetaSlot)), body);
+      last = words;
+    }
     meta_[stage] = std::move(m);
   } else if (direction == 0) {
     const Meta& m = meta_.at(stage);
@@ -284,21 +292,31 @@ std::vector<at::Tensor> PipelineExecutor::recv_tensors(int peer, int64_t stage, 
                                                        bool with_meta, double& wait_s) {
   auto start = Clock::now();
   if (with_meta) {
-    auto buf = at::empty({kMetaLen}, at::kLong);
-    group_.recv(buf, peer, tag(stage, 0, direction, kMetaSlot)).wait();
-    auto w = buf.data_ptr<int64_t>();
-    Meta m;
-    int64_t k = 0;
-    const int64_t count = w[k++];
-    TORCH_CHECK(count >= 0 && count <= kTensorSlots, "monarch: corrupt activation header from pipeline rank ", peer);
-    for (int64_t i = 0; i < count; ++i) {
-      m.dtypes.push_back(static_cast<at::ScalarType>(w[k++]));
-      m.needs_grad.push_back(w[k++] != 0);
-      const int64_t ndim = w[k++];
-      m.shapes.emplace_back(w + k, w + k + ndim);
-      k += ndim;
+    auto head = at::empty({1}, at::kLong);
+    group_.recv(head, peer, tag(stage, 0, direction, kMetaSlot)).wait();
+    const int64_t len = head.item<int64_t>();
+    TORCH_CHECK(len >= 0 && len <= kMetaLen, "monarch: corrupt activation header from pipeline rank ", peer);
+    TORCH_CHECK(len > 0 || meta_.count(stage), "monarch: pipeline rank ", peer, " sent stage ", stage,
+                "'s activations as unchanged, but this rank has no earlier description of them");
+    if (len > 0) {
+      auto buf = at::empty({len}, at::kLong);
+      group_.recv(buf, peer, tag(stage, 1, direction, kMetaSlot)).wait();
+      auto w = buf.data_ptr<int64_t>();
+      Meta m;
+      int64_t k = 0;
+      const int64_t count = w[k++];
+      TORCH_CHECK(count >= 0 && count <= kTensorSlots, "monarch: corrupt activation header from pipeline rank ", peer);
+      for (int64_t i = 0; i < count; ++i) {
+        TORCH_CHECK(k + 3 <= len, "monarch: corrupt activation header from pipeline rank ", peer);
+        m.dtypes.push_back(static_cast<at::ScalarType>(w[k++]));
+        m.needs_grad.push_back(w[k++] != 0);
+        const int64_t ndim = w[k++];
+        TORCH_CHECK(ndim >= 0 && k + ndim <= len, "monarch: corrupt activation header from pipeline rank ", peer);
+        m.shapes.emplace_back(w + k, w + k + ndim);
+        k += ndim;
+      }
+      meta_[stage] = std::move(m);
     }
-    meta_[stage] = std::move(m);
   }
   const Meta& m = meta_.at(stage);
   std::vector<at::Tensor> out(m.shapes.size());
@@ -319,7 +337,11 @@ std::vector<at::Tensor> PipelineExecutor::recv_tensors(int peer, int64_t stage, 
 PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   PipelineStepStats stats;
   auto step_start = Clock::now();
-  meta_.clear();
+  if (!last_step_complete_) {  // a step that failed part-way: describe everything afresh
+    meta_.clear();
+    sent_header_.clear();
+  }
+  last_step_complete_ = false;
   // A step that failed part-way leaves sends behind; Gloo's work objects own their buffers,
   // and waiting on them could block on a peer that gave up too.
   pending_sends_.clear();
@@ -404,6 +426,7 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   pending_sends_.clear();
   stats.wait_s += seconds_since(t);
   stats.total_s = seconds_since(step_start);
+  last_step_complete_ = true;
   return stats;
 }
 

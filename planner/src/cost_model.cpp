@@ -115,17 +115,24 @@ double layer_params_per_tp_rank(const Layer& layer, int64_t tp) {
   return static_cast<double>(layer.params) / split_divisor(layer, tp);
 }
 
+double tp_layer_bytes_per_micro_batch(const Layer& layer, const TrainingConfig& training, const Layout& layout) {
+  if (layout.tp <= 1 || !is_split(layer)) return 0.0;
+  const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
+  auto [fwd, bwd] = tp_all_reduces(layer);
+  // Sequence parallelism turns each all-reduce into a reduce-scatter plus an all-gather (the
+  // same volume), and the embedding's backward needs an all-gather of its output's gradient
+  // (every vocabulary shard sees every token): half an all-reduce more (Korthikanti et al.
+  // 2022, Sec. 4.2.2).
+  const double sp_extra = layout.sequence_parallel && layer.tp == TpPattern::vocab &&
+                                  layer.kind == LayerKind::embedding ? 0.5 : 0.0;
+  const double again = (layout.recompute == Recompute::full && layer.recomputable) ? fwd : 0;
+  const double message = act_scale * tp_message_bytes(layer, layout.micro_batch_size);
+  return (fwd + bwd + again + sp_extra) * ring_bytes_per_rank(Collective::all_reduce, message, layout.tp);
+}
+
 double tp_bytes_per_step(const ModelGraph& graph, const TrainingConfig& training, const Layout& layout) {
-  if (layout.tp <= 1) return 0.0;
   double bytes = 0;
-  for (const auto& layer : graph.layers) {
-    if (!is_split(layer)) continue;
-    const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
-    const auto [fwd, bwd] = tp_all_reduces(layer);
-    const double again = (layout.recompute == Recompute::full && layer.recomputable) ? fwd : 0;
-    const double message = act_scale * tp_message_bytes(layer, layout.micro_batch_size);
-    bytes += (fwd + bwd + again) * ring_bytes_per_rank(Collective::all_reduce, message, layout.tp);
-  }
+  for (const auto& layer : graph.layers) bytes += tp_layer_bytes_per_micro_batch(layer, training, layout);
   return bytes * static_cast<double>(layout.num_micro_batches);
 }
 
@@ -226,17 +233,20 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   e.params = stage_params(graph, costs, first, last);
   e.state = zero_model_state_bytes(e.params, layout.dp, layout.zero_stage, training.param_bytes,
                                    training.grad_bytes, training.optimizer_bytes);
+  // ZeRO-2 under gradient accumulation reduces once per step (as the runtime does), so the
+  // micro-batches before the last accumulate into whole gradients.
+  if (layout.zero_stage == 2 && layout.num_micro_batches > 1) e.state.grads = e.params * training.grad_bytes;
   e.compute_s = forward + backward - tp_comm;
   e.recompute_s = recompute;
   e.tp_comm_s = tp_comm;
 
-  // ZeRO-2 reduce-scatters gradients after every micro-batch's backward; ZeRO-3 also
-  // all-gathers parameters before forward and again before backward (FSDP with
-  // reshard_after_forward). Both overlap with the stage's compute except the first
-  // gather / last reduce (Zhao et al. 2023, PyTorch FSDP, Sec. 3.3 prefetching).
+  // ZeRO-3 reduce-scatters gradients after every micro-batch's backward and all-gathers
+  // parameters before forward and again before backward (FSDP with reshard_after_forward).
+  // Both overlap with the stage's compute except the first gather / last reduce (Zhao et al.
+  // 2023, PyTorch FSDP, Sec. 3.3 prefetching). ZeRO-2 reduces once per step (below).
   const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
   double exposed_forward = 0, exposed_backward = 0;
-  if (layout.dp > 1 && layout.zero_stage >= 2) {
+  if (layout.dp > 1 && layout.zero_stage >= 3) {
     const double grads = e.params * training.grad_bytes;
     const double rs = collective_seconds(Collective::reduce_scatter, grads, dp_link);
     const double last_rs = collective_seconds(
@@ -328,8 +338,6 @@ const SimulationResult& SimulationCache::simulate(const Schedule& schedule,
 
 // ---- Prediction ---------------------------------------------------------------------------
 
-namespace {
-
 Layout layout_of(const Plan& plan) {
   Layout l;
   l.pp = plan.mesh.pp;
@@ -344,6 +352,8 @@ Layout layout_of(const Plan& plan) {
   l.sequence_parallel = plan.sequence_parallel;
   return l;
 }
+
+namespace {
 
 // Per pipeline rank: what it holds and what it does.
 struct RankLoad {
@@ -423,7 +433,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     for (int64_t r : holders) ranks[r].tied_all_reduce_s += seconds;
   }
 
-  // Data-parallel gradient reduction at the end of the step (ZeRO 0/1), overlapped with the
+  // Data-parallel gradient reduction at the end of the step (ZeRO 0/1/2), overlapped with the
   // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
   // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
   const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
@@ -434,7 +444,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     double end = 0;
     if (layout.dp > 1) {
       const double bucket = std::min(grads, training.dp_bucket_bytes);
-      if (layout.zero_stage <= 1) {
+      if (layout.zero_stage <= 2) {
         const Collective c = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
         const double reduce = collective_seconds(c, grads, dp_link);
         const double last_micro_batch_backward = load.backward_s;

@@ -523,7 +523,9 @@ class Searcher {
       lp.stage = partition.stage_of_layer[i];
       lp.tp = l.tp > 1 ? layer.tp : TpPattern::replicated;
       lp.tp_dims = layer.tp_dims;
-      lp.sharding_unit = l.zero_stage == 3 && l.dp > 1 && layer.params > 0;
+      // ZeRO-3 gathers and frees each block as one unit; the other layers (embeddings, final
+      // norm, head) form the root unit, gathered for the whole forward and backward.
+      lp.sharding_unit = l.zero_stage == 3 && l.dp > 1 && layer.params > 0 && layer.kind == LayerKind::block;
       plan.layers.push_back(lp);
     }
     return plan;

@@ -61,7 +61,7 @@ TEST_CASE("ZeRO-1, ZeRO-2 and ZeRO-3 on 2 and 4 ranks match one process", "[runt
         } else {
           CHECK(facts[kHeld].item<double>() == P);
         }
-        CHECK(facts[kHeldGrad].item<double>() == (stage == 1 ? P : 0));
+        CHECK(facts[kHeldGrad].item<double>() == 0);  // stage 1 reduce-scatters too
         // The full state dict loads into the plain model and computes the same logits.
         CHECK(facts[kLogitsDiff].item<double>() <= 1e-6);
         CHECK(facts[kStateDictSize].item<double>() == reference.params.size());

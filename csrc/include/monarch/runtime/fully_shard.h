@@ -10,8 +10,9 @@
 // Frontends call before_forward / after_forward around each unit; gradient reduction runs
 // from autograd hooks.
 //
-//   stage 1: full parameters and gradients on every rank, gradients all-reduced, optimizer
-//            state sharded (Rajbhandari et al. 2020, P_os)
+//   stage 1: full parameters and gradients on every rank through backward, gradients
+//            reduce-scattered when it ends, optimizer state sharded (Rajbhandari et al.
+//            2020, P_os)
 //   stage 2: + gradients reduce-scattered per unit as backward produces them, full gradients
 //            dropped after backward (P_os+g)
 //   stage 3: + parameters sharded: gathered before a unit's forward (the next unit is

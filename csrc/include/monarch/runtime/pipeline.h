@@ -124,7 +124,11 @@ class PipelineExecutor {
   planner::Schedule schedule_;
   Communicator& group_;
   int rank_;
-  std::map<int64_t, Meta> meta_;  // per sending stage: shapes of its activations this step
+  std::map<int64_t, Meta> meta_;  // per sending stage: shapes of its activations (kept across steps)
+  // Per stage this rank sends from: the header words last sent. A step whose activations
+  // look like the previous step's sends a one-word "same" header instead of the description.
+  std::map<int64_t, std::vector<int64_t>> sent_header_;
+  bool last_step_complete_ = true;
   std::vector<std::pair<Handle, at::Tensor>> pending_sends_;
 };
 

@@ -89,6 +89,11 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
 // the step's micro-batches, plus the forward's again under full recompute. Under sequence
 // parallelism each all-reduce is an all-gather plus a reduce-scatter: the same volume.
 double tp_bytes_per_step(const ModelGraph& graph, const TrainingConfig& training, const Layout& layout);
+// One layer's share of it, for one micro-batch.
+double tp_layer_bytes_per_micro_batch(const Layer& layer, const TrainingConfig& training, const Layout& layout);
+
+// The layout a plan describes.
+Layout layout_of(const Plan& plan);
 
 // Memory and per-micro-batch time of one virtual stage made of layers [first, last].
 struct StageEstimate {

@@ -1,0 +1,43 @@
+#pragma once
+// Bytes on the wire per optimizer step, per mesh axis, as the runtime's communicator counts
+// them (ring volumes: all-reduce 2(n-1)/n S, reduce-scatter and all-gather (n-1)/n S, a send
+// S; Patarasuk & Yuan 2009). The same collectives the cost model times, in bytes, so a run's
+// counters check the plan directly (bench/traffic.py) and a report can show what each link
+// carries.
+#include <cstdint>
+#include <vector>
+
+#include "monarch/planner/model_graph.h"
+#include "monarch/planner/plan.h"
+
+namespace monarch::planner {
+
+struct AxisBytes {
+  double dp = 0;    // gradient reduction, ZeRO gathers, tied-weight gradients over dp
+  double tp = 0;    // Megatron's all-reduces (or all-gather + reduce-scatter with SP)
+  double pp = 0;    // activations sent downstream and gradients sent upstream
+  double ends = 0;  // all-reduce of weights tied between the pipeline's first and last rank
+  double total() const { return dp + tp + pp + ends; }
+};
+
+// One entry per pipeline rank (every rank at one pipeline position sends the same bytes).
+// What is sent, per step of m micro-batches on one rank, with d = dp and P the rank's
+// parameters on its tp rank (weights tied across the pipeline counted apart, T):
+//   dp, ZeRO 0:   all-reduce of P's gradients once per step (no_sync on earlier micro-batches;
+//                 Li et al. 2020, PyTorch DDP)
+//   dp, ZeRO 1-2: reduce-scatter of P's gradients once per step and all-gather of the updated
+//                 P (Rajbhandari et al. 2020, Sec. 5 and 7)
+//   dp, ZeRO 3:   per micro-batch, all-gather of each sharding unit before its forward and
+//                 again before its backward (the root unit, the layers outside the units, once:
+//                 it stays gathered through backward), reduce-scatter of every gradient (Zhao
+//                 et al. 2023, PyTorch FSDP)
+//   dp, tied:     all-reduce of T's gradients over dp once per step, whatever the ZeRO stage
+//   ends:         all-reduce of T's gradients between the two ends once per step
+//   tp:           tp_bytes_per_step over the rank's layers
+//   pp:           per micro-batch, each stage's output to the next stage and the gradient of
+//                 its input to the previous one (stage_p2p_bytes)
+// Gradients travel at grad_bytes, gathered parameters at param_bytes; padding of shards is
+// not counted.
+std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan);
+
+}  // namespace monarch::planner
