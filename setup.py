@@ -68,7 +68,12 @@ class CMakeBuild(build_ext):
         # work there too (the module's file name carries the interpreter's tag).
         in_tree = os.path.join(ext.source_dir, *ext.name.split(".")[:-1], os.path.basename(ext_path))
         if os.path.abspath(in_tree) != ext_path:
-            shutil.copy2(ext_path, in_tree)
+            # A new file renamed over the old one, never written in place: a running
+            # interpreter (a test process) that loaded the old module keeps its mapping
+            # intact; overwriting a mapped shared library makes that process crash later.
+            partial = in_tree + ".partial"
+            shutil.copy2(ext_path, partial)
+            os.replace(partial, in_tree)
 
 
 def _have_torch():

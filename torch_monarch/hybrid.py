@@ -273,7 +273,13 @@ class ParallelModel(nn.Module):
     def train_step(self, inputs, targets, loss_fn):
         """Forward and backward of this dp rank's batch (``inputs`` and ``targets`` split into
         the plan's micro-batches along dim 0); returns the mean loss of the global batch on
-        every rank. The caller zeroes gradients and steps the optimizer."""
+        every rank. The caller zeroes gradients and steps the optimizer.
+
+        dp ranks may hold different numbers of samples (the last batch of an epoch): losses
+        and gradients are weighted by each rank's sample count, so both are the mean over the
+        whole global batch as one process would compute it (``loss_fn`` returns the mean over
+        its samples, as ``F.cross_entropy`` does; a loss averaged over tokens with
+        ``ignore_index`` is still weighted by samples)."""
         m = self.micro_batches
         xs, ys = _split(inputs, m, "inputs"), _split(targets, m, "targets")
         if self.pp == 1:
@@ -292,7 +298,8 @@ class ParallelModel(nn.Module):
 
             def loss(mb, out):
                 return loss_fn(out[0], ys[mb])
-        return self._composition.train_step(forward, loss)
+        first = inputs[0] if isinstance(inputs, tuple) else inputs
+        return self._composition.train_step(forward, loss, samples=first.shape[0])
 
     @torch.no_grad()
     def predict(self, inputs):

@@ -258,7 +258,7 @@ void bind_composition(py::module_& m) {
                              })
       .def(
           "train_step",
-          [](Composition& c, py::function forward, py::function loss) {
+          [](Composition& c, py::function forward, py::function loss, int64_t samples) {
             // By reference, called with the GIL: the std::functions own no Python object,
             // so copying or destroying them without the GIL is safe.
             Composition::ForwardFn f = [&forward](int64_t stage, int64_t mb, const std::vector<at::Tensor>& in) {
@@ -270,11 +270,12 @@ void bind_composition(py::module_& m) {
               return loss(mb, out).cast<at::Tensor>();
             };
             py::gil_scoped_release release;
-            return c.train_step(f, l);
+            return c.train_step(f, l, samples);
           },
-          arg("forward"), arg("loss"),
+          arg("forward"), arg("loss"), arg("samples") = -1,
           "forward(stage, mb, received) -> list of tensors; loss(mb, outputs) -> tensor. Returns the global "
-          "batch's mean loss on every rank.")
+          "batch's mean loss on every rank; with `samples` (this rank's batch size) weighted by samples, so "
+          "ranks may hold different numbers.")
       .def(
           "predict",
           [](Composition& c, py::function forward) {

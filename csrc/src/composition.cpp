@@ -244,8 +244,21 @@ void Composition::set_sync(bool sync) {
   }
 }
 
-double Composition::train_step(const ForwardFn& forward, const LossFn& loss) {
+double Composition::sample_weight(int64_t samples) {
+  if (samples < 0 || layout_.mesh.dp == 1) return 1.0;
+  auto t = at::full({1}, static_cast<double>(samples), at::kDouble);
+  mesh_->group("dp").all_reduce(t).wait();
+  const double all = t.item<double>();
+  TORCH_CHECK(all > 0, "monarch: train_step: the dp ranks hold no samples together");
+  return static_cast<double>(samples) * static_cast<double>(layout_.mesh.dp) / all;
+}
+
+double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int64_t samples) {
   const int64_t m = layout_.micro_batches;
+  // Each rank's loss is the mean over its samples; scaled by n_r * dp / N, the dp average of
+  // gradients and losses becomes the mean over the global batch's N samples, also when the
+  // ranks hold different numbers (the last batch of an epoch).
+  const double weight = sample_weight(samples);
   double total = 0;
   if (!executor_) {
     // Gradient accumulation: data parallelism syncs on the last micro-batch only.
@@ -256,7 +269,7 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss) {
         at::Tensor l = loss(k, out);
         TORCH_CHECK(l.defined() && l.numel() == 1, "monarch: the loss of micro-batch ", k,
                     " is not a single value");
-        at::Tensor scaled = l / static_cast<double>(m);
+        at::Tensor scaled = l * (weight / static_cast<double>(m));
         torch::autograd::backward({scaled});
         total += scaled.item<double>();
       }
@@ -268,7 +281,7 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss) {
     stats_.reset();
   } else {
     AutogradStageWork work(
-        layout_.num_stages(), m, forward, loss, 1.0 / static_cast<double>(m),
+        layout_.num_stages(), m, forward, loss, weight / static_cast<double>(m),
         [this](int64_t stage) {
           for (const auto& s : stages_) {
             if (s.stage == stage) return s.parameters;
@@ -284,7 +297,9 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss) {
         });
     PipelineStepStats stats;
     try {
-      total = executor_->train_step(work, &stats);  // the loss, sent along pp
+      // The mean of this replica's micro-batch losses, sent along pp; weighted as the
+      // gradients are, so the dp average is the global batch's mean.
+      total = executor_->train_step(work, &stats) * weight;
     } catch (...) {
       set_sync(true);
       throw;

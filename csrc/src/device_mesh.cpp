@@ -9,6 +9,12 @@ namespace monarch {
 
 DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
     : world_(std::move(world)), mesh_(mesh) {
+  // Every rank must ask for the same mesh before any group connects: ranks asking for
+  // different ones would otherwise wait out the timeout connecting groups that never pair.
+  std::ostringstream request;
+  request << "pp=" << mesh.pp << " dp=" << mesh.dp << " tp=" << mesh.tp << " order=";
+  for (size_t i = 0; i < mesh.order.size(); ++i) request << (i ? "," : "") << mesh.order[i];
+  world_->agree("mesh", request.str());
   std::vector<std::string> sorted = mesh.order;
   std::sort(sorted.begin(), sorted.end());
   TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}),

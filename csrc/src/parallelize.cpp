@@ -395,7 +395,8 @@ double ParallelModule::train_step(const at::Tensor& inputs, const at::Tensor& ta
         TORCH_CHECK(received.size() == 1, "monarch: stage ", s, " received ", received.size(), " tensors, expected 1");
         return run_stage(s, received[0]);
       },
-      [&](int64_t mb, const std::vector<at::Tensor>& outputs) { return loss_fn(outputs.at(0), ys[mb]); });
+      [&](int64_t mb, const std::vector<at::Tensor>& outputs) { return loss_fn(outputs.at(0), ys[mb]); },
+      inputs.size(0));
 }
 
 at::Tensor ParallelModule::forward(const at::Tensor& inputs) {

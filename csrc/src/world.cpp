@@ -1,6 +1,8 @@
 #include "monarch/runtime/world.h"
 
 #include <cstdlib>
+#include <map>
+#include <sstream>
 #include <stdexcept>
 
 #include <c10/util/Exception.h>
@@ -115,6 +117,32 @@ compat::GlooPtr World::new_group(const std::vector<int>& ranks, const std::strin
     TORCH_CHECK(false, "monarch: rank ", rank_, " could not connect group '", name, "' within ",
                 timeout_.count(), " ms (a peer may have died): ", e.what());
   }
+}
+
+void World::agree(const std::string& what, const std::string& request) const {
+  if (size_ == 1) return;
+  const std::string prefix = "monarch/agree/" + std::to_string(agreements_++) + "/" + what + "/";
+  store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>(request.begin(), request.end()));
+  std::map<std::string, std::vector<int>> by_request;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<uint8_t> bytes;
+    try {
+      bytes = store_->get(prefix + std::to_string(r));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "monarch: rank ", rank_, " waited ", timeout_.count(), " ms for rank ", r, "'s ", what,
+                  " (a peer may have died or not reached this point): ", e.what());
+    }
+    by_request[std::string(bytes.begin(), bytes.end())].push_back(r);
+  }
+  if (by_request.size() == 1) return;
+  std::ostringstream msg;
+  msg << "monarch: the ranks disagree on the " << what << " (every rank must ask for the same one):";
+  for (const auto& [req, ranks] : by_request) {
+    msg << "\n  rank" << (ranks.size() > 1 ? "s " : " ");
+    for (size_t i = 0; i < ranks.size(); ++i) msg << (i ? "," : "") << ranks[i];
+    msg << ": " << req;
+  }
+  TORCH_CHECK(false, msg.str());
 }
 
 }  // namespace monarch

@@ -19,7 +19,7 @@ from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optim
 
 def parse(layout):
     cfg = {"pp": 1, "dp": 1, "tp": 1, "schedule": "1f1b", "m": 1, "v": 1, "sp": 0, "zero": 0, "layers": 2,
-           "direct": 0, "perturb": 0}
+           "direct": 0, "perturb": 0, "uneven": 0}
     for item in layout.split(","):
         key, value = item.split("=")
         cfg[key] = value if key == "schedule" else int(value)
@@ -211,11 +211,13 @@ def main(layout):
         return vocab_parallel_cross_entropy(logits, targets, mesh)
 
     dp_rank, dp = mesh.coordinate("dp"), mesh.axis_size("dp")
-    local = GLOBAL_BATCH // dp
+    # uneven=1 (dp=2): a global batch of 10 held as 4 + 6, like an epoch's last batch.
+    sizes = [4, 6] if cfg["uneven"] else [GLOBAL_BATCH // dp] * dp
+    begin, local = sum(sizes[:dp_rank]), sizes[dp_rank]
     losses, grads, widest = [], {}, 0
     for step in range(STEPS):
-        inputs, targets = batch(step, GLOBAL_BATCH)
-        x, y = inputs[dp_rank * local:(dp_rank + 1) * local], targets[dp_rank * local:(dp_rank + 1) * local]
+        inputs, targets = batch(step, sum(sizes))
+        x, y = inputs[begin:begin + local], targets[begin:begin + local]
         opt.zero_grad()
         if cfg["direct"]:
             # Without a pipeline the wrapped model is an ordinary module.

@@ -127,6 +127,25 @@ def test_parity_with_one_process(name):
         assert norm_rel <= PARAM_NORM_REL, f"{name}: full_state_dict()[{pname!r}] differs by {norm_rel}"
 
 
+@pytest.mark.parametrize("layout", ["dp=2,m=2,uneven=1", "dp=2,zero=3,uneven=1",
+                                    "pp=2,dp=2,m=2,layers=4,uneven=1"])
+def test_uneven_batches_train_on_the_global_batch_mean(layout):
+    """A global batch of 10 held as 4 + 6 on two dp ranks (the last batch of an epoch):
+    train_step's loss and gradients are the mean over all 10 samples, as one process's; the
+    unweighted mean of the two ranks' means would differ by ~2% in the loss."""
+    layers = layers_of(layout)
+    ref_losses, ref_state = train_reference(global_batch=10, layers=layers)
+    ranks = 4 if "pp=2" in layout else 2
+    results = run_ok(ranks, layout)
+    for rank, res in enumerate(results):
+        for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
+            assert got == pytest.approx(want, rel=LOSS_REL), f"{layout} rank {rank}: loss of step {step}"
+    full = results[0]["full"]
+    for pname, want in ref_state.items():
+        norm_rel = ((full[pname] - want).norm() / max(want.norm().item(), 1e-6)).item()
+        assert norm_rel <= PARAM_NORM_REL, f"{layout}: {pname} differs by {norm_rel} in norm"
+
+
 def test_inconsistent_action_lists_are_refused_on_every_rank_before_running():
     results = run_ok(2, "bad_schedule", timeout=60)
     for rank, res in enumerate(results):

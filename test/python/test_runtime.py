@@ -126,6 +126,18 @@ def test_failed_collective_error_repeats_on_every_later_call(stage):
         assert seconds < 5, f"a later call waited {seconds:.1f} s instead of failing at once"
 
 
+def test_ranks_asking_for_different_meshes_fail_fast_naming_each_request():
+    import time
+    start = time.monotonic()
+    r = launch(2, "mesh_disagree", env={"MONARCH_TIMEOUT_S": "60"}, timeout=120, via="env")
+    elapsed = time.monotonic() - start
+    assert not r.timed_out, r.describe()
+    assert elapsed < 30, f"took {elapsed:.0f} s: the disagreement should be found before any group connects"
+    for rank in range(2):
+        assert r.codes[rank] != 0, r.describe()
+        assert "rank 0: pp=1 dp=2 tp=1" in r.errors[rank] and "rank 1: pp=1 dp=1 tp=2" in r.errors[rank], r.describe()
+
+
 def test_bad_setups_are_refused():
     r = launch(2, "dp_mismatch", via="env")
     assert r.codes == [1, 1], r.describe()

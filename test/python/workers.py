@@ -185,6 +185,9 @@ def main(scenario):
     if scenario == "mesh_too_big":
         torch_monarch.device_mesh(dp=world.size + 1)
         return 0
+    if scenario == "mesh_disagree":  # rank 0 asks for data parallelism, the others for tp
+        torch_monarch.device_mesh(dp=world.size) if world.rank == 0 else torch_monarch.device_mesh(tp=world.size)
+        return 0
     mesh = torch_monarch.device_mesh()
     if scenario in ("dp", "dp_on_torch_distributed"):
         result = train_dp(mesh, die_at=int(os.environ.get("MONARCH_TEST_DIE_AT_STEP", "0")) or None)

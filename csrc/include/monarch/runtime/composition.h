@@ -142,7 +142,12 @@ class Composition {
 
   // Forward and backward of this dp rank's batch in the layout's micro-batches; gradients
   // synchronised (dp, tied weights). Returns the global batch's mean loss on every rank.
-  double train_step(const ForwardFn& forward, const LossFn& loss);
+  // `samples`: this rank's batch size. Given, the ranks may hold different numbers (one
+  // scalar all-reduce finds the total) and losses and gradients are the mean over all of
+  // the global batch's samples, as one process would compute it, provided `loss` returns
+  // the mean over its micro-batch's samples (a loss that averages over tokens, e.g. with
+  // ignore_index, is weighted by samples all the same). -1: the ranks hold equal batches.
+  double train_step(const ForwardFn& forward, const LossFn& loss, int64_t samples = -1);
   // Forward only through the pipeline (inference); `forward` keeps what it needs.
   void predict(const ForwardFn& forward);
 
@@ -167,6 +172,7 @@ class Composition {
 
  private:
   double global_mean(double value);
+  double sample_weight(int64_t samples);
   void set_sync(bool sync);
   Layout layout_;
   std::shared_ptr<DeviceMesh> mesh_;

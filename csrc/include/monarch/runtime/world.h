@@ -58,6 +58,11 @@ class World {
   compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
   // For ranks outside a group the others are creating: keeps group ids aligned everywhere.
   void skip_group() const { ++groups_created_; }
+  // Every rank publishes `request` (what it is about to build) under a key only this call
+  // uses, reads every rank's, and throws on every rank, naming each rank's request, when
+  // they differ: ranks that would connect different groups fail within seconds instead of
+  // waiting out the timeout. Collective: every rank calls it at the same point.
+  void agree(const std::string& what, const std::string& request) const;
 
  private:
   World(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout);
@@ -66,6 +71,7 @@ class World {
   int size_;
   std::chrono::milliseconds timeout_;
   mutable std::atomic<int64_t> groups_created_{0};
+  mutable std::atomic<int64_t> agreements_{0};
 };
 
 }  // namespace monarch
