@@ -189,13 +189,17 @@ def dumps(plan, indent=2):
 
 
 def load(path):
-    """Reads a plan JSON file (FileNotFoundError if missing, ValueError if malformed)."""
-    with open(os.fspath(path), "r", encoding="utf-8") as f:
-        return Plan.from_json(f.read())
+    """Reads a plan JSON file (FileNotFoundError if missing; FormatError / ValidationError,
+    both ValueErrors, if it is not a valid plan, a binary file included), as monarch-plan."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"plan file {path!r} does not exist")
+    return _P.load_plan(path)
 
 
 def save(plan, path):
-    """Writes a plan as JSON, exactly as ``monarch-plan`` does."""
+    """Writes a plan as JSON, exactly as ``monarch-plan`` does; a plan that ``load`` would
+    refuse is refused here (ValidationError) and nothing is written."""
     _P.save_plan(plan, os.fspath(path))
 
 

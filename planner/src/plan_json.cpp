@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <set>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -454,11 +455,30 @@ std::string error_detail(const char* what) {
 class PositionedDomParser : public nlohmann::detail::json_sax_dom_parser<Json> {
  public:
   using json_sax_dom_parser::json_sax_dom_parser;
+  // A key twice in one object: JSON parsers keep one of them silently (nlohmann the last),
+  // so a hand-edited plan would not say what its reader sees. Refused, by name.
+  bool start_object(std::size_t n) {
+    keys_.emplace_back();
+    return json_sax_dom_parser::start_object(n);
+  }
+  bool key(string_t& k) {
+    if (!keys_.empty() && !keys_.back().insert(k).second) {
+      throw FormatError("plan JSON: key '" + k + "' appears twice in one object (only one would be read)");
+    }
+    return json_sax_dom_parser::key(k);
+  }
+  bool end_object() {
+    if (!keys_.empty()) keys_.pop_back();
+    return json_sax_dom_parser::end_object();
+  }
   template <class Exception>
   bool parse_error(std::size_t byte, const std::string& /*token*/, const Exception& e) {
     throw FormatError("plan JSON: parse error at byte " + std::to_string(byte) + ": " +
                       error_detail(e.what()));
   }
+
+ private:
+  std::vector<std::set<std::string>> keys_;
 };
 
 Json parse_text(const std::string& text) {
@@ -559,6 +579,7 @@ Plan load_plan(const std::string& path) {
 }
 
 void save_plan(const Plan& plan, const std::string& path) {
+  validate(plan);  // never write what load_plan would refuse
   const std::string text = to_json(plan) + "\n";
   errno = 0;
   File f(std::fopen(path.c_str(), "wb"));

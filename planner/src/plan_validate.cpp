@@ -174,6 +174,66 @@ void check_transformer(const Plan& p) {
   const std::string owner = "transformer '" + t.name + "'";
   check_divides(p.mesh.tp, t.heads, "heads", owner);
   check_divides(p.mesh.tp, t.kv_heads > 0 ? t.kv_heads : t.heads, "kv_heads", owner);
+  // Sequence parallelism splits the sequence over the tp ranks (Korthikanti et al. 2022).
+  if (p.sequence_parallel && t.seq > 0 && t.seq % p.mesh.tp != 0) {
+    throw ValidationError("sequence_parallel", "splits the sequence over tp=" + str(p.mesh.tp) +
+                                                   ", which does not divide seq=" + str(t.seq) + " (" + owner + ")");
+  }
+}
+
+// Layer names identify layers (the runtime matches them to the model): each appears once.
+void check_layer_names(const Plan& p) {
+  for (size_t i = 0; i < p.layers.size(); ++i) {
+    if (p.layers[i].name.empty()) throw ValidationError(layer_path(i) + ".name", "must not be empty");
+    for (size_t j = 0; j < i; ++j) {
+      if (p.layers[j].name == p.layers[i].name) {
+        throw ValidationError(layer_path(i) + ".name", "'" + p.layers[i].name + "' is also " + layer_path(j) +
+                                                          "'s name (each layer appears once)");
+      }
+    }
+  }
+}
+
+// model.params against the layers': at most their sum, and at least half of it (a weight
+// shared by two layers, e.g. a tied embedding and head, is counted once in the model).
+void check_param_total(const Plan& p) {
+  int64_t sum = 0;
+  for (const auto& l : p.layers) sum += l.params;
+  if (p.model_params > sum || 2 * p.model_params < sum) {
+    throw ValidationError("model.params", str(p.model_params) + " does not fit the layers, which hold " + str(sum) +
+                                              " parameters (the model has at most that, and at least half of it "
+                                              "when layers share weights)");
+  }
+}
+
+void check_prediction(const Plan& p) {
+  const Prediction& q = p.prediction;
+  const std::pair<const char*, double> fields[] = {
+      {"prediction.step_time_s", q.step_time_s},
+      {"prediction.memory_bytes_per_device", q.memory_bytes_per_device},
+      {"prediction.tokens_per_s", q.tokens_per_s},
+      {"prediction.tflops_per_device", q.tflops_per_device},
+      {"prediction.mfu", q.mfu},
+      {"prediction.bubble_fraction", q.bubble_fraction},
+      {"prediction.time.compute", q.time.compute},
+      {"prediction.time.recompute", q.time.recompute},
+      {"prediction.time.tp_comm", q.time.tp_comm},
+      {"prediction.time.dp_comm", q.time.dp_comm},
+      {"prediction.time.pp_comm", q.time.pp_comm},
+      {"prediction.time.bubble", q.time.bubble},
+      {"prediction.time.optimizer", q.time.optimizer},
+      {"prediction.time.total", q.time.total},
+      {"prediction.memory.params", q.memory.params},
+      {"prediction.memory.grads", q.memory.grads},
+      {"prediction.memory.optimizer", q.memory.optimizer},
+      {"prediction.memory.activations", q.memory.activations},
+      {"prediction.memory.buffers", q.memory.buffers},
+  };
+  for (const auto& [field, value] : fields) {
+    if (!std::isfinite(value) || value < 0) {
+      throw ValidationError(field, "must be a finite number >= 0, got " + std::to_string(value));
+    }
+  }
 }
 
 }  // namespace
@@ -188,8 +248,11 @@ void validate(const Plan& plan) {
   check_schedule(plan);
   check_options(plan);
   check_stages(plan);
+  check_layer_names(plan);
   for (size_t i = 0; i < plan.layers.size(); ++i) check_layer(plan, i);
+  check_param_total(plan);
   check_transformer(plan);
+  check_prediction(plan);
 }
 
 void validate(const Plan& plan, const ModelGraph& graph) {

@@ -122,6 +122,9 @@ void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingC
   if (pins.sequence_parallel && *pins.sequence_parallel && pins.tp && *pins.tp == 1) {
     fail("pins.sequence_parallel", "needs tp > 1");
   }
+  if (pins.sequence_parallel && *pins.sequence_parallel && world == 1) {
+    fail("pins.sequence_parallel", "needs tp > 1, and the cluster has one device");
+  }
 }
 
 struct Candidate {
@@ -312,9 +315,13 @@ class Searcher {
   }
 
   std::vector<bool> sequence_parallel_options(int64_t tp) {
-    // Sequence parallelism splits along the tp group: with tp=1 there is nothing to split
-    // (and a plan with it on does not validate), whatever the pin says.
-    if (tp == 1) return {false};
+    // Sequence parallelism splits along the tp group: with tp=1 there is nothing to split.
+    // Pinned on, it pins tp > 1 too: meshes with tp=1 are not candidates (never a plan that
+    // silently dropped the pin; pinning tp=1 with it is refused up front).
+    if (tp == 1) {
+      if (pins_.sequence_parallel && *pins_.sequence_parallel) return {};
+      return {false};
+    }
     if (pins_.sequence_parallel) return {*pins_.sequence_parallel};
     // Same communication volume as plain tp (all-gather + reduce-scatter = all-reduce) and
     // less memory (Korthikanti et al. 2022 Sec. 4.2.2), so it is on whenever tp > 1.

@@ -165,6 +165,17 @@ def test_save_load(gpt3_plan, tmp_path):
     assert planner.load(path) == gpt3_plan
     with pytest.raises(FileNotFoundError):
         planner.load(tmp_path / "missing.json")
+    # A binary file is a FormatError (a ValueError), as monarch-plan says, not a decode error.
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(planner.FormatError):
+        planner.load(binary)
+    # What load() would refuse, save() refuses, writing nothing.
+    bad = copy.deepcopy(gpt3_plan)
+    bad.model_params = 5
+    with pytest.raises(planner.ValidationError, match="model.params"):
+        planner.save(bad, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
 
 
 def test_plan_is_editable_in_place(gpt3_plan):

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "monarch/planner/errors.h"
@@ -386,4 +387,61 @@ TEST_CASE("validate with a graph: same layers and parameter counts", "[plan_vali
   Plan bad = p;
   bad.mesh.tp = 4;
   CHECK_THROWS_WITH(validate(bad, graph_of(p)), StartsWith("mesh:"));
+}
+
+TEST_CASE("validate: each layer name appears once", "[plan_validate]") {
+  Plan p = valid_plan();
+  p.layers[2].name = "blocks.0";  // a duplicated entry
+  CHECK(failing_field(p) == "layers[2].name");
+  CHECK_THROWS_WITH(validate(p), Contains("'blocks.0' is also layers[1]'s name"));
+  p = valid_plan();
+  p.layers[3].name = "";
+  CHECK(failing_field(p) == "layers[3].name");
+}
+
+TEST_CASE("validate: model.params agrees with the layers", "[plan_validate]") {
+  Plan p = valid_plan();
+  p.model_params = 5;
+  CHECK(failing_field(p) == "model.params");
+  p.model_params = valid_plan().model_params + 1;  // more than the layers hold
+  CHECK(failing_field(p) == "model.params");
+  p.model_params = valid_plan().model_params - 256000;  // the head tied to the embedding
+  CHECK_NOTHROW(validate(p));
+}
+
+TEST_CASE("validate: predictions are finite and non-negative", "[plan_validate]") {
+  Plan p = valid_plan();
+  p.prediction.step_time_s = -1;
+  CHECK(failing_field(p) == "prediction.step_time_s");
+  p = valid_plan();
+  p.prediction.memory.activations = std::nan("");
+  CHECK(failing_field(p) == "prediction.memory.activations");
+}
+
+TEST_CASE("validate: sequence parallelism needs tp to divide the sequence", "[plan_validate]") {
+  Plan p = valid_plan();
+  p.sequence_parallel = true;
+  REQUIRE_NOTHROW(validate(p));  // seq 128 on tp=2
+  p.transformer->seq = 127;
+  CHECK(failing_field(p) == "sequence_parallel");
+  CHECK_THROWS_WITH(validate(p), Contains("does not divide seq=127"));
+}
+
+TEST_CASE("plan JSON: a key twice in one object is refused; save never writes an invalid plan", "[plan_validate]") {
+  const Plan p = valid_plan();
+  std::string text = to_json(p);
+  const std::string key = "\"zero_stage\": 0,";
+  const size_t at = text.find(key);
+  REQUIRE(at != std::string::npos);
+  text.insert(at, "\"zero_stage\": 3,\n  ");
+  CHECK_THROWS_AS(plan_from_json(text), FormatError);
+  CHECK_THROWS_WITH(plan_from_json(text), Contains("key 'zero_stage' appears twice"));
+  Plan bad = valid_plan();
+  bad.model_params = 5;
+  const std::string path = "/tmp/monarch-invalid-plan-test.json";
+  std::remove(path.c_str());
+  CHECK_THROWS_AS(save_plan(bad, path), ValidationError);
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  CHECK(f == nullptr);  // nothing written
+  if (f) std::fclose(f);
 }

@@ -178,13 +178,17 @@ TEST_CASE("a tied embedding counts once in memory", "[search][memory]") {
   validate(p, g);
 }
 
-TEST_CASE("sequence parallelism pinned on stays off where tp = 1", "[search]") {
+TEST_CASE("sequence parallelism pinned on is never dropped: it implies tp > 1", "[search]") {
   Pins pins;
   pins.sequence_parallel = true;
   const ModelGraph g = tiny_model();
-  const Plan p = search(g, cluster_preset("cpu", 1), batch(8), with_pins(pins));
-  CHECK(p.mesh.tp == 1);
-  CHECK_FALSE(p.sequence_parallel);
+  // One device: no tp to split along; refused by name rather than planned without it.
+  CHECK_THROWS_WITH(search(g, cluster_preset("cpu", 1), batch(8), with_pins(pins)),
+                    Catch::Matchers::Contains("pins.sequence_parallel"));
+  // Four devices: only layouts with tp > 1 are candidates.
+  const Plan p = search(g, cluster_preset("cpu", 4), batch(8), with_pins(pins));
+  CHECK(p.mesh.tp > 1);
+  CHECK(p.sequence_parallel);
   CHECK_NOTHROW(validate(p, g));
 }
 
