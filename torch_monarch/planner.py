@@ -95,7 +95,11 @@ def _set_fields(obj, overrides, enums, what):
                 value = [_enum(enum_type, v, f"{key}[{i}]") for i, v in enumerate(value)]
             else:
                 value = _enum(enum_type, value, key)
-        setattr(obj, key, value)
+        try:
+            setattr(obj, key, value)
+        except TypeError:
+            raise TypeError(f"{what}.{key}: expected {type(getattr(obj, key)).__name__}, got "
+                            f"{type(value).__name__} {value!r}") from None
     return obj
 
 
@@ -121,15 +125,23 @@ def cluster(name, devices, **overrides):
 def training(global_batch, **overrides):
     """TrainingConfig for `global_batch` sequences per step; keywords override fields."""
     t = TrainingConfig()
-    t.global_batch = global_batch
-    _set_fields(t, overrides, {"compute_dtype": DType, "schedules": ScheduleKind}, "training")
+    _set_fields(t, {"global_batch": global_batch, **overrides},
+                {"compute_dtype": DType, "schedules": ScheduleKind}, "training")
     validate(t)
     return t
 
 
 def pins(*, tp=None, pp=None, dp=None, zero=None, micro_batch=None, schedule=None,
          recompute=None, sequence_parallel=None, virtual_stages=None):
-    """Pins from keywords; None leaves a choice to the search."""
+    """Pins from keywords; None leaves a choice to the search. A value of the wrong type is
+    a TypeError naming the pin (``pins.tp: expected an integer, got str '2'``)."""
+    for field, value in (("tp", tp), ("pp", pp), ("dp", dp), ("zero", zero), ("micro_batch", micro_batch),
+                         ("virtual_stages", virtual_stages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"pins.{field}: expected an integer, got {type(value).__name__} {value!r}")
+    if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
+        raise TypeError(f"pins.sequence_parallel: expected a bool, got {type(sequence_parallel).__name__} "
+                        f"{sequence_parallel!r}")
     return Pins(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=micro_batch,
                 schedule=_enum(ScheduleKind, schedule, "schedule"),
                 recompute=_enum(Recompute, recompute, "recompute"),

@@ -283,3 +283,12 @@ def test_action_refuses_indices_beyond_32_bits():
         field = next(k for k, v in kwargs.items() if not -(2**31) <= v < 2**31)
         assert info.value.field == field
         assert "out of range for a 32-bit index" in str(info.value)
+
+
+def test_wrong_types_name_the_field(gpt3):
+    with pytest.raises(TypeError, match=r"pins.tp: expected an integer, got str '2'"):
+        planner.plan(gpt3, planner.cluster("a100-80gb", 64), planner.training(512), tp="2")
+    with pytest.raises(TypeError, match="pins.sequence_parallel: expected a bool"):
+        planner.pins(sequence_parallel="on")
+    with pytest.raises(TypeError, match="training.global_batch: expected int, got str"):
+        planner.training("512")
