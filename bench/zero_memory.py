@@ -33,19 +33,9 @@ def vm(field):
     raise RuntimeError(field)
 
 
-def worker(layout, out_dir):
+def make_model():
     import torch
     from torch import nn
-    import torch_monarch
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    if layout == "torch_ddp":
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
-    else:
-        torch_monarch.init()
-        mesh = torch_monarch.device_mesh()
-    baseline = vm("VmRSS")
 
     class Block(nn.Module):
         def __init__(self):
@@ -66,8 +56,54 @@ def worker(layout, out_dir):
                 x = b(x)
             return self.head(x)
 
+    return Model()
+
+
+def predicted_peak(layout, ranks):
+    """The planner's memory for this layout (planner.evaluate on the graph read from the model,
+    a `cpu` cluster of `ranks` devices, fp32 weights, gradients and activations, AdamW's two
+    fp32 moments): parameters + gradients + optimizer state + activations + buffers (ZeRO-3's
+    gathered units and unsharded gradients of the units in flight)."""
+    import torch
+    from torch_monarch import planner
+    from torch_monarch.api import model_graph
+    with torch.device("meta") if hasattr(torch, "device") and hasattr(torch.device, "__enter__") else _nullcontext():
+        model = make_model()
+    _, graph = model_graph(model, torch.randn(1, WIDTH), dtype="fp32")
+    training = planner.training(BATCH * ranks, compute_dtype="fp32", param_bytes=4.0, grad_bytes=4.0,
+                                optimizer_bytes=8.0, activation_bytes=4.0)
+    zero = 0 if layout in ("dp", "torch_ddp") else int(layout[-1])
+    plan = planner.evaluate(graph, planner.cluster("cpu", ranks), training, tp=1, pp=1, dp=ranks, zero=zero,
+                            micro_batch=BATCH, schedule="none", recompute="none", allow_over_memory=True)
+    m = plan.prediction.memory
+    return {"total": plan.prediction.memory_bytes_per_device, "params": m.params, "grads": m.grads,
+            "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def worker(layout, out_dir):
+    import torch
+    from torch import nn
+    import torch_monarch
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if layout == "torch_ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    else:
+        torch_monarch.init()
+        mesh = torch_monarch.device_mesh()
+    baseline = vm("VmRSS")
+
     torch.manual_seed(0)
-    model = Model()
+    model = make_model()
     if layout == "torch_ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         params = list(wrapped.parameters())
@@ -115,14 +151,18 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     model_bytes = (BLOCKS * 2 * (WIDTH * WIDTH + WIDTH) + WIDTH * WIDTH) * 4
-    results = {"model_bytes": model_bytes, "steps": STEPS, "batch_per_rank": BATCH, "ranks": {}}
-    print(f"model {model_bytes / 2**20:.0f} MiB fp32, AdamW; peak growth per rank (worst rank), MiB")
-    print(f"{'ranks':>5} " + " ".join(f"{l:>10}" for l in args.layouts) + "   zero3/dp")
+    results = {"model_bytes": model_bytes, "steps": STEPS, "batch_per_rank": BATCH, "ranks": {}, "predicted": {}}
+    print(f"model {model_bytes / 2**20:.0f} MiB fp32, AdamW; peak growth per rank (worst rank), MiB, "
+          f"measured / planner's prediction")
+    print(f"{'ranks':>5} " + " ".join(f"{l:>16}" for l in args.layouts) + "   zero3/dp")
     for n in args.ranks:
         row = {layout: run(layout, n) for layout in args.layouts}
+        predicted = {layout: predicted_peak(layout, n) for layout in args.layouts}
         results["ranks"][str(n)] = row
+        results["predicted"][str(n)] = predicted
         ratio = row["zero3"] / row["dp"] if "zero3" in row and "dp" in row else float("nan")
-        print(f"{n:>5} " + " ".join(f"{row[l] / 2**20:>10.0f}" for l in args.layouts) + f"   {ratio:>8.2f}")
+        cells = " ".join(f"{row[l] / 2**20:>8.0f} /{predicted[l]['total'] / 2**20:>6.0f}" for l in args.layouts)
+        print(f"{n:>5} {cells}   {ratio:>8.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -229,23 +229,33 @@ void FullyShardEngine::free_parameters(int64_t unit) {
 void FullyShardEngine::sync_parameters() {
   if (sharded_parameters()) return;
   at::NoGradGuard no_grad;
-  std::vector<std::pair<int64_t, at::Tensor>> gathers;
-  std::vector<Handle> handles;
+  // Unit by unit with one gather in flight behind the one being unpacked: the padded
+  // outputs of two units exist at a time, not a second copy of the whole model.
+  struct InFlight {
+    int64_t unit;
+    at::Tensor padded;
+    Handle handle;
+  };
+  std::vector<InFlight> flight;
+  auto finish = [&](InFlight& g) {
+    g.handle.wait();
+    Unit& u = units_[g.unit];
+    for (size_t i = 0; i < u.params.size(); ++i) unpack(u, i, g.padded, u.full.narrow(0, u.offsets[i], u.numels[i]));
+    u.shard_version = u.flat_shard._version();
+  };
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
     if (u.numel == 0 || u.flat_shard._version() == u.shard_version) continue;
     // In the compute dtype: what the parameters hold (bf16 training moves half the bytes).
-    auto gathered = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
-    handles.push_back(group_.all_gather(gathered, u.flat_shard.to(options_.compute_dtype)));
-    gathers.emplace_back(k, gathered);
+    auto padded = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
+    Handle h = group_.all_gather(padded, u.flat_shard.to(options_.compute_dtype));
+    flight.push_back({k, padded, std::move(h)});
+    if (flight.size() == 2) {
+      finish(flight.front());
+      flight.erase(flight.begin());
+    }
   }
-  for (size_t g = 0; g < handles.size(); ++g) {
-    handles[g].wait();
-    Unit& u = units_[gathers[g].first];
-    const auto& padded = gathers[g].second;
-    for (size_t i = 0; i < u.params.size(); ++i) unpack(u, i, padded, u.full.narrow(0, u.offsets[i], u.numels[i]));
-    u.shard_version = u.flat_shard._version();
-  }
+  for (auto& g : flight) finish(g);
 }
 
 void FullyShardEngine::before_forward(int64_t unit) {

@@ -361,7 +361,8 @@ struct RankLoad {
   double params = 0;
   double activations_per_micro_batch = 0;  // summed over the rank's chunks
   double workspace = 0;
-  double largest_gathered = 0;             // ZeRO-3 gather buffer
+  double largest_gathered = 0;             // ZeRO-3: largest sharding unit
+  double root_params = 0;                  // ZeRO-3: parameters outside the units
   double compute_s = 0, recompute_s = 0, tp_comm_s = 0, zero_exposed_s = 0;
   double backward_s = 0;                   // one micro-batch, all chunks
   double p2p_bytes = 0;                    // largest stage output it sends
@@ -409,7 +410,11 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     r.activations_per_micro_batch += e.activation_bytes_per_micro_batch;
     r.workspace = std::max(r.workspace, e.workspace_bytes);
     for (int64_t i = first[s]; i <= last[s]; ++i) {
-      r.largest_gathered = std::max(r.largest_gathered, costs[i].params);
+      if (plan.layers[i].sharding_unit) {
+        r.largest_gathered = std::max(r.largest_gathered, costs[i].params);
+      } else {
+        r.root_params += costs[i].params;  // ZeRO-3's root unit: gathered through the step
+      }
     }
     r.compute_s += e.compute_s;
     r.recompute_s += e.recompute_s;
@@ -504,7 +509,17 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     mem.activations = load.activations_per_micro_batch * in_flight + load.workspace;
     double buffers = 0;
     if (layout.dp > 1 && layout.zero_stage >= 3) {
-      buffers += 2 * load.largest_gathered * training.param_bytes;  // current + prefetched unit
+      // The runtime's working set (fully_shard.cpp): the unit computing, the next one
+      // prefetched and its all-gather output while it is unpacked (3 units of parameters);
+      // the unsharded gradients of the unit being filled and of the one being reduced (2);
+      // the root unit (layers outside the units) whole with its gradient for the whole step.
+      buffers += 3 * load.largest_gathered * training.param_bytes + 2 * load.largest_gathered * training.grad_bytes +
+                 load.root_params * (training.param_bytes + training.grad_bytes);
+    } else if (layout.dp > 1 && layout.zero_stage == 0) {
+      // DDP's buckets hold every gradient a second time (gradients are copied into them and
+      // averaged there), allocated once: the rank's whole gradient, not two buckets (Li et al.
+      // 2020, Sec. 3.2.3; the runtime's DataParallelEngine does the same).
+      buffers += load.params * training.grad_bytes;
     } else if (layout.dp > 1) {
       // Bucket being filled + bucket in flight.
       buffers += 2 * std::min(load.params * training.grad_bytes, training.dp_bucket_bytes);

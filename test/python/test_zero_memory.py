@@ -2,7 +2,8 @@
 data parallelism's on the same 272 MiB model, measured by bench/zero_memory.py in jobs
 started by the launcher: gathered units are freed as soon as their backward is done (their
 storage emptied, so autograd's saved views of it hold nothing), full gradients never outlive
-their unit's reduction, and at most two units' gradient buffers exist at once."""
+their unit's reduction, and at most two units' gradient buffers exist at once; and the peak
+is what the planner predicts for the layout, within 15%."""
 
 import json
 import os
@@ -29,3 +30,9 @@ def test_zero3_peak_memory_is_a_fraction_of_data_parallel():
         assert row["zero3"] <= limit * row["dp"], (ranks, row)
     # The sharded part shrinks with the ranks.
     assert r["ranks"]["4"]["zero3"] < r["ranks"]["2"]["zero3"]
+    # Measured beside the planner's prediction for the same layout (planner.evaluate on the
+    # graph read from the model): within 15% for both layouts on both rank counts.
+    for ranks in ("2", "4"):
+        for layout in ("dp", "zero3"):
+            measured, predicted = r["ranks"][ranks][layout], r["predicted"][ranks][layout]["total"]
+            assert abs(measured / predicted - 1) <= 0.15, (ranks, layout, measured, r["predicted"][ranks][layout])
