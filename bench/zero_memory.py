@@ -67,9 +67,7 @@ def predicted_peak(layout, ranks):
     import torch
     from torch_monarch import planner
     from torch_monarch.api import model_graph
-    with torch.device("meta") if hasattr(torch, "device") and hasattr(torch.device, "__enter__") else _nullcontext():
-        model = make_model()
-    _, graph = model_graph(model, torch.randn(1, WIDTH), dtype="fp32")
+    _, graph = model_graph(make_model(), torch.randn(1, WIDTH), dtype="fp32")
     training = planner.training(BATCH * ranks, compute_dtype="fp32", param_bytes=4.0, grad_bytes=4.0,
                                 optimizer_bytes=8.0, activation_bytes=4.0)
     zero = 0 if layout in ("dp", "torch_ddp") else int(layout[-1])
@@ -78,14 +76,6 @@ def predicted_peak(layout, ranks):
     m = plan.prediction.memory
     return {"total": plan.prediction.memory_bytes_per_device, "params": m.params, "grads": m.grads,
             "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def worker(layout, out_dir):

@@ -271,7 +271,10 @@ void FullyShardEngine::before_forward(int64_t unit) {
 
 void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>& outputs) {
   if (!sharded_parameters() || !at::GradMode::is_enabled()) {
-    if (sharded_parameters() && unit != 0 && options_.reshard_after_forward) free_parameters(unit);
+    // Without autograd nothing needs the unit again this step, the root included (it ends
+    // the forward): freed, so the next forward gathers what a load or an optimizer step
+    // wrote into the shards meanwhile.
+    if (sharded_parameters()) free_parameters(unit);
     return;
   }
   units_[unit].backward_ready = false;
@@ -300,8 +303,8 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
   Unit& u = units_[unit];
   if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
   if (grad.defined()) pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(at::kFloat));
-  // The accumulator's copy is not needed: the unit's flat buffer holds it (stage 1 puts the
-  // reduced gradient back in .grad when the step's backward ends).
+  // The accumulator's copy is not needed: the unit's flat buffer holds it (the optimizer
+  // reads the reduced rows from the shards' .grad; the parameters' .grad stays empty).
   u.params[index].mutable_grad() = at::Tensor();
   if (--u.pending == 0) {
     // Every operation that read the unit's parameters has run its backward (an accumulator
@@ -453,9 +456,11 @@ void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& value
   const int64_t rank = group_.group_rank();
   for (auto& u : units_) {
     if (u.numel == 0) continue;
+    bool given = false;
     for (size_t i = 0; i < u.params.size(); ++i, ++k) {
       const at::Tensor& v = values[k];
       if (!v.defined()) continue;
+      given = true;
       TORCH_CHECK(v.sizes().vec() == u.shapes[i], "monarch: fully_shard: load_full_parameters: parameter ", k,
                   " has shape ", v.sizes(), ", the unit holds ", at::IntArrayRef(u.shapes[i]));
       // My rows; the copy into the flat shard (whose version counter the parameters watch)
@@ -465,6 +470,10 @@ void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& value
       u.flat_shard.narrow(0, u.shard_offsets[i], l * rn)
           .copy_(v.detach().reshape(-1).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
     }
+    // Every rank marks the unit changed, also one holding none of the loaded rows: whether
+    // a unit is re-gathered must be the same decision on all of them (sync_parameters).
+    if (given) torch::autograd::impl::bump_version(u.flat_shard);
+    if (given && sharded_parameters()) free_parameters(&u - units_.data());
   }
 }
 

@@ -332,11 +332,18 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       for (size_t k = 0; k < st->pieces.size(); ++k) {
         if (st->unit[k] > 0) units.emplace_back();
       }
+      // A parameter used by pieces of different units (shared between blocks) joins the root
+      // unit, gathered throughout, as fully_shard does: one unit freeing it would leave the
+      // other without it.
+      std::map<const void*, std::set<int64_t>> units_using;
+      for (size_t k = 0; k < st->pieces.size(); ++k) {
+        for (const auto& [name, t] : pieces[st->pieces[k]].parameters) units_using[id_of(t)].insert(st->unit[k]);
+      }
       std::set<const void*> placed;
       for (size_t k = 0; k < st->pieces.size(); ++k) {
         for (const auto& [name, t] : pieces[st->pieces[k]].parameters) {
           if (tied_ids.count(id_of(t)) || !placed.insert(id_of(t)).second) continue;
-          units[st->unit[k]].push_back(t);
+          units[units_using[id_of(t)].size() > 1 ? 0 : st->unit[k]].push_back(t);
         }
       }
       for (const auto& u : units) {

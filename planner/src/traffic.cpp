@@ -13,8 +13,8 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   const int64_t pp = plan.mesh.pp, d = plan.mesh.dp, stages = plan.num_stages();
   const double m = static_cast<double>(plan.num_micro_batches);
   const size_t n = plan.layers.size();
+  validate(plan, graph);  // stages in range and non-empty, the plan made for this graph
   std::vector<AxisBytes> out(pp);
-  if (n != graph.layers.size()) return out;  // validate(plan, graph) says why
 
   std::vector<int64_t> first(stages, -1), last(stages, -1);
   for (size_t i = 0; i < n; ++i) {

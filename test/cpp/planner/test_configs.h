@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "monarch/planner/model_graph.h"
+#include "monarch/planner/training_config.h"
 
 namespace monarch::planner {
 
@@ -17,6 +18,18 @@ inline TransformerConfig transformer_config(int64_t layers, int64_t hidden, int6
   c.vocab = vocab;
   c.tied_embeddings = tied_embeddings;
   return c;
+}
+
+// Pins for one fully given layout (what evaluate_layout scores).
+inline Pins layout_pins(int64_t tp, int64_t pp, int64_t dp, int64_t zero, int64_t micro_batch, ScheduleKind schedule) {
+  Pins pins;
+  pins.tp = tp;
+  pins.pp = pp;
+  pins.dp = dp;
+  pins.zero_stage = zero;
+  pins.micro_batch_size = micro_batch;
+  pins.schedule = schedule;
+  return pins;
 }
 
 }  // namespace monarch::planner

@@ -11,18 +11,6 @@ using namespace monarch::planner;
 
 namespace {
 
-// Pins for one fully given layout (what evaluate_layout scores).
-Pins layout_pins(int64_t tp, int64_t pp, int64_t dp, int64_t zero, int64_t micro_batch, ScheduleKind schedule) {
-  Pins pins;
-  pins.tp = tp;
-  pins.pp = pp;
-  pins.dp = dp;
-  pins.zero_stage = zero;
-  pins.micro_batch_size = micro_batch;
-  pins.schedule = schedule;
-  return pins;
-}
-
 ModelGraph gpt3() {
   TransformerConfig c;
   c.name = "gpt3-175b";

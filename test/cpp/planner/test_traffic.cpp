@@ -32,13 +32,7 @@ Setup tiny(int64_t devices, bool tied) {
 }
 
 Plan pinned(const Setup& s, int64_t pp, int64_t dp, int64_t tp, int64_t zero, int64_t mbs, ScheduleKind schedule) {
-  Pins p;
-  p.pp = pp;
-  p.dp = dp;
-  p.tp = tp;
-  p.zero_stage = zero;
-  p.micro_batch_size = mbs;
-  p.schedule = schedule;
+  Pins p = layout_pins(tp, pp, dp, zero, mbs, schedule);
   p.recompute = Recompute::none;
   p.sequence_parallel = false;
   return evaluate_layout(s.graph, s.cluster, s.training, p, /*allow_over_memory=*/true);
