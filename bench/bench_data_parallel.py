@@ -2,7 +2,8 @@
 
 Two ranks with Gloo on loopback train the same GPT-style model on the same data with:
 torch DDP, torch_monarch.DataParallel, DataParallel with bf16 compression, and
-torch_monarch.fully_shard (ZeRO-3), interleaved step by step. Reports the median step time (and its ratio to DDP),
+torch_monarch.fully_shard (ZeRO-3), interleaved step by step; DP and ZeRO-3 also run with
+collective agreement off (MONARCH_CHECK_COLLECTIVES=off) to show what the checks cost. Reports the median step time (and its ratio to DDP),
 bytes each rank sends per step, and each rank's persistent parameter + gradient +
 optimizer storage. Prints a table and writes JSON (default bench/results/data_parallel.json).
 
@@ -75,12 +76,12 @@ class Engine:
         if name == "torch DDP":
             self.wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
         elif name.startswith("monarch DP"):
-            self.mesh = torch_monarch.device_mesh()
+            self.mesh = self.make_mesh(name)
             self.wrapped = torch_monarch.DataParallel(
                 model, mesh=self.mesh, bucket_cap_mb=25,
                 gradient_compression="bf16" if "bf16" in name else None)
         else:  # monarch ZeRO-3
-            self.mesh = torch_monarch.device_mesh()
+            self.mesh = self.make_mesh(name)
             self.wrapped = torch_monarch.fully_shard(model, mesh=self.mesh, zero_stage=3)
         self.params = list(self.wrapped.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=1e-3)
@@ -89,6 +90,17 @@ class Engine:
         self.gen = torch.Generator().manual_seed(rank)
         self.times = []
         self.steps = 0
+
+    @staticmethod
+    def make_mesh(name):
+        """Collective agreement (fingerprints before each collective) is read per group when
+        the mesh is made: "checks off" engines run without it, to show what it costs."""
+        import torch_monarch
+        os.environ["MONARCH_CHECK_COLLECTIVES"] = "off" if "checks off" in name else "all"
+        try:
+            return torch_monarch.device_mesh()
+        finally:
+            del os.environ["MONARCH_CHECK_COLLECTIVES"]
 
     def step(self):
         tokens = torch.randint(VOCAB, (BATCH_PER_RANK, SEQ + 1), generator=self.gen)
@@ -132,7 +144,8 @@ def worker(steps, out):
     torch_monarch.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     engines = [Engine(name, rank, world)
-               for name in ("torch DDP", "monarch DP", "monarch DP bf16", "monarch ZeRO-3")]
+               for name in ("torch DDP", "monarch DP", "monarch DP checks off", "monarch DP bf16",
+                            "monarch ZeRO-3", "monarch ZeRO-3 checks off")]
     # Interleaved: every round runs one step of each engine, so drifts in machine speed
     # (frequency, other load) hit all engines alike.
     for _ in range(steps):
@@ -173,12 +186,12 @@ def main():
     params = sum(p.numel() for p in GPT().parameters())
     print(f"2 ranks, Gloo on loopback, GPT {LAYERS}x{HIDDEN} ({params / 1e6:.2f}M params), "
           f"batch {BATCH_PER_RANK}x{SEQ} per rank, median of {ddp['steps_timed']} steps, engines interleaved")
-    print(f"{'engine':<18}{'step ms':>10}{'vs DDP':>9}{'MB sent/step':>15}{'vs DDP':>9}{'persistent MB/rank':>20}{'vs DDP':>9}")
+    print(f"{'engine':<26}{'step ms':>10}{'vs DDP':>9}{'MB sent/step':>15}{'vs DDP':>9}{'persistent MB/rank':>20}{'vs DDP':>9}")
     for r in results:
         r["step_time_ratio_vs_ddp"] = r["median_step_s"] / ddp["median_step_s"]
         r["bytes_ratio_vs_ddp"] = r["bytes_sent_per_step"] / ddp["bytes_sent_per_step"]
         r["persistent_ratio_vs_ddp"] = r["persistent_bytes_per_rank"] / ddp["persistent_bytes_per_rank"]
-        print(f"{r['engine']:<18}{1e3 * r['median_step_s']:>10.1f}{r['step_time_ratio_vs_ddp']:>9.3f}"
+        print(f"{r['engine']:<26}{1e3 * r['median_step_s']:>10.1f}{r['step_time_ratio_vs_ddp']:>9.3f}"
               f"{r['bytes_sent_per_step'] / 1e6:>15.2f}{r['bytes_ratio_vs_ddp']:>9.3f}"
               f"{r['persistent_bytes_per_rank'] / 1e6:>20.2f}{r['persistent_ratio_vs_ddp']:>9.3f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -34,6 +34,7 @@ class DataParallel(nn.Module):
         self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)
 
     def forward(self, *args, **kwargs):
+        self._engine.before_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

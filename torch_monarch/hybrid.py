@@ -212,6 +212,7 @@ class ParallelModel(nn.Module):
         (loads into the unwrapped model): each entry is broadcast along pp from the rank
         holding its stage and, if tp split it, all-gathered along tp. Collective: every rank
         must call it. Memory: the whole model on every rank."""
+        self._composition.expect_all("state_dict()")
         return OrderedDict(self._composition.full_state_dict(self.local_state_dict()))
 
     def state_dict(self, *args, **kwargs):

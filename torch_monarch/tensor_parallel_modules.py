@@ -297,7 +297,7 @@ def _head_count_attributes(model, plan, tp):
     return found
 
 
-def resolve_plan(model: nn.Module, plan=None):
+def resolve_plan(model: nn.Module, plan=None, keep_replicate=False):
     """{module name: style} of the modules tp splits: ``plan`` ({name or glob: style}) with its
     globs expanded, or the name-based ``default_plan``; ``Replicate`` entries dropped. The one
     rule both the model reader (what the planner sees) and ``tensor_parallel`` use."""
@@ -309,7 +309,41 @@ def resolve_plan(model: nn.Module, plan=None):
                 raise ValueError(f"tensor parallel plan: '{pattern}' matches no module of {type(model).__name__}")
             for n in matched:
                 base[n] = style
-    return {n: s for n, s in base.items() if not isinstance(s, Replicate)}
+    return {n: s for n, s in base.items() if keep_replicate or not isinstance(s, Replicate)}
+
+
+def _describe_module(name, module):
+    if isinstance(module, nn.Linear):
+        return f"'{name}' (Linear {module.in_features}->{module.out_features})"
+    if isinstance(module, nn.Embedding):
+        return f"'{name}' (Embedding {module.num_embeddings}x{module.embedding_dim})"
+    return f"'{name}' ({type(module).__name__})"
+
+
+def _check_coverage(model, plan, tp):
+    """tp > 1 must split the work: a plan that splits no linear layer leaves every tp rank
+    computing the whole model (nothing gained, and a loss written for split logits goes
+    wrong), and a vocabulary-sized Linear left whole next to a split embedding hands
+    full-vocabulary logits to a vocabulary-parallel loss. Both are errors listing what was
+    seen, so the user can name the modules (``plan=``) or annotate them
+    (``monarch_tp_style``)."""
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    seen = ", ".join(_describe_module(n, m) for n, m in modules[:24]) + (", ..." if len(modules) > 24 else "")
+    fix = ("name them in plan= ({'blocks.*.attn.qkv': Colwise(fused_parts=3), 'blocks.*.attn.out': Rowwise(), ...}) "
+           "or give their class a monarch_tp_style attribute")
+    if not any(isinstance(s, (Colwise, Rowwise)) for s in plan.values()):  # plan: Replicate entries included
+        raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of {type(model).__name__}'s linear "
+                         f"layers (their names match no known projection): every tp rank would compute the whole "
+                         f"model. Modules seen: {seen or 'none'}. To split them, {fix}; to replicate the model, "
+                         f"use tp=1.")
+    split_vocab = {model.get_submodule(n).num_embeddings for n, s in plan.items() if isinstance(s, VocabEmbedding)}
+    for name, module in modules:
+        if isinstance(module, nn.Linear) and module.out_features in split_vocab and name not in plan:
+            raise ValueError(f"tensor parallel: {_describe_module(name, module)} produces the vocabulary "
+                             f"({module.out_features}, as the split embedding) but is not split: its logits would "
+                             f"be whole on every tp rank, wrong for vocab_parallel_cross_entropy. Mark it "
+                             f"VocabHead() in plan= (or Replicate() to keep it whole and use a plain loss). "
+                             f"Modules seen: {seen}.")
 
 
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -337,9 +371,11 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     """
     group = mesh.group("tp")
     tp = group.size
-    plan = resolve_plan(model, plan)
+    whole = resolve_plan(model, plan, keep_replicate=True)
+    plan = {n: s for n, s in whole.items() if not isinstance(s, Replicate)}
     if tp == 1:
         return model
+    _check_coverage(model, whole, tp)
     head_counts = _head_count_attributes(model, plan, tp)  # checked before anything changes
     shared = {}
     for name, style in plan.items():

@@ -288,6 +288,7 @@ void bind_composition(py::module_& m) {
           },
           arg("forward"))
       .def("local_batch", &Composition::local_batch, arg("global_batch"))
+      .def("expect_all", &Composition::expect_all, py::arg("what"), py::call_guard<py::gil_scoped_release>())
       .def("full_state_dict", &Composition::full_state_dict, arg("local"),
            py::call_guard<py::gil_scoped_release>(), "[(name, tensor)] of the whole model on every rank. Collective.")
       .def("local_slices", &Composition::local_slices, arg("full"), arg("names"))
@@ -350,7 +351,12 @@ PYBIND11_MODULE(_runtime, m) {
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       .def("bytes_sent", [](const Communicator& c, CollectiveKind k) { return c.counters().bytes(k); })
       .def("total_bytes_sent", [](const Communicator& c) { return c.counters().total(); })
-      .def("reset_counters", [](Communicator& c) { c.counters().reset(); });
+      .def("reset_counters", [](Communicator& c) { c.counters().reset(); })
+      .def_property_readonly("step", &Communicator::step)
+      .def_property_readonly("collectives_checked", &Communicator::collectives_checked)
+      .def_property_readonly("checks_collectives", &Communicator::checks_collectives)
+      .def("expect_all", [](Communicator& c, const std::string& what) { c.expect_all(what); }, py::arg("what"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<DeviceMesh, std::shared_ptr<DeviceMesh>>(m, "DeviceMesh")
       .def(py::init([](std::shared_ptr<World> world, int64_t pp, int64_t dp, int64_t tp) {
@@ -389,6 +395,7 @@ PYBIND11_MODULE(_runtime, m) {
            py::arg("params"), py::arg("buffers"), py::arg("mesh"), py::arg("axis") = "dp",
            py::arg("options") = DataParallelOptions(), py::keep_alive<1, 4>())
       .def("set_sync", &DataParallelEngine::set_sync)
+      .def("before_forward", &DataParallelEngine::before_forward)
       .def_property_readonly("sync", &DataParallelEngine::sync)
       .def_property_readonly("num_buckets", &DataParallelEngine::num_buckets)
       .def("bucket_sizes_bytes", &DataParallelEngine::bucket_sizes_bytes);

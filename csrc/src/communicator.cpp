@@ -1,5 +1,8 @@
 #include "monarch/runtime/communicator.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -59,8 +62,27 @@ void Communicator::check_usable() const {
               "' cannot be used after a failed collective (every later call fails the same way): ", *failure_);
 }
 
-Communicator::Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name)
-    : group_(std::move(group)), ranks_(std::move(ranks)), name_(std::move(name)) {
+namespace {
+
+bool checks_from_environment() {
+  const char* value = std::getenv("MONARCH_CHECK_COLLECTIVES");
+  if (value == nullptr || *value == '\0') return true;
+  const std::string v(value);
+  if (v == "off" || v == "0") return false;
+  TORCH_CHECK(v == "all" || v == "1", "monarch: MONARCH_CHECK_COLLECTIVES must be 'all' or 'off', got '", v, "'");
+  return true;
+}
+
+}  // namespace
+
+Communicator::Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name,
+                           c10::intrusive_ptr<c10d::Store> store, std::string key)
+    : group_(std::move(group)),
+      ranks_(std::move(ranks)),
+      name_(std::move(name)),
+      store_(std::move(store)),
+      key_(std::move(key)),
+      check_(checks_from_environment()) {
   group_rank_ = -1;
   for (size_t i = 0; i < ranks_.size(); ++i) {
     if (ranks_[i] == rank) group_rank_ = static_cast<int>(i);
@@ -73,8 +95,140 @@ std::string Communicator::describe(CollectiveKind kind, const at::Tensor& t) con
   out << "rank " << global_rank() << ": " << to_string(kind) << " of " << t.numel() << " "
       << t.scalar_type() << " on group '" << name_ << "' (ranks";
   for (int r : ranks_) out << " " << r;
-  out << ")";
+  out << ") in " << phase_ << ", step " << step_;
   return out.str();
+}
+
+namespace {
+
+// Fingerprint layout (int64 words): what must agree, then the phase's text for messages.
+constexpr int64_t kMagic = 0x4d4f4e4152434821;  // tells a fingerprint from garbage
+constexpr int kWords = 16;
+constexpr int kCompared = 8;  // magic, collective number, step, op, dtype, numel, root, phase hash
+constexpr int kTextBytes = (kWords - kCompared) * 8;
+
+int64_t phase_hash(const char* text) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (const char* c = text; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+const char* op_name(int64_t op) {
+  switch (op) {
+    case 1: return "all_reduce (sum)";
+    case 2: return "all_reduce (average)";
+    case 3: return "all_reduce (max)";
+    case 4: return "reduce_scatter";
+    case 5: return "all_gather";
+    case 6: return "broadcast";
+    case 7: return "all_to_all";
+    case 8: return "barrier";
+  }
+  return "an unknown operation";
+}
+
+std::string describe_fingerprint(const int64_t* w) {
+  if (w[0] != kMagic) return "sent something that is not a collective fingerprint (a call outside monarch on this group?)";
+  std::ostringstream out;
+  out << op_name(w[3]);
+  if (w[3] != 8) out << " of " << w[5] << " " << c10::toString(static_cast<at::ScalarType>(w[4]));
+  if (w[3] == 6) out << " from group rank " << w[6];
+  char text[kTextBytes + 1] = {};
+  std::memcpy(text, w + kCompared, kTextBytes);
+  out << " in " << text << ", step " << w[2] << " (collective #" << w[1] << " on this group)";
+  return out.str();
+}
+
+}  // namespace
+
+void Communicator::agree(Op op, const at::Tensor& t, int64_t root) {
+  if (!check_ || size() == 1) return;
+  auto mine = at::zeros({kWords}, at::kLong);
+  int64_t* w = mine.data_ptr<int64_t>();
+  w[0] = kMagic;
+  w[1] = checked_++;
+  w[2] = step_;
+  w[3] = static_cast<int64_t>(op);
+  w[4] = t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1;
+  w[5] = t.defined() ? t.numel() : 0;
+  w[6] = root;
+  w[7] = phase_hash(phase_);
+  std::strncpy(reinterpret_cast<char*>(w + kCompared), phase_, kTextBytes - 1);
+  auto all = at::empty({size(), kWords}, at::kLong);
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (const auto& row : all.unbind(0)) outputs[0].push_back(row);
+  std::vector<at::Tensor> inputs{mine};
+  std::ostringstream what;
+  what << "rank " << global_rank() << ": agreement check before " << op_name(w[3]) << " of " << w[5]
+       << " elements on group '" << name_ << "' (ranks";
+  for (int r : ranks_) what << " " << r;
+  what << ") in " << phase_ << ", step " << step_;
+  make(group_->allgather(outputs, inputs), what.str()).wait();
+  const int64_t* got = all.data_ptr<int64_t>();
+  bool same = true;
+  for (int r = 1; r < size() && same; ++r) {
+    same = std::equal(got, got + kCompared, got + r * kWords);
+  }
+  if (same) return;
+  std::ostringstream msg;
+  msg << "monarch: rank " << global_rank() << ": the ranks of group '" << name_
+      << "' are not making the same collective call:";
+  bool state_dict = false;
+  for (int r = 0; r < size(); ++r) {
+    msg << "\n  rank " << ranks_[r] << ": " << describe_fingerprint(got + r * kWords);
+    char text[kTextBytes + 1] = {};
+    std::memcpy(text, got + r * kWords + kCompared, kTextBytes);
+    state_dict = state_dict || std::strstr(text, "state_dict") != nullptr;
+  }
+  msg << "\nEvery rank must make the same collectives in the same order, with the same sizes: a rank "
+         "skipped or added a call (an exception caught on one rank only, a call made on some ranks), "
+         "or the ranks were given different batch sizes or options.";
+  if (state_dict) msg << " A sharded model's state_dict() / load_state_dict() is collective: call it on every rank.";
+  *failure_ = msg.str();
+  TORCH_CHECK(false, msg.str());
+}
+
+std::chrono::milliseconds Communicator::entry_timeout() {
+  const char* value = std::getenv("MONARCH_ENTRY_TIMEOUT_S");
+  double seconds = 60;
+  if (value != nullptr && *value != '\0') {
+    char* end = nullptr;
+    seconds = std::strtod(value, &end);
+    TORCH_CHECK(end != value && *end == '\0' && seconds > 0, "monarch: MONARCH_ENTRY_TIMEOUT_S must be a positive "
+                "number of seconds, got '", value, "'");
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void Communicator::expect_all(const std::string& what, std::chrono::milliseconds deadline) {
+  if (size() == 1 || !store_) return;
+  check_usable();
+  const int64_t call = expected_[what]++;
+  const std::string prefix = key_ + "/expect/" + what + "/" + std::to_string(call) + "/";
+  store_->set(prefix + std::to_string(global_rank()), std::vector<uint8_t>{1});
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<int> missing;
+  for (int r : ranks_) {
+    if (r == global_rank()) continue;
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    const auto left = std::max(std::chrono::milliseconds(1), deadline - spent);
+    try {
+      store_->wait({prefix + std::to_string(r)}, left);
+    } catch (const std::exception&) {
+      missing.push_back(r);
+    }
+  }
+  if (missing.empty()) return;
+  std::ostringstream msg;
+  msg << "monarch: rank " << global_rank() << " called " << what << " (call #" << call << " on group '" << name_
+      << "', ranks";
+  for (int r : ranks_) msg << " " << r;
+  msg << ") but rank" << (missing.size() > 1 ? "s" : "");
+  for (int r : missing) msg << " " << r;
+  msg << " did not call it within " << deadline.count() / 1000.0 << " s (MONARCH_ENTRY_TIMEOUT_S): " << what
+      << " is collective on a sharded or parallel model, so every rank must call it (for a checkpoint: call it on "
+         "every rank, then save on rank 0 only).";
+  TORCH_CHECK(false, msg.str());
 }
 
 namespace {
@@ -101,6 +255,7 @@ at::Tensor transport(const at::Tensor& t) {
 Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   check_usable();
   require_flat(buffer, "all_reduce buffer");
+  agree(average ? Op::all_reduce_average : Op::all_reduce, buffer);
   const double n = size();
   counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
   if (size() == 1) return {};
@@ -117,6 +272,7 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
   require_flat(buffer, "all_reduce_max buffer");
   TORCH_CHECK(buffer.scalar_type() == at::kFloat || buffer.scalar_type() == at::kDouble,
               "monarch: all_reduce_max takes fp32 or fp64 buffers, got ", buffer.scalar_type());
+  agree(Op::all_reduce_max, buffer);
   const double n = size();
   counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
   if (size() == 1) return {};
@@ -161,6 +317,7 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   require_flat(input, "reduce_scatter input");
   TORCH_CHECK(input.numel() == output.numel() * size(), "monarch: reduce_scatter input has ",
               input.numel(), " elements, expected ", size(), " x ", output.numel());
+  agree(Op::reduce_scatter, input);
   const double n = size();
   counters_.add(CollectiveKind::reduce_scatter, (n - 1) / n * bytes_of(input));
   if (size() == 1) {
@@ -190,6 +347,7 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
   require_flat(input, "all_gather input");
   TORCH_CHECK(output.numel() == input.numel() * size(), "monarch: all_gather output has ",
               output.numel(), " elements, expected ", size(), " x ", input.numel());
+  agree(Op::all_gather, input);
   const double n = size();
   counters_.add(CollectiveKind::all_gather, (n - 1) / n * bytes_of(output));
   if (size() == 1) {
@@ -208,6 +366,7 @@ Handle Communicator::broadcast(at::Tensor buffer, int root) {
   check_usable();
   require_flat(buffer, "broadcast buffer");
   TORCH_CHECK(root >= 0 && root < size(), "monarch: broadcast root ", root, " not in group '", name_, "'");
+  agree(Op::broadcast, buffer, root);
   if (group_rank_ == root) counters_.add(CollectiveKind::broadcast, bytes_of(buffer));
   if (size() == 1) return {};
   std::vector<at::Tensor> tensors{transport(buffer)};
@@ -239,6 +398,7 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   require_flat(input, "all_to_all input");
   TORCH_CHECK(input.numel() == output.numel() && input.numel() % size() == 0,
               "monarch: all_to_all needs equal input and output sizes divisible by the group size");
+  agree(Op::all_to_all, input);
   const double n = size();
   counters_.add(CollectiveKind::all_to_all, (n - 1) / n * bytes_of(input));
   if (size() == 1) {
@@ -255,6 +415,7 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
 void Communicator::barrier() {
   check_usable();
   if (size() == 1) return;
+  agree(Op::barrier, at::Tensor());
   make(group_->barrier(), "rank " + std::to_string(global_rank()) + ": barrier on group '" + name_ + "'").wait();
 }
 

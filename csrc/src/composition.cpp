@@ -254,6 +254,7 @@ double Composition::sample_weight(int64_t samples) {
 }
 
 double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int64_t samples) {
+  advance_steps();
   const int64_t m = layout_.micro_batches;
   // Each rank's loss is the mean over its samples; scaled by n_r * dp / N, the dp average of
   // gradients and losses becomes the mean over the global batch's N samples, also when the
@@ -316,12 +317,22 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int
 }
 
 void Composition::predict(const ForwardFn& forward) {
+  advance_steps();
   if (!executor_) {
     for (int64_t k = 0; k < layout_.micro_batches; ++k) forward(0, k, {});
     return;
   }
   AutogradStageWork work(layout_.num_stages(), layout_.micro_batches, forward, nullptr, 1.0);
   stats_ = executor_->run(work, /*forward_only=*/true);
+}
+
+void Composition::advance_steps() {
+  for (const char* axis : {"pp", "dp", "tp"}) mesh_->group(axis).advance_step();
+  if (mesh_->has_pipeline_ends_group() && layout_.mesh.pp > 2) mesh_->pipeline_ends_group().advance_step();
+}
+
+void Composition::expect_all(const std::string& what) {
+  for (const char* axis : {"pp", "dp", "tp"}) mesh_->group(axis).expect_all(what);
 }
 
 double Composition::global_mean(double value) {
@@ -354,6 +365,8 @@ std::vector<std::pair<std::string, at::Tensor>> Composition::full_state_dict(
     const std::map<std::string, at::Tensor>& local) {
   const int pp_rank = mesh_->coordinate("pp");
   const int64_t pp = layout_.mesh.pp, tp = layout_.mesh.tp;
+  Communicator::Phase pp_phase(mesh_->group("pp"), "state_dict() (assembling the whole model)");
+  Communicator::Phase tp_phase(mesh_->group("tp"), "state_dict() (assembling the whole model)");
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(entries_.size());
   for (const auto& e : entries_) {

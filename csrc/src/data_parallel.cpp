@@ -30,6 +30,10 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
                 " is not floating point");
   }
   check_same_parameters(params_, group_, "monarch::DataParallel");
+  check_same_options({{"bucket_cap_mb", static_cast<double>(options_.bucket_bytes) / (1024.0 * 1024.0)},
+                      {"gradient_compression (bf16)", options_.bf16_compression ? 1.0 : 0.0},
+                      {"broadcast_from_rank0", options_.broadcast_from_root ? 1.0 : 0.0}},
+                     group_, "monarch::DataParallel");
   if (options_.broadcast_from_root) {
     std::vector<at::Tensor> state = params_;
     state.insert(state.end(), buffers.begin(), buffers.end());
@@ -108,6 +112,7 @@ void DataParallelEngine::on_gradient(size_t index) {
 // Launch in bucket order only, so every rank issues the same collectives in the same order
 // even when gradients become ready in different orders.
 void DataParallelEngine::launch_ready_buckets() {
+  Communicator::Phase phase(group_, "DataParallel backward (gradient all-reduce)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
     if (options_.bf16_compression) {

@@ -47,7 +47,9 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
     for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
     name << "]";
     auto group = world_->new_group(ranks, name.str());
-    groups_[mesh.order[a]] = std::make_unique<Communicator>(group, ranks, world_->rank(), mesh.order[a]);
+    groups_[mesh.order[a]] = std::make_unique<Communicator>(
+        group, ranks, world_->rank(), mesh.order[a], world_->store(),
+        "monarch/group/" + std::to_string(world_->groups_created()) + "/" + name.str());
   }
   // Every rank takes part in the id bookkeeping of the ends group, members or not.
   if (mesh.pp > 2) {
@@ -61,7 +63,9 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       const int last = rank_at(c);
       std::vector<int> ranks{first, last};
       const std::string name = "pp_ends[" + std::to_string(first) + "," + std::to_string(last) + "]";
-      ends_ = std::make_unique<Communicator>(world_->new_group(ranks, name), ranks, world_->rank(), "pp_ends");
+      auto group = world_->new_group(ranks, name);
+      ends_ = std::make_unique<Communicator>(group, ranks, world_->rank(), "pp_ends", world_->store(),
+                                             "monarch/group/" + std::to_string(world_->groups_created()) + "/" + name);
     } else {
       world_->skip_group();
     }

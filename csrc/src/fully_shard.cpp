@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cmath>
 #include <set>
 
 namespace monarch {
@@ -49,6 +50,15 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
       all.push_back(p);
     }
   }
+  // Same parameters split into different units would pair different gathers: name it.
+  double unit_layout = 0;
+  for (const auto& unit : units) unit_layout = unit_layout * 31 + static_cast<double>(unit.size() + 1);
+  check_same_options({{"zero_stage", static_cast<double>(options_.zero_stage)},
+                      {"reshard_after_forward", options_.reshard_after_forward ? 1.0 : 0.0},
+                      {"compute dtype (mixed_precision, as a ScalarType number)", static_cast<double>(options_.compute_dtype)},
+                      {"number of sharding units (units=)", static_cast<double>(units.size())},
+                      {"parameters per sharding unit (units=; a hash)", std::fmod(unit_layout, 1e15)}},
+                     group_, "monarch::FullyShard");
   check_same_parameters(all, group_, "monarch::FullyShard");
   // Deferred: each rank's slice comes from its own initialization of the unit (one owner
   // per slice, so the ranks still describe one model); there is nothing to broadcast.
@@ -229,6 +239,7 @@ void FullyShardEngine::free_parameters(int64_t unit) {
 void FullyShardEngine::sync_parameters() {
   if (sharded_parameters()) return;
   at::NoGradGuard no_grad;
+  Communicator::Phase phase(group_, "fully_shard parameter refresh (after a step or a load)");
   // Unit by unit with one gather in flight behind the one being unpacked: the padded
   // outputs of two units exist at a time, not a second copy of the whole model.
   struct InFlight {
@@ -260,7 +271,11 @@ void FullyShardEngine::sync_parameters() {
 
 void FullyShardEngine::before_forward(int64_t unit) {
   TORCH_CHECK(unit >= 0 && unit < num_units(), "monarch::FullyShard: no unit ", unit);
-  if (unit == 0) recover_if_abandoned();
+  if (unit == 0) {
+    recover_if_abandoned();
+    group_.advance_step();
+  }
+  Communicator::Phase phase(group_, "fully_shard forward");
   if (!sharded_parameters()) {
     if (unit == 0) sync_parameters();
     return;
@@ -292,6 +307,7 @@ void FullyShardEngine::before_backward(int64_t unit) {
   Unit& u = units_[unit];
   if (u.backward_ready) return;
   u.backward_ready = true;
+  Communicator::Phase phase(group_, "fully_shard backward (re-gather)");
   finish_gather(unit);
   if (unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
 }
@@ -327,6 +343,7 @@ void FullyShardEngine::reduce_unit(int64_t unit) {
     u.reduce = Handle();
   } else {
     u.reduced = at::empty({u.shard_numel}, at::kFloat);
+    Communicator::Phase phase(group_, "fully_shard backward (gradient reduce-scatter)");
     u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
   }
   u.reduce_launched = true;
@@ -432,6 +449,10 @@ void FullyShardEngine::recover_if_abandoned() {
 
 std::vector<at::Tensor> FullyShardEngine::full_parameters() {
   at::NoGradGuard no_grad;
+  // The usual "save on rank 0" pattern would otherwise pair rank 0's gathers with whatever
+  // the other ranks do next (or wait out the timeout if they wait elsewhere).
+  group_.expect_all("state_dict()");
+  Communicator::Phase phase(group_, "state_dict() (gathering the shards)");
   std::vector<at::Tensor> out;
   for (auto& u : units_) {
     if (u.numel == 0) continue;  // no parameters, no collective

@@ -449,6 +449,7 @@ std::map<std::string, at::Tensor> ParallelModule::local_state() {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ParallelModule::state_dict() {
+  composition_->expect_all("state_dict()");
   return composition_->full_state_dict(local_state());
 }
 

@@ -1,5 +1,8 @@
 #include "monarch/runtime/replicas.h"
 
+#include <optional>
+#include <sstream>
+
 #include <c10/util/Exception.h>
 
 namespace monarch {
@@ -15,6 +18,7 @@ void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& 
   const int64_t count = static_cast<int64_t>(params.size());
   auto mine = at::tensor({count, elements, static_cast<int64_t>(hash >> 1)}, at::kLong);
   auto all = at::empty({group.size() * 3}, at::kLong);
+  Communicator::Phase phase(group, "the check that every rank wraps the same model");
   group.all_gather(all, mine).wait();
   auto view = all.view({group.size(), 3});
   for (int r = 0; r < group.size(); ++r) {
@@ -29,9 +33,32 @@ void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& 
   }
 }
 
+void check_same_options(const std::vector<std::pair<std::string, double>>& options, Communicator& group,
+                        const char* who) {
+  if (group.size() == 1 || options.empty()) return;
+  const int64_t k = static_cast<int64_t>(options.size());
+  auto mine = at::empty({k}, at::kDouble);
+  for (int64_t i = 0; i < k; ++i) mine[i] = options[i].second;
+  auto all = at::empty({group.size() * k}, at::kDouble);
+  Communicator::Phase phase(group, "the check that every rank passes the same options");
+  group.all_gather(all, mine).wait();
+  auto view = all.view({group.size(), k});
+  std::ostringstream msg;
+  for (int64_t i = 0; i < k; ++i) {
+    bool same = true;
+    for (int r = 1; r < group.size(); ++r) same = same && view[r][i].item<double>() == view[0][i].item<double>();
+    if (same) continue;
+    msg << "\n  " << options[i].first << ":";
+    for (int r = 0; r < group.size(); ++r) msg << (r ? "," : "") << " rank " << group.ranks()[r] << " " << view[r][i].item<double>();
+  }
+  TORCH_CHECK(msg.str().empty(), who, ": the ranks of group '", group.name(), "' were given different options:",
+              msg.str(), "\nEvery rank must pass the same options.");
+}
+
 void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& group) {
   at::NoGradGuard no_grad;
   std::vector<Handle> pending;
+  Communicator::Phase phase(group, "the broadcast of rank 0's initial weights");
   for (const auto& t : tensors) {
     if (t.defined() && t.numel() > 0) pending.push_back(group.broadcast(t.detach(), 0));
   }
@@ -40,6 +67,9 @@ void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& g
 
 void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator& ends) {
   at::NoGradGuard no_grad;
+  std::optional<Communicator::Phase> dp_phase;
+  if (dp != nullptr) dp_phase.emplace(*dp, "the tied-weight gradient sync");
+  Communicator::Phase ends_phase(ends, "the tied-weight gradient sync");
   for (auto p : params) {
     if (!p.grad().defined()) {
       p.mutable_grad() = at::zeros_like(p);

@@ -39,6 +39,7 @@ void require_divisible(const at::Tensor& x, int64_t dim, int64_t n, const char* 
 
 at::Tensor all_reduce_copy(const at::Tensor& x, Communicator& group) {
   auto out = x.contiguous().clone();
+  Communicator::Phase phase(group, "a tensor-parallel layer");
   group.all_reduce(out).wait();
   return out;
 }
@@ -51,6 +52,7 @@ at::Tensor gather_along(const at::Tensor& x, Communicator& group, int64_t dim) {
   std::vector<int64_t> shape{n};
   for (auto s : input.sizes()) shape.push_back(s);
   auto stacked = at::empty(shape, input.options());
+  Communicator::Phase phase(group, "a tensor-parallel layer");
   group.all_gather(stacked, input).wait();
   std::vector<int64_t> merged = input.sizes().vec();
   merged[dim] *= n;
@@ -69,6 +71,7 @@ at::Tensor reduce_scatter_along(const at::Tensor& x, Communicator& group, int64_
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape[dim] /= n;
   auto out = at::empty(out_shape, x.options());
+  Communicator::Phase phase(group, "a tensor-parallel layer");
   group.reduce_scatter(out, input).wait();
   return out;
 }
@@ -137,6 +140,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                 " rows of logits but ", t.size(0), " targets");
     // Softmax stabilised by the global row max (one all-reduce of N numbers).
     auto row_max = std::get<0>(x.max(1)).contiguous();
+    Communicator::Phase phase(group, "the vocabulary-parallel loss");
     group.all_reduce_max(row_max).wait();
     auto shifted = x - row_max.unsqueeze(1);
     auto exp = shifted.exp();

@@ -36,6 +36,17 @@ std::vector<int64_t> divisors(int64_t n, int64_t limit = std::numeric_limits<int
 // they are what a user is most likely to have mis-sized.
 std::string tp_conflict(const ModelGraph& graph, int64_t tp) {
   if (tp == 1) return "";
+  // The runtime refuses tp > 1 that splits no layer's compute (only embeddings / a vocab
+  // head, or nothing): every tp rank would run the whole model. Same rule here.
+  bool splits_compute = false;
+  for (const auto& layer : graph.layers) {
+    splits_compute = splits_compute || layer.tp == TpPattern::column_row || layer.tp == TpPattern::heads ||
+                     layer.tp == TpPattern::block;
+  }
+  if (!splits_compute) {
+    return std::to_string(tp) + " splits no layer's compute (no layer has a column_row, heads or block "
+           "tensor-parallel pattern)";
+  }
   const std::pair<const char*, int64_t TpDims::*> dims[] = {
       {"heads", &TpDims::heads}, {"kv_heads", &TpDims::kv_heads},
       {"ffn", &TpDims::ffn}, {"vocab", &TpDims::vocab}};

@@ -2,6 +2,10 @@
 // volumes: all-reduce 2(n-1)/n S, reduce-scatter / all-gather (n-1)/n S, broadcast and send S).
 #include "catch_with_torch.h"
 
+#include <fstream>
+#include <iterator>
+#include <string>
+
 #include "harness.h"
 #include "training.h"
 
@@ -36,4 +40,45 @@ TEST_CASE("collectives give the expected values and count their bytes", "[runtim
       CHECK(bytes[5].item<double>() == Approx(k * n * f));
     }
   }
+}
+
+namespace {
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+}  // namespace
+
+TEST_CASE("ranks making different collectives fail on every rank naming both sides", "[runtime][faults]") {
+  const LaunchResult r = launch_ranks(2, "collective_mismatch", std::chrono::seconds(60));
+  INFO(r.describe());
+  REQUIRE(r.all_ok());
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string text = read_text(r.output_dir + "/rank" + std::to_string(rank) + ".pt.txt");
+    INFO(text);
+    CHECK(text.find("the ranks of group 'dp' are not making the same collective call") != std::string::npos);
+    CHECK(text.find("rank 0: all_reduce (sum) of 4 Float in a direct call, step 0 (collective #0") != std::string::npos);
+    CHECK(text.find("rank 1: all_reduce (sum) of 8 Float in a direct call, step 0 (collective #0") != std::string::npos);
+    // The second attempt repeats the first error instead of pairing anew.
+    const auto second = text.find("---");
+    REQUIRE(second != std::string::npos);
+    CHECK(text.find("cannot be used after a failed collective", second) != std::string::npos);
+    CHECK(text.find("of 4 Float in a direct call", second) != std::string::npos);
+  }
+}
+
+TEST_CASE("an operation only one rank calls fails within its deadline and leaves the group usable",
+          "[runtime][faults]") {
+  const LaunchResult r = launch_ranks(2, "expect_all_alone", std::chrono::seconds(60));
+  INFO(r.describe());
+  REQUIRE(r.all_ok());
+  const std::string text = read_text(r.output_dir + "/rank0.pt.txt");
+  INFO(text);
+  CHECK(text.find("rank 0 called state_dict() (call #0 on group 'dp', ranks 0 1) but rank 1 did not call it "
+                  "within 1 s") != std::string::npos);
+  CHECK(text.find("every rank must call it") != std::string::npos);
+  const auto at = text.find("seconds ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stod(text.substr(at + 8)) < 2.5);
+  CHECK(text.find("after 6") != std::string::npos);  // 3 ones summed over 2 ranks
 }

@@ -1,8 +1,11 @@
 #include <algorithm>
 #include "training.h"
 
+#include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "harness.h"
 #include "monarch/runtime/data_parallel.h"
@@ -249,6 +252,37 @@ int run_worker(const std::string& scenario) {
     save_record(record, out);
   } else if (scenario == "collectives") {
     save_record(exercise_collectives(dp), out);
+  } else if (scenario == "collective_mismatch") {
+    // Rank 0 all-reduces 4 numbers, rank 1 eight, then each tries again: every call fails
+    // with the first error naming both sides (no abort in Gloo's I/O thread).
+    std::ofstream text(out + ".txt");
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        auto t = torch::ones({dp.group_rank() == 0 ? 4 : 8});
+        dp.all_reduce(t).wait();
+        text << "no error\n";
+      } catch (const c10::Error& e) {
+        text << e.what_without_backtrace() << "\n---\n";
+      }
+    }
+  } else if (scenario == "expect_all_alone") {
+    std::ofstream text(out + ".txt");
+    if (dp.group_rank() == 0) {
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        dp.expect_all("state_dict()", std::chrono::milliseconds(1000));
+        text << "no error\n";
+      } catch (const c10::Error& e) {
+        text << e.what_without_backtrace() << "\n";
+      }
+      text << "seconds " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << "\n";
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
+    // Nothing is left pending: both ranks can still use the group.
+    auto t = torch::ones({3});
+    dp.all_reduce(t).wait();
+    text << "after " << t.sum().item<float>() << "\n";
   } else if (scenario == "dp_mismatch") {
     GptConfig config;
     if (dp.group_rank() == 1) config.hidden = 16;

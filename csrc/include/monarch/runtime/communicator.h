@@ -4,10 +4,15 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "monarch/runtime/compat.h"
 
@@ -58,10 +63,24 @@ class Handle {
   bool waited_ = false;
 };
 
+// Collective agreement. Gloo aborts the process (an uncatchable enforce in its I/O thread)
+// when ranks pair collectives of different sizes, and silently pairs a rank's step 4 with
+// another's step 3 when one of them skipped a call. So, before each collective (not
+// point-to-point: the pipeline's messages carry their own headers), the group's members
+// exchange a 128-byte fingerprint of what they are about to do: the collective's number on
+// this group, the caller's step counter and phase (set by the engines: forward, backward,
+// state_dict, ...), the operation, dtype, element count and root. Any difference is an
+// error on every member naming each rank's side, and the group is then unusable (its
+// members are at different points of the program). One extra small collective per
+// collective: measured in bench/collective_checks.py. MONARCH_CHECK_COLLECTIVES=off turns
+// it off (then a mismatch aborts, as plain Gloo does).
 class Communicator {
  public:
   // `ranks`: the group's global ranks in group order; `rank`: this process's global rank.
-  Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name);
+  // `store` / `key`: the job's store and a key prefix unique to this group (for
+  // expect_all); without them expect_all is a no-op.
+  Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name,
+               c10::intrusive_ptr<c10d::Store> store = {}, std::string key = {});
 
   const std::string& name() const { return name_; }
   int size() const { return static_cast<int>(ranks_.size()); }
@@ -96,9 +115,44 @@ class Communicator {
   bool failed() const { return !failure_->empty(); }
   const std::string& failure() const { return *failure_; }
 
+  // What the caller is doing, carried in every fingerprint. The step counts the forwards
+  // and train steps the engines on this group started (each engine advances it: a rank that
+  // gave up a step after a local error is caught at its next collective); the phase is a
+  // string literal naming the operation (a Phase scope sets it).
+  void advance_step() { ++step_; }
+  int64_t step() const { return step_; }
+  const char* phase() const { return phase_; }
+  class Phase {
+   public:
+    Phase(Communicator& group, const char* phase) : group_(group), previous_(group.phase_) { group.phase_ = phase; }
+    ~Phase() { group_.phase_ = previous_; }
+    Phase(const Phase&) = delete;
+    Phase& operator=(const Phase&) = delete;
+
+   private:
+    Communicator& group_;
+    const char* previous_;
+  };
+  bool checks_collectives() const { return check_; }
+  // Collectives checked so far (the fingerprint exchanges this group made).
+  int64_t collectives_checked() const { return checked_; }
+
+  // For operations only some ranks might call (a state dict on rank 0): every member
+  // announces `what` through the store and waits, at most `deadline`, for the others'
+  // announcements of the same call; if some never come it throws, naming them and saying
+  // that every rank must call it, instead of entering a collective that would wait out the
+  // whole timeout. The store wait leaves nothing pending, so the group stays usable.
+  void expect_all(const std::string& what, std::chrono::milliseconds deadline = entry_timeout());
+  // expect_all's default deadline: MONARCH_ENTRY_TIMEOUT_S, else 60 s.
+  static std::chrono::milliseconds entry_timeout();
+
  private:
+  enum class Op : int64_t { all_reduce = 1, all_reduce_average, all_reduce_max, reduce_scatter, all_gather,
+                            broadcast, all_to_all, barrier };
   std::string describe(CollectiveKind kind, const at::Tensor& t) const;
   void check_usable() const;
+  // The fingerprint exchange (see the class comment); throws on a mismatch.
+  void agree(Op op, const at::Tensor& t, int64_t root = -1);
   Handle make(compat::WorkPtr work, std::string what, std::function<void()> finish = {}) const {
     return Handle(std::move(work), std::move(what), std::move(finish), failure_);
   }
@@ -109,6 +163,13 @@ class Communicator {
   std::string name_;
   ByteCounters counters_;
   std::shared_ptr<std::string> failure_ = std::make_shared<std::string>();
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string key_;
+  bool check_ = true;
+  int64_t checked_ = 0;
+  int64_t step_ = 0;
+  const char* phase_ = "a direct call";
+  std::map<std::string, int64_t> expected_;  // expect_all calls per `what`
 };
 
 }  // namespace monarch

@@ -162,6 +162,10 @@ class Composition {
   // along dp). Collective.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict(
       const std::map<std::string, at::Tensor>& local);
+  // Before an operation every rank must call (a state dict): waits, at most
+  // Communicator::entry_timeout(), for every rank of this rank's pp, dp and tp groups to
+  // call it too, and otherwise throws saying so (see Communicator::expect_all).
+  void expect_all(const std::string& what);
   // The slices of `full` this rank keeps for `names` (its stages' entries): cut along tp as
   // each entry's TpSpec says. Throws naming every missing key and wrong shape (after the cut).
   std::map<std::string, at::Tensor> local_slices(const std::map<std::string, at::Tensor>& full,
@@ -172,6 +176,8 @@ class Composition {
 
  private:
   double global_mean(double value);
+  // Counts a train step or predict in every group's step (see Communicator::advance_step).
+  void advance_steps();
   double sample_weight(int64_t samples);
   void set_sync(bool sync);
   Layout layout_;

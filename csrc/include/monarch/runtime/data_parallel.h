@@ -41,8 +41,12 @@ class DataParallelEngine {
   // With sync off (no_sync), backward only accumulates local gradients; the next backward
   // with sync on averages the accumulated sum, as DDP does.
   void set_sync(bool sync) { sync_ = sync; }
+  // Call at the start of each forward: counts it in the group's step (see Communicator), so
+  // a rank that gave up a step after a local error is named at its next collective.
+  void before_forward() { group_.advance_step(); }
   bool sync() const { return sync_; }
   const Communicator& group() const { return group_; }
+  Communicator& group() { return group_; }
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   // Bytes of each bucket in launch order (tests, logs).
   std::vector<int64_t> bucket_sizes_bytes() const;

@@ -4,6 +4,8 @@
 // fully-sharded engines.
 #include <ATen/ATen.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "monarch/runtime/communicator.h"
@@ -13,6 +15,11 @@ namespace monarch {
 // Refuses, on every rank, parameters whose count or shapes differ across the group, naming
 // both ranks. `who` prefixes the message.
 void check_same_parameters(const std::vector<at::Tensor>& params, Communicator& group, const char* who);
+
+// Refuses, on every rank, options that differ across the group (e.g. a bucket size read
+// from a per-host config): each option's name and every rank's value. Values as doubles.
+void check_same_options(const std::vector<std::pair<std::string, double>>& options, Communicator& group,
+                        const char* who);
 
 // Overwrites every tensor with the group's root's values (empty tensors are skipped).
 void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& group);

@@ -58,6 +58,8 @@ class World {
   compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
   // For ranks outside a group the others are creating: keeps group ids aligned everywhere.
   void skip_group() const { ++groups_created_; }
+  // Groups created (or skipped) so far: with a group's name, a store key unique to it.
+  int64_t groups_created() const { return groups_created_.load(); }
   // Every rank publishes `request` (what it is about to build) under a key only this call
   // uses, reads every rank's, and throws on every rank, naming each rank's request, when
   // they differ: ranks that would connect different groups fail within seconds instead of
