@@ -34,7 +34,8 @@ class DataParallel(nn.Module):
         self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)
 
     def forward(self, *args, **kwargs):
-        self._engine.before_forward()
+        if torch.is_grad_enabled():  # a forward without autograd makes no collective: not a step
+            self._engine.before_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -332,9 +332,10 @@ def _check_coverage(model, plan, tp):
     fix = ("name them in plan= ({'blocks.*.attn.qkv': Colwise(fused_parts=3), 'blocks.*.attn.out': Rowwise(), ...}) "
            "or give their class a monarch_tp_style attribute")
     if not any(isinstance(s, (Colwise, Rowwise)) for s in plan.values()):  # plan: Replicate entries included
-        raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of {type(model).__name__}'s linear "
-                         f"layers (their names match no known projection): every tp rank would compute the whole "
-                         f"model. Modules seen: {seen or 'none'}. To split them, {fix}; to replicate the model, "
+        raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of {type(model).__name__}'s "
+                         f"projections (no Colwise / Rowwise: their names match no known projection; at most the "
+                         f"embedding and the vocabulary head would be split): every tp rank would compute the "
+                         f"whole model. Modules seen: {seen or 'none'}. To split them, {fix}; to replicate the model, "
                          f"use tp=1.")
     split_vocab = {model.get_submodule(n).num_embeddings for n, s in plan.items() if isinstance(s, VocabEmbedding)}
     for name, module in modules:

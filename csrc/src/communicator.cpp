@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -203,22 +204,33 @@ std::chrono::milliseconds Communicator::entry_timeout() {
 void Communicator::expect_all(const std::string& what, std::chrono::milliseconds deadline) {
   if (size() == 1 || !store_) return;
   check_usable();
-  const int64_t call = expected_[what]++;
+  const int64_t call = expected_[what];
   const std::string prefix = key_ + "/expect/" + what + "/" + std::to_string(call) + "/";
-  store_->set(prefix + std::to_string(global_rank()), std::vector<uint8_t>{1});
+  const std::string mine = prefix + std::to_string(global_rank());
+  store_->set(mine, std::vector<uint8_t>{1});
+  // Polled with check(), not a store wait with a timeout: nothing stays pending in the
+  // store after a deadline passes.
   const auto start = std::chrono::steady_clock::now();
   std::vector<int> missing;
   for (int r : ranks_) {
-    if (r == global_rank()) continue;
-    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-    const auto left = std::max(std::chrono::milliseconds(1), deadline - spent);
-    try {
-      store_->wait({prefix + std::to_string(r)}, left);
-    } catch (const std::exception&) {
-      missing.push_back(r);
-    }
+    if (r != global_rank()) missing.push_back(r);
   }
-  if (missing.empty()) return;
+  while (!missing.empty()) {
+    std::vector<int> still;
+    for (int r : missing) {
+      if (!store_->check({prefix + std::to_string(r)})) still.push_back(r);
+    }
+    missing = std::move(still);
+    if (missing.empty() || std::chrono::steady_clock::now() - start > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (missing.empty()) {
+    ++expected_[what];
+    return;
+  }
+  // Withdrawn, and the call number not used up: a later call on this rank pairs with the
+  // peers' first one, and a peer arriving late does not pass on this rank's stale key.
+  store_->deleteKey(mine);
   std::ostringstream msg;
   msg << "monarch: rank " << global_rank() << " called " << what << " (call #" << call << " on group '" << name_
       << "', ranks";

@@ -1,6 +1,7 @@
 #include "monarch/runtime/device_mesh.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -14,6 +15,10 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   std::ostringstream request;
   request << "pp=" << mesh.pp << " dp=" << mesh.dp << " tp=" << mesh.tp << " order=";
   for (size_t i = 0; i < mesh.order.size(); ++i) request << (i ? "," : "") << mesh.order[i];
+  // Collective agreement must be on everywhere or nowhere (a fingerprint exchange would
+  // otherwise pair with a real collective).
+  const char* checks = std::getenv("MONARCH_CHECK_COLLECTIVES");
+  request << " MONARCH_CHECK_COLLECTIVES=" << (checks != nullptr && *checks ? checks : "all");
   world_->agree("mesh", request.str());
   std::vector<std::string> sorted = mesh.order;
   std::sort(sorted.begin(), sorted.end());

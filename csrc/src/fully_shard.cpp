@@ -51,13 +51,13 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     }
   }
   // Same parameters split into different units would pair different gathers: name it.
-  double unit_layout = 0;
-  for (const auto& unit : units) unit_layout = unit_layout * 31 + static_cast<double>(unit.size() + 1);
+  uint64_t unit_layout = 1469598103934665603ull;  // FNV-1a of the unit sizes
+  for (const auto& unit : units) unit_layout = (unit_layout ^ static_cast<uint64_t>(unit.size() + 1)) * 1099511628211ull;
   check_same_options({{"zero_stage", static_cast<double>(options_.zero_stage)},
                       {"reshard_after_forward", options_.reshard_after_forward ? 1.0 : 0.0},
                       {"compute dtype (mixed_precision, as a ScalarType number)", static_cast<double>(options_.compute_dtype)},
                       {"number of sharding units (units=)", static_cast<double>(units.size())},
-                      {"parameters per sharding unit (units=; a hash)", std::fmod(unit_layout, 1e15)}},
+                      {"parameters per sharding unit (units=; a hash)", static_cast<double>(unit_layout >> 12)}},
                      group_, "monarch::FullyShard");
   check_same_parameters(all, group_, "monarch::FullyShard");
   // Deferred: each rank's slice comes from its own initialization of the unit (one owner
@@ -273,7 +273,7 @@ void FullyShardEngine::before_forward(int64_t unit) {
   TORCH_CHECK(unit >= 0 && unit < num_units(), "monarch::FullyShard: no unit ", unit);
   if (unit == 0) {
     recover_if_abandoned();
-    group_.advance_step();
+    if (at::GradMode::is_enabled()) group_.advance_step();  // evaluation is not a training step
   }
   Communicator::Phase phase(group_, "fully_shard forward");
   if (!sharded_parameters()) {

@@ -58,8 +58,12 @@ def expected(sc):
     return "error"
 
 
+NAMED = ("not making the same collective call", "every rank must call it", "were given different options")
+
+
 def clear(message):
-    return "rank " in message and any(k in message for k in ("group '", "every rank must", "different options"))
+    """Names a rank and the group or the operation."""
+    return "rank " in message and any(k in message for k in ("group '", *NAMED))
 
 
 def run(first, last, timeout_s=600):
@@ -157,5 +161,11 @@ def run(first, last, timeout_s=600):
             for r, rec in recs.items():
                 if rec["outcome"] != "error" or not clear(rec.get("error", "")):
                     report["unclear"].append({"seed": s, "rank": r, "scenario": sc, "got": rec})
+            # Misuse (not a kill) must be diagnosed as such on some rank: a peer may only see
+            # the diagnosing rank leave, but a plain timeout everywhere would not say what went wrong.
+            if sc["fault"] != "kill" and not any(any(k in (rec.get("error") or "") for k in NAMED)
+                                                 for rec in recs.values()):
+                report["unclear"].append({"seed": s, "scenario": sc, "why": "no rank named the misuse",
+                                          "got": list(recs.values())})
     report["out_dir"] = out_dir
     return report

@@ -155,8 +155,8 @@ def main(first, last, out_dir, port):
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     log = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a")
     for seed in range(first, last):
-        store.set(f"start/{seed}/{rank}", "1")
         try:
+            store.set(f"start/{seed}/{rank}", "1")
             store.wait([f"start/{seed}/{1 - rank}"], timedelta(seconds=30))
         except Exception:
             return 4  # the peer never came (died): the driver restarts both from here

@@ -79,7 +79,7 @@ def test_tensor_parallelism_that_splits_nothing_is_an_error_listing_the_modules(
     r = run("tp_splits_nothing")
     assert r.codes == [1, 1], r.describe()
     for e in (x["error"] for x in results(r)):
-        assert "tp=2 but the plan splits none of OddNames's linear layers" in e, e
+        assert "tp=2 but the plan splits none of OddNames's projections (no Colwise / Rowwise" in e, e
         assert "'mix_in' (Linear 32->128)" in e and "'to_vocab' (Linear 32->64)" in e, e
     r = run("tp_splits_nothing_parallelize")
     assert r.codes == [1, 1], r.describe()
