@@ -21,6 +21,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime, deferred
 from . import recompute as _recompute
+from . import zero_bubble as _zero_bubble
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
@@ -76,6 +77,9 @@ class ParallelModel(nn.Module):
             raise ValueError(f"parallelize: recompute={_recompute.mode_name(layout.recompute)} recomputes blocks, "
                              f"and {type(model).__name__} has none (no ModuleList of blocks; pass units=[...])")
         _recompute.apply(units, _recompute.mode_name(layout.recompute))
+        if self.pp > 1 and str(layout.schedule).split(".")[-1] == "zero_bubble_h1":
+            # B and W split one backward's work instead of W replaying it.
+            _zero_bubble.defer_weight_gradients(model)
         # Every name a parameter has (a tied weight has two), with how tp cut it.
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()

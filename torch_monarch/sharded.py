@@ -34,7 +34,7 @@ class FullyShardedModule(nn.Module):
     full, unsharded state that loads into the unwrapped model; ``sharded_state_dict()`` this
     rank's shards."""
 
-    def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
+    def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision, reduce_dtype,
                  ignored_parameters=(), init_fn=None):
         super().__init__()
         self.module = module
@@ -68,6 +68,8 @@ class FullyShardedModule(nn.Module):
         options.reshard_after_forward = reshard_after_forward
         if mixed_precision is not None:
             options.compute_dtype = str(mixed_precision).replace("torch.", "")
+        if reduce_dtype is not None:
+            options.reduce_dtype = str(reduce_dtype).replace("torch.", "")
         materialize = None
         if any(p.is_meta for group in groups for p in group):
             if any(p.is_meta for p in self.ignored_parameters):
@@ -197,7 +199,7 @@ def _tensors(output):
 
 
 def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
-                reshard_after_forward: bool = True, mixed_precision=None,
+                reshard_after_forward: bool = True, mixed_precision=None, reduce_dtype=None,
                 ignored_parameters=(), init_fn=None) -> FullyShardedModule:
     """Shards ``module`` over the mesh's ``dp`` axis.
 
@@ -205,7 +207,9 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     largest ``nn.ModuleList``); the remaining parameters form the root unit, gathered for
     the whole forward and backward. ``zero_stage``: 1 (optimizer state), 2 (+ gradients),
     3 (+ parameters). ``mixed_precision``: compute dtype (e.g. ``torch.bfloat16``) with fp32
-    shards and fp32 gradient reduction. ``ignored_parameters`` stay whole and unsynchronised
+    shards. ``reduce_dtype``: the dtype gradients travel in (default: the compute dtype, as
+    FSDP's MixedPrecision; ``torch.float32`` for full-precision reduction); each rank's parts
+    are summed in fp32 into its fp32 shard. ``ignored_parameters`` stay whole and unsynchronised
     (the caller owns them, e.g. weights tied across pipeline stages); they are not in
     ``parameters()`` but in ``ignored_parameters``.
 
@@ -219,4 +223,4 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     mesh = mesh if mesh is not None else device_mesh()
     units = _default_units(module) if units is None else list(units)
     return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
-                              ignored_parameters, init_fn)
+                              reduce_dtype, ignored_parameters, init_fn)

@@ -320,26 +320,37 @@ def _describe_module(name, module):
     return f"'{name}' ({type(module).__name__})"
 
 
-def _check_coverage(model, plan, tp):
-    """tp > 1 must split the work: a plan that splits no linear layer leaves every tp rank
-    computing the whole model (nothing gained, and a loss written for split logits goes
-    wrong), and a vocabulary-sized Linear left whole next to a split embedding hands
-    full-vocabulary logits to a vocabulary-parallel loss. Both are errors listing what was
-    seen, so the user can name the modules (``plan=``) or annotate them
-    (``monarch_tp_style``)."""
+def _check_coverage(model, plan, tp, units):
+    """tp > 1 must split something, and in a model made of blocks it must split the blocks'
+    work: a plan that splits nothing, or none of the blocks' linear layers (names no rule
+    recognises), leaves every tp rank computing the whole model (nothing gained, and a loss
+    written for split logits goes wrong); a vocabulary-sized Linear left whole next to a
+    split embedding hands full-vocabulary logits to a vocabulary-parallel loss. Each is an
+    error listing what was seen, so the user can name the modules (``plan=``) or annotate
+    them (``monarch_tp_style``). The planner applies the same rule (search.cpp tp_conflict).
+    ``plan`` includes Replicate entries."""
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     seen = ", ".join(_describe_module(n, m) for n, m in modules[:24]) + (", ..." if len(modules) > 24 else "")
     fix = ("name them in plan= ({'blocks.*.attn.qkv': Colwise(fused_parts=3), 'blocks.*.attn.out': Rowwise(), ...}) "
            "or give their class a monarch_tp_style attribute")
-    if not any(isinstance(s, (Colwise, Rowwise)) for s in plan.values()):  # plan: Replicate entries included
-        raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of {type(model).__name__}'s "
-                         f"projections (no Colwise / Rowwise: their names match no known projection; at most the "
-                         f"embedding and the vocabulary head would be split): every tp rank would compute the "
-                         f"whole model. Modules seen: {seen or 'none'}. To split them, {fix}; to replicate the model, "
-                         f"use tp=1.")
+    split = {n for n, s in plan.items() if not isinstance(s, Replicate)}
+    if not split:
+        raise ValueError(f"tensor parallel: tp={tp} but the plan splits nothing of {type(model).__name__}: every tp "
+                         f"rank would compute the whole model. Modules seen: {seen or 'none'}. To split them, {fix}; "
+                         f"to replicate the model, use tp=1.")
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(u)] + "." for u in units if id(u) in names and names[id(u)]]
+    in_blocks = [n for n, m in modules if isinstance(m, nn.Linear) and any(n.startswith(p) for p in prefixes)]
+    projections = {n for n, s in plan.items() if isinstance(s, (Colwise, Rowwise))}
+    if in_blocks and not any(any(n.startswith(p) for p in prefixes) for n in projections):
+        raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of the linear layers in "
+                         f"{type(model).__name__}'s blocks (their names match no known projection; only "
+                         f"{sorted(split)} would be split): every tp rank would compute every block whole. "
+                         f"Modules seen: {seen}. To split them, {fix}; to replicate the model, use tp=1.")
     split_vocab = {model.get_submodule(n).num_embeddings for n, s in plan.items() if isinstance(s, VocabEmbedding)}
     for name, module in modules:
-        if isinstance(module, nn.Linear) and module.out_features in split_vocab and name not in plan:
+        outside_blocks = not any(name.startswith(p) for p in prefixes)  # where output heads live
+        if isinstance(module, nn.Linear) and module.out_features in split_vocab and name not in plan and outside_blocks:
             raise ValueError(f"tensor parallel: {_describe_module(name, module)} produces the vocabulary "
                              f"({module.out_features}, as the split embedding) but is not split: its logits would "
                              f"be whole on every tp rank, wrong for vocab_parallel_cross_entropy. Mark it "
@@ -376,7 +387,8 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     plan = {n: s for n, s in whole.items() if not isinstance(s, Replicate)}
     if tp == 1:
         return model
-    _check_coverage(model, whole, tp)
+    from .sharded import _default_units
+    _check_coverage(model, whole, tp, list(_default_units(model) if units is None else units))
     head_counts = _head_count_attributes(model, plan, tp)  # checked before anything changes
     shared = {}
     for name, style in plan.items():

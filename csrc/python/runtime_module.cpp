@@ -79,6 +79,14 @@ py::dict stats_to_dict(const PipelineStepStats& s) {
 void bind_tensor_parallel(py::module_& m) {
   using py::arg;
   auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def(
+      "deferred_linear",
+      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+        return deferred_linear(input, weight, bias.value_or(at::Tensor()));
+      },
+      arg("input"), arg("weight"), arg("bias") = py::none(),
+      "y = x wᵀ + b whose weight gradient waits for the pipeline's W pass under zero-bubble schedules "
+      "(torch_monarch.zero_bubble).");
   m.def("tp_copy_to_group", &tp::copy_to_group, arg("x"), arg("group"), nogil,
         "Identity forward; all-reduce of the gradient in backward (enter a tensor-parallel region).");
   m.def("tp_reduce_from_group", &tp::reduce_from_group, arg("x"), arg("group"), nogil,
@@ -102,10 +110,11 @@ void bind_pipeline(py::module_& m) {
   using py::arg;
   py::class_<StageWork, PyStageWork>(m, "StageWork")
       .def(py::init<>())
-      .def("forward", &StageWork::forward)
-      .def("backward", &StageWork::backward)
-      .def("backward_input", &StageWork::backward_input)
-      .def("backward_weight", &StageWork::backward_weight);
+      // Without the GIL (autograd refuses to run under it); Python callables take it back.
+      .def("forward", &StageWork::forward, py::call_guard<py::gil_scoped_release>())
+      .def("backward", &StageWork::backward, py::call_guard<py::gil_scoped_release>())
+      .def("backward_input", &StageWork::backward_input, py::call_guard<py::gil_scoped_release>())
+      .def("backward_weight", &StageWork::backward_weight, py::call_guard<py::gil_scoped_release>());
 
   // The callables are Python functions: pybind takes the GIL around each call.
   py::class_<AutogradStageWork, StageWork>(m, "AutogradStageWork")
@@ -409,6 +418,11 @@ PYBIND11_MODULE(_runtime, m) {
           [](const FullyShardOptions& o) { return std::string(c10::toString(o.compute_dtype)); },
           [](FullyShardOptions& o, const std::string& name) { o.compute_dtype = dtype_from_name(name); },
           "'float32', 'bfloat16' or 'float16'")
+      .def_property(
+          "reduce_dtype",
+          [](const FullyShardOptions& o) { return std::string(c10::toString(o.effective_reduce_dtype())); },
+          [](FullyShardOptions& o, const std::string& name) { o.reduce_dtype = dtype_from_name(name); },
+          "'float32', 'bfloat16' or 'float16' (default: the compute dtype)")
       .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root);
 
   py::class_<FullyShardEngine>(m, "FullyShardEngine")

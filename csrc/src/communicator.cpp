@@ -310,6 +310,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   auto work = group_->alltoall_base(recv_bits, send_bits, splits, splits);
   const std::string what = describe(CollectiveKind::all_reduce, buffer);
   auto group = group_;
+  Communicator* self = this;  // the group outlives its handles' waits
   return make(work, what, [=]() mutable {
     auto mine = received.view({n, chunk}).to(at::kFloat).sum(0);
     if (average) mine.div_(static_cast<double>(n));
@@ -318,7 +319,11 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (const auto& c : gathered.view(at::kHalf).chunk(n)) outputs[0].push_back(c);
     std::vector<at::Tensor> inputs{reduced.view(at::kHalf)};
-    Handle(group->allgather(outputs, inputs), what + " (all-gather phase)").wait();
+    // The second phase is a collective too: checked like any other, so a rank waiting here
+    // while a peer starts something else gets the mismatch error, not a Gloo abort.
+    Phase phase(*self, "the all-gather phase of a bf16 all-reduce");
+    self->agree(Op::all_gather, reduced);
+    self->make(group->allgather(outputs, inputs), what + " (all-gather phase)").wait();
     buffer.copy_(gathered.narrow(0, 0, buffer.numel()));
   });
 }

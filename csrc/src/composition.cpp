@@ -225,6 +225,7 @@ void Composition::set_fully_shard(int64_t stage, FullyShardEngine* engine) {
   for (auto& s : stages_) {
     if (s.stage == stage) {
       s.fully_shard = engine && engine->options().zero_stage < 3 ? engine : nullptr;
+      s.sharded = engine;
       return;
     }
   }
@@ -294,6 +295,7 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int
             if (s.stage != stage) continue;
             if (s.data_parallel) s.data_parallel->set_sync(is_last);
             if (s.fully_shard) s.fully_shard->set_sync(is_last);
+            if (s.sharded) s.sharded->prepare_gradient_roots();  // ZB-H1's W hands gradients to freed parameters
           }
         });
     PipelineStepStats stats;
@@ -412,8 +414,13 @@ std::map<std::string, at::Tensor> Composition::local_slices(const std::map<std::
     if (entry.tp && tp > 1) {
       const int64_t dim = entry.tp->dim < 0 ? entry.tp->dim + value.dim() : entry.tp->dim;
       if (dim < 0 || dim >= value.dim() || value.size(dim) % (tp * entry.tp->fused_parts) != 0) {
-        problems.push_back(name + " has shape " + list(value.sizes().vec()) + ", which tp=" + std::to_string(tp) +
-                           " cannot split along dim " + std::to_string(entry.tp->dim));
+        // What the model holds whole: this rank's slice, times tp along the split dim.
+        std::vector<int64_t> whole = entry.shape;
+        const int64_t d = entry.tp->dim < 0 ? entry.tp->dim + static_cast<int64_t>(whole.size()) : entry.tp->dim;
+        if (d >= 0 && d < static_cast<int64_t>(whole.size())) whole[d] *= tp;
+        problems.push_back(name + " has shape " + list(value.sizes().vec()) + ", the model holds " + list(whole) +
+                           " (split over tp=" + std::to_string(tp) + " along dim " + std::to_string(entry.tp->dim) +
+                           ": " + list(entry.shape) + " per rank)");
         continue;
       }
       value = tp::shard_tensor(value, entry.tp->dim, tp_rank, tp, entry.tp->fused_parts, name);

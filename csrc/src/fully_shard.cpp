@@ -56,6 +56,8 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
   check_same_options({{"zero_stage", static_cast<double>(options_.zero_stage)},
                       {"reshard_after_forward", options_.reshard_after_forward ? 1.0 : 0.0},
                       {"compute dtype (mixed_precision, as a ScalarType number)", static_cast<double>(options_.compute_dtype)},
+                      {"gradient reduce dtype (reduce_dtype, as a ScalarType number)",
+                       static_cast<double>(options_.effective_reduce_dtype())},
                       {"number of sharding units (units=)", static_cast<double>(units.size())},
                       {"parameters per sharding unit (units=; a hash)", static_cast<double>(unit_layout >> 12)}},
                      group_, "monarch::FullyShard");
@@ -236,6 +238,19 @@ void FullyShardEngine::free_parameters(int64_t unit) {
   u.gathered = false;
 }
 
+void FullyShardEngine::prepare_gradient_roots() {
+  if (!sharded_parameters()) return;
+  at::NoGradGuard no_grad;
+  for (auto& u : units_) {
+    if (u.gathered) continue;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      at::Tensor& p = u.params[i];
+      if (p.sizes().vec() == u.shapes[i]) continue;
+      p.set_data(at::zeros({1}, p.options()).expand(u.shapes[i]));
+    }
+  }
+}
+
 void FullyShardEngine::sync_parameters() {
   if (sharded_parameters()) return;
   at::NoGradGuard no_grad;
@@ -344,6 +359,10 @@ void FullyShardEngine::reduce_unit(int64_t unit) {
   } else {
     u.reduced = at::empty({u.shard_numel}, at::kFloat);
     Communicator::Phase phase(group_, "fully_shard backward (gradient reduce-scatter)");
+    // Accumulated in fp32 (micro-batches add up there), rounded to the reduce dtype only for
+    // the wire; the sum of the ranks' parts lands in fp32.
+    const auto wire_dtype = options_.effective_reduce_dtype();
+    if (wire_dtype != at::kFloat) u.grad_flat = u.grad_flat.to(wire_dtype);
     u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
   }
   u.reduce_launched = true;

@@ -148,7 +148,6 @@ std::vector<at::Tensor> AutogradStageWork::backward_input(int64_t stage, int64_t
   TORCH_CHECK(it != stash_.end(), "monarch: backward_input of micro-batch ", mb, " on stage ", stage,
               " without its forward");
   Stash& s = it->second;
-  s.grads = grads;
   std::vector<at::Tensor> wanted;
   std::vector<size_t> where;
   for (size_t i = 0; i < s.inputs.size(); ++i) {
@@ -157,18 +156,31 @@ std::vector<at::Tensor> AutogradStageWork::backward_input(int64_t stage, int64_t
       where.push_back(i);
     }
   }
+  const size_t num_inputs = wanted.size();
+  if (stage_parameters_) {
+    for (auto& p : stage_parameters_(stage)) {
+      if (p.requires_grad()) wanted.push_back(p);
+    }
+  }
   std::vector<at::Tensor> result(s.inputs.size());
   auto [outs, gs] = roots(s, grads);
+  std::vector<at::Tensor> got(wanted.size());
   if (!wanted.empty() && !outs.empty()) {
-    // Only the paths to the inputs run; the weights' gradients wait for backward_weight.
-    auto got = torch::autograd::grad(outs, wanted, gs, /*retain_graph=*/true, /*create_graph=*/false,
-                                     /*allow_unused=*/true);
-    for (size_t k = 0; k < where.size(); ++k) {
-      result[where[k]] = got[k].defined() ? got[k] : at::zeros_like(wanted[k]);
-    }
-  } else {
-    for (size_t k = 0; k < where.size(); ++k) result[where[k]] = at::zeros_like(wanted[k]);
+    // One pass over the graph (then freed): input gradients, and the parameters' gradients
+    // captured (not accumulated: the engines' hooks see every parameter once, in W); the
+    // weight gradients of deferred linears are left for backward_weight (Qi et al. 2023).
+    s.deferred = std::make_shared<WeightGradSink>();
+    WeightGradSink::Collecting collecting(*s.deferred);
+    got = torch::autograd::grad(outs, wanted, gs, /*retain_graph=*/false, /*create_graph=*/false,
+                                /*allow_unused=*/true);
   }
+  for (size_t k = 0; k < num_inputs; ++k) {
+    result[where[k]] = got[k].defined() ? got[k] : at::zeros_like(wanted[k]);
+  }
+  for (size_t k = num_inputs; k < wanted.size(); ++k) {
+    if (got[k].defined()) s.parameter_grads.emplace_back(wanted[k], got[k]);
+  }
+  s.outputs.clear();  // the graph is gone; W needs only what B kept
   return result;
 }
 
@@ -177,17 +189,34 @@ void AutogradStageWork::backward_weight(int64_t stage, int64_t mb) {
   TORCH_CHECK(it != stash_.end(), "monarch: backward_weight of micro-batch ", mb, " on stage ", stage,
               " without its forward");
   note_backward(stage, mb);
-  std::vector<at::Tensor> params;
-  if (stage_parameters_) {
-    for (auto& p : stage_parameters_(stage)) {
-      if (p.requires_grad()) params.push_back(p);
+  Stash& s = it->second;
+  // The deferred linears' weight gradients (dL/dyᵀ x: the GEMMs B skipped), added to what B
+  // captured, then handed to autograd once with the parameters as roots: their gradient
+  // accumulators (and the data-parallel / ZeRO hooks on them) run once, in one backward.
+  std::vector<std::pair<at::Tensor, at::Tensor>> all = std::move(s.parameter_grads);
+  if (s.deferred) {
+    std::map<const void*, size_t> index;
+    for (size_t i = 0; i < all.size(); ++i) index[all[i].first.unsafeGetTensorImpl()] = i;
+    for (auto& [param, grad] : s.deferred->compute_weight_grads()) {
+      auto found = index.find(param.unsafeGetTensorImpl());
+      if (found != index.end()) {
+        all[found->second].second = all[found->second].second + grad;
+      } else {
+        index[param.unsafeGetTensorImpl()] = all.size();
+        all.emplace_back(param, grad);
+      }
     }
   }
-  auto [outs, gs] = roots(it->second, it->second.grads);
-  // Autograd has no weight-only pass: this replays the stage's backward restricted to the
-  // parameters, so the input-gradient paths run twice (correct, not cheaper).
-  if (!outs.empty() && !params.empty()) {
-    torch::autograd::backward(outs, gs, /*retain_graph=*/false, /*create_graph=*/false, params);
+  if (!all.empty()) {
+    std::vector<at::Tensor> roots_, grads_;
+    for (auto& [param, grad] : all) {
+      TORCH_CHECK(param.sizes() == grad.sizes(), "monarch: backward_weight of micro-batch ", mb, " on stage ", stage,
+                  ": a parameter of shape ", param.sizes(), " got a gradient of shape ", grad.sizes(),
+                  " (a parameter released between the two passes?)");
+      roots_.push_back(param);
+      grads_.push_back(grad);
+    }
+    torch::autograd::backward(roots_, grads_);
   }
   stash_.erase(it);
 }

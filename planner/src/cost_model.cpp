@@ -521,8 +521,20 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // 2020, Sec. 3.2.3; the runtime's DataParallelEngine does the same).
       buffers += load.params * training.grad_bytes;
     } else if (layout.dp > 1) {
-      // Bucket being filled + bucket in flight.
-      buffers += 2 * std::min(load.params * training.grad_bytes, training.dp_bucket_bytes);
+      // ZeRO-1/2, the runtime's working set (fully_shard.cpp), per unit (the root is one
+      // when there are no sharding units): Gloo's reduce-scatter receives a unit's whole
+      // gradient for each of the two reductions in flight; stage 2 on one micro-batch also
+      // holds the unsharded gradients of the unit being filled and of the one being reduced;
+      // where the whole gradients are kept (stage 1, or stage 2 accumulating micro-batches),
+      // the shards' own reduced gradients (what the optimizer reads) come on top of them.
+      const double unit = std::max(load.largest_gathered, load.root_params);
+      buffers += 2 * unit * training.grad_bytes;
+      const bool whole_grads = layout.zero_stage == 1 || layout.num_micro_batches > 1;
+      if (whole_grads) {
+        buffers += load.params / static_cast<double>(layout.dp) * training.grad_bytes;
+      } else {
+        buffers += 2 * unit * training.grad_bytes;
+      }
     }
     if (layout.pp > 1) buffers += 2 * load.p2p_bytes;  // activation and gradient buffers
     mem.buffers = buffers;

@@ -166,6 +166,23 @@ void check_stages(const Plan& p) {
       throw ValidationError("layers", "stage " + str(s) + " has no layer");
     }
   }
+  // The runtimes cut pipelines between blocks (the layers around them ride with the first
+  // and last block): in a model made of blocks, every stage must hold one, the rule
+  // parallelize applies (Composition's layout_from_plan) and search keeps (it cuts only
+  // between blocks, ModelGraph::can_cut_before).
+  std::vector<bool> has_block(static_cast<size_t>(stages), false);
+  bool any_block = false;
+  for (const auto& l : p.layers) {
+    if (l.kind != LayerKind::block) continue;
+    any_block = true;
+    has_block[static_cast<size_t>(l.stage)] = true;
+  }
+  for (int64_t s = 0; any_block && s < stages; ++s) {
+    if (!has_block[static_cast<size_t>(s)]) {
+      throw ValidationError("layers", "stage " + str(s) + " holds no block (the runtime cuts the pipeline "
+                                      "between blocks, so every stage needs one)");
+    }
+  }
 }
 
 void check_transformer(const Plan& p) {

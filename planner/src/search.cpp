@@ -36,16 +36,19 @@ std::vector<int64_t> divisors(int64_t n, int64_t limit = std::numeric_limits<int
 // they are what a user is most likely to have mis-sized.
 std::string tp_conflict(const ModelGraph& graph, int64_t tp) {
   if (tp == 1) return "";
-  // The runtime refuses tp > 1 that splits no layer's compute (only embeddings / a vocab
-  // head, or nothing): every tp rank would run the whole model. Same rule here.
-  bool splits_compute = false;
+  // The runtime refuses tp > 1 that splits nothing, or, in a model made of blocks, none of
+  // the blocks (tensor_parallel_modules._check_coverage): every tp rank would run the whole
+  // model. Same rule here.
+  bool splits_any = false, has_blocks = false, splits_blocks = false;
   for (const auto& layer : graph.layers) {
-    splits_compute = splits_compute || layer.tp == TpPattern::column_row || layer.tp == TpPattern::heads ||
-                     layer.tp == TpPattern::block;
+    const bool split = layer.tp != TpPattern::replicated;
+    splits_any = splits_any || split;
+    has_blocks = has_blocks || layer.kind == LayerKind::block;
+    splits_blocks = splits_blocks || (split && layer.kind == LayerKind::block);
   }
-  if (!splits_compute) {
-    return std::to_string(tp) + " splits no layer's compute (no layer has a column_row, heads or block "
-           "tensor-parallel pattern)";
+  if (!splits_any) return std::to_string(tp) + " splits nothing (every layer's tensor-parallel pattern is replicated)";
+  if (has_blocks && !splits_blocks) {
+    return std::to_string(tp) + " splits none of the blocks (every block's tensor-parallel pattern is replicated)";
   }
   const std::pair<const char*, int64_t TpDims::*> dims[] = {
       {"heads", &TpDims::heads}, {"kv_heads", &TpDims::kv_heads},
@@ -179,11 +182,29 @@ std::string why_slower(const Prediction& loser, const Prediction& winner) {
   return out.str();
 }
 
+// The runtimes cut pipelines between blocks only, and validate() refuses a stage without a
+// block: the search cuts there too (what comes before the first block stays on the first
+// stage, what comes after the last on the last). A graph without blocks is left as it is.
+ModelGraph with_cuts_between_blocks(const ModelGraph& graph) {
+  ModelGraph out = graph;
+  const int n = static_cast<int>(graph.layers.size());
+  int first = -1, last = -1;
+  for (int i = 0; i < n; ++i) {
+    if (graph.layers[i].kind != LayerKind::block) continue;
+    if (first < 0) first = i;
+    last = i;
+  }
+  if (first < 0) return out;
+  if (first > 0) out.edges.emplace_back(0, first);
+  if (last < n - 1) out.edges.emplace_back(last, n - 1);
+  return out;
+}
+
 class Searcher {
  public:
   Searcher(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
            const SearchOptions& options, bool allow_over_memory)
-      : graph_(graph), cluster_(cluster), training_(training), pins_(options.pins),
+      : graph_(with_cuts_between_blocks(graph)), cluster_(cluster), training_(training), pins_(options.pins),
         options_(options), allow_over_memory_(allow_over_memory) {}
 
   Plan run() {
@@ -597,7 +618,7 @@ class Searcher {
     return out.str();
   }
 
-  const ModelGraph& graph_;
+  const ModelGraph graph_;
   const Cluster& cluster_;
   const TrainingConfig& training_;
   const Pins pins_;

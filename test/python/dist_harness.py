@@ -11,6 +11,7 @@ Two ways, as users start jobs:
 
 import glob
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -83,7 +84,10 @@ def launch(world_size, scenario, timeout=120, env=None, worker="workers.py", via
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"rank{rank}.stderr")) as f:
             errors.append(f.read())
-    return Launch(out_dir, codes, errors, timed_out)
+    result = Launch(out_dir, codes, errors, timed_out)
+    if not timed_out and any(c < 0 for c in codes):  # no test sends signals through this path
+        raise AssertionError(f"a rank died by a signal (exit codes {codes}):\n{result.describe()}")
+    return result
 
 
 def launch_with_launcher(world_size, scenario, timeout=120, env=None, worker="workers.py",
@@ -118,4 +122,9 @@ def launch_with_launcher(world_size, scenario, timeout=120, env=None, worker="wo
             with open(path) as f:
                 text += f.read()
         errors.append(text + ("" if proc.returncode == 0 else "\n[launcher] " + launcher_log[-3000:]))
-    return Launch(out_dir, [proc.returncode] * world_size, errors, timed_out)
+    result = Launch(out_dir, [proc.returncode] * world_size, errors, timed_out)
+    # A worker killed by a crash signal (the agent's own SIGTERM to survivors is not one).
+    crash = re.search(r"exitcode\s*:\s*-(4|6|7|8|11)\b", launcher_log)
+    if crash and not timed_out:
+        raise AssertionError(f"a rank died by signal {crash.group(1)}:\n{result.describe()}")
+    return result

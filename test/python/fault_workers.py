@@ -32,20 +32,31 @@ def bucket_mismatch(mesh):
     loss_fn(model(x), y).backward()
 
 
+class OddBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix_in = torch.nn.Linear(32, 128)
+        self.mix_out = torch.nn.Linear(128, 32)
+
+    def forward(self, h):
+        return h + self.mix_out(torch.relu(self.mix_in(h)))
+
+
 class OddNames(torch.nn.Module):
-    """Layer names no tp plan recognises (an in-house model)."""
+    """Blocks whose layer names no tp plan recognises (an in-house model)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.tok = torch.nn.Embedding(64, 32)
-        self.mix_in = torch.nn.Linear(32, 128)
-        self.mix_out = torch.nn.Linear(128, 32)
+        self.layers = torch.nn.ModuleList([OddBlock(), OddBlock()])
         self.to_vocab = torch.nn.Linear(32, 64)
 
     def forward(self, x):
         h = self.tok(x)
-        return self.to_vocab(h + self.mix_out(torch.relu(self.mix_in(h))))
+        for layer in self.layers:
+            h = layer(h)
+        return self.to_vocab(h)
 
 
 def tp_splits_nothing(mesh):
@@ -59,7 +70,17 @@ def tp_splits_nothing_parallelize(mesh):
 def tp_head_unsplit(mesh):
     from torch_monarch import Colwise, Rowwise, VocabEmbedding
     torch_monarch.tensor_parallel(OddNames(), torch_monarch.device_mesh(tp=2),
-                                  plan={"tok": VocabEmbedding(), "mix_in": Colwise(), "mix_out": Rowwise()})
+                                  plan={"tok": VocabEmbedding(), "layers.*.mix_in": Colwise(),
+                                        "layers.*.mix_out": Rowwise()})
+
+
+def tp_load_wrong_shape(mesh):
+    """A checkpoint with a (65, 32) embedding loaded into a tp=2 model that holds (64, 32)."""
+    pm = torch_monarch.parallelize(make_model(), example_input=batch(0, GLOBAL_BATCH)[0], global_batch=GLOBAL_BATCH,
+                                   tp=2)
+    state = make_model().state_dict()
+    state["wte.weight"] = torch.zeros(65, 32)
+    pm.load_state_dict(state)
 
 
 def units_mismatch(mesh):
@@ -141,6 +162,7 @@ SCENARIOS = {
     "bucket_mismatch": bucket_mismatch,
     "tp_uneven_batch": tp_uneven_batch,
     "units_mismatch": units_mismatch,
+    "tp_load_wrong_shape": tp_load_wrong_shape,
     "tp_splits_nothing": tp_splits_nothing,
     "tp_splits_nothing_parallelize": tp_splits_nothing_parallelize,
     "tp_head_unsplit": tp_head_unsplit,

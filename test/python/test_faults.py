@@ -79,12 +79,13 @@ def test_tensor_parallelism_that_splits_nothing_is_an_error_listing_the_modules(
     r = run("tp_splits_nothing")
     assert r.codes == [1, 1], r.describe()
     for e in (x["error"] for x in results(r)):
-        assert "tp=2 but the plan splits none of OddNames's projections (no Colwise / Rowwise" in e, e
-        assert "'mix_in' (Linear 32->128)" in e and "'to_vocab' (Linear 32->64)" in e, e
+        assert "tp=2 but the plan splits none of the linear layers in OddNames's blocks" in e, e
+        assert "only ['to_vocab', 'tok'] would be split" in e, e
+        assert "'layers.0.mix_in' (Linear 32->128)" in e and "'to_vocab' (Linear 32->64)" in e, e
     r = run("tp_splits_nothing_parallelize")
     assert r.codes == [1, 1], r.describe()
     for e in (x["error"] for x in results(r)):
-        assert "pins.tp" in e and "splits no layer's compute" in e, e
+        assert "pins.tp" in e and "splits none of the blocks" in e, e
 
 
 def test_a_vocabulary_head_left_whole_next_to_a_split_embedding_is_an_error():
@@ -92,3 +93,11 @@ def test_a_vocabulary_head_left_whole_next_to_a_split_embedding_is_an_error():
     assert r.codes == [1, 1], r.describe()
     for e in (x["error"] for x in results(r)):
         assert "'to_vocab' (Linear 32->64) produces the vocabulary (64, as the split embedding) but is not split" in e, e
+
+
+def test_a_wrong_shape_loaded_into_a_tp_model_names_the_key_and_both_shapes():
+    r = run("tp_load_wrong_shape")
+    assert r.codes == [1, 1], r.describe()
+    for e in (x["error"] for x in results(r)):
+        assert "wte.weight has shape [65, 32], the model holds [64, 32] (split over tp=2 along dim 0: [32, 32] " \
+               "per rank)" in e, e

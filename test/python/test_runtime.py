@@ -84,13 +84,17 @@ def test_fully_shard_parity_and_memory(reference, stage, ranks):
 
 
 def test_fully_shard_mixed_precision(reference):
-    """bf16 compute with fp32 shards and fp32 reduction: close to fp32, not equal (bf16 has
-    8 bits of mantissa: 2% on the loss over 10 steps is the stated tolerance)."""
+    """bf16 compute with fp32 shards, gradients reduced in bf16 (FSDP's default reduce dtype,
+    the planner's grad_bytes = 2) and summed in fp32: close to fp32, not equal (bf16 has 8
+    bits of mantissa: 2% on the loss over 10 steps is the stated tolerance), and half the
+    reduce-scatter bytes of fp32 training."""
     ref_losses, _ = reference
     result = run_ok(2, "zero3_bf16")[0]
     for got, want in zip(result["losses"], ref_losses):
         assert got == pytest.approx(want, rel=2e-2)
     assert all(v.dtype == torch.float32 for v in result["state"].values())
+    fp32 = run_ok(2, "zero3")[0]
+    assert result["facts"]["reduce_bytes"] == pytest.approx(0.5 * fp32["facts"]["reduce_bytes"], rel=1e-9)
 
 
 def test_dead_rank_fails_fast_with_named_collective():

@@ -75,6 +75,7 @@ def train_sharded(mesh, stage, mixed_precision=None):
         "optimizer_state": sum(opt.state[s]["exp_avg"].numel() for s in shards),
         "held": sum(p.numel() for p in plain.parameters()),
         "held_grad": sum(p.grad.numel() for p in plain.parameters() if p.grad is not None),
+        "reduce_bytes": dp.bytes_sent(torch_monarch._runtime.CollectiveKind.reduce_scatter),
     }
     shape = make_model()
     # This rank's rows of every parameter: dim 0 split in chunks of ceil(rows / N).

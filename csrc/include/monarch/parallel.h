@@ -34,6 +34,11 @@ class DataParallel {
     DataParallelEngine& engine_;
   };
   NoSync no_sync() { return NoSync(engine_); }
+  // Call at the start of each training forward (C++ modules have no forward hooks): counts
+  // the step in the group's collective fingerprints, so a rank that gave up a step after a
+  // local error is named at its next collective instead of pairing with the others' earlier
+  // step.
+  void begin_forward() { engine_.before_forward(); }
   DataParallelEngine& engine() { return engine_; }
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 

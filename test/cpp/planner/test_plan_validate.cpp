@@ -219,11 +219,15 @@ TEST_CASE("validate: virtual stages only with the interleaved schedule", "[plan_
   REQUIRE_THROWS_WITH(validate(p),
                       "virtual_stages: 2 needs schedule 'interleaved_1f1b', got '1f1b'");
 
-  // Interleaved: 2 ranks x 2 virtual stages = 4 stages.
+  // Interleaved: 2 ranks x 2 virtual stages = 4 stages, each holding a block.
   p = valid_plan();
   p.schedule = ScheduleKind::interleaved_1f1b;
   p.virtual_stages = 2;
-  const int64_t stages[] = {0, 1, 2, 3, 3};
+  p.layers.insert(p.layers.begin() + 3, {p.layers[1], p.layers[1]});
+  p.layers[3].name = "blocks.2";
+  p.layers[4].name = "blocks.3";
+  p.model_params += 2 * p.layers[1].params;
+  const int64_t stages[] = {0, 0, 1, 2, 3, 3, 3};
   for (size_t i = 0; i < p.layers.size(); ++i) p.layers[i].stage = stages[i];
   REQUIRE_NOTHROW(validate(p));
 
@@ -286,6 +290,12 @@ TEST_CASE("validate: stages are non-decreasing and none is empty", "[plan_valida
   p = valid_plan();
   for (auto& l : p.layers) l.stage = 0;
   REQUIRE_THROWS_WITH(validate(p), "layers: stage 1 has no layer");
+
+  // Every block on stage 0, stage 1 only the norm and head: the runtime cuts between blocks.
+  p = valid_plan();
+  p.layers[2].stage = 0;
+  REQUIRE_THROWS_WITH(validate(p), "layers: stage 1 holds no block (the runtime cuts the pipeline between "
+                                   "blocks, so every stage needs one)");
 
   p = valid_plan();
   p.schedule = ScheduleKind::interleaved_1f1b;

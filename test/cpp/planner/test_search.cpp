@@ -97,6 +97,16 @@ TEST_CASE("impossible requests name the constraint", "[search][errors]") {
   options.pins = pins;
   CHECK_THROWS_WITH(search(g, cluster_preset("a100-80gb", 40), batch(1536), options),
                     Catch::Contains("pins.tp") && Catch::Contains("does not divide heads=96"));
+  // Blocks tp cannot split (replicated patterns: names no rule recognised): tp is refused,
+  // as the runtime refuses it (one rule: a tp that splits none of the blocks gains nothing).
+  ModelGraph unsplit = g;
+  for (auto& layer : unsplit.layers) {
+    if (layer.kind == LayerKind::block) layer.tp = TpPattern::replicated;
+  }
+  pins.tp = 8;
+  options.pins = pins;
+  CHECK_THROWS_WITH(search(unsplit, cluster_preset("a100-80gb", 64), batch(1536), options),
+                    Catch::Contains("pins.tp") && Catch::Contains("splits none of the blocks"));
   pins.tp = 8;
   pins.pp = 12;
   pins.dp = 5;

@@ -106,6 +106,9 @@ struct LocalStage {
   // Set (set_fully_shard) when wrapped in ZeRO-1/2: gradients accumulate over micro-batches
   // and are reduced once per step, as with data parallelism.
   FullyShardEngine* fully_shard = nullptr;
+  // Any ZeRO stage's engine (set_fully_shard): its parameters are given placeholders of
+  // their shapes before a zero-bubble weight pass (FullyShardEngine::prepare_gradient_roots).
+  FullyShardEngine* sharded = nullptr;
 };
 
 class Composition {

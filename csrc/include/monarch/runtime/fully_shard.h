@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "monarch/runtime/communicator.h"
@@ -42,6 +43,12 @@ struct FullyShardOptions {
   // Mixed precision: parameters are gathered and used in this dtype; shards, gradient
   // reduction and the optimizer stay fp32.
   at::ScalarType compute_dtype = at::kFloat;
+  // Gradients go over the wire in this dtype (unset: the compute dtype, as FSDP's
+  // MixedPrecision.reduce_dtype defaults to param_dtype); each rank's contributions are summed
+  // in fp32 into its fp32 shard. bf16 halves the reduce-scatter's bytes, which is what the
+  // planner assumes for bf16 training (its grad_bytes = 2).
+  std::optional<at::ScalarType> reduce_dtype;
+  at::ScalarType effective_reduce_dtype() const { return reduce_dtype.value_or(compute_dtype); }
   bool broadcast_from_root = true;
 };
 
@@ -82,6 +89,11 @@ class FullyShardEngine {
   // every unit's full gradient: it reduces every backward; set_sync(false) is refused).
   void set_sync(bool sync);
   bool sync() const { return sync_; }
+  // Before gradients are handed to parameters directly (a zero-bubble schedule's weight pass
+  // makes the parameters autograd roots): under stage 3 a parameter whose unit is not
+  // gathered holds an empty tensor, and gradient accumulation needs its shape, so it gets a
+  // placeholder of that shape (one element broadcast: no memory) until its next gather.
+  void prepare_gradient_roots();
   // Copies updated shards into the full parameters (stages 1-2; stage 3 gathers lazily).
   void sync_parameters();
   // Every parameter, whole and fp32, in unit order (for a full state dict).

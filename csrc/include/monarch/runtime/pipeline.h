@@ -15,6 +15,7 @@
 
 #include "monarch/planner/schedule.h"
 #include "monarch/runtime/communicator.h"
+#include "monarch/runtime/deferred_linear.h"
 
 namespace monarch {
 
@@ -62,7 +63,10 @@ class AutogradStageWork : public StageWork {
   struct Stash {
     std::vector<at::Tensor> inputs;   // leaves that require grad (received activations)
     std::vector<at::Tensor> outputs;  // or {scaled loss} on the last stage
-    std::vector<at::Tensor> grads;    // kept between backward_input and backward_weight
+    // Between backward_input and backward_weight: the parameters' gradients B computed
+    // (every parameter not behind a deferred_linear) and what the deferred linears queued.
+    std::vector<std::pair<at::Tensor, at::Tensor>> parameter_grads;
+    std::shared_ptr<WeightGradSink> deferred;
   };
   std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> roots(Stash& s, const std::vector<at::Tensor>& grads) const;
   std::vector<at::Tensor> input_grads(const Stash& s) const;
