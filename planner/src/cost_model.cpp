@@ -363,6 +363,7 @@ struct RankLoad {
   double workspace = 0;
   double largest_gathered = 0;             // ZeRO-3: largest sharding unit
   double root_params = 0;                  // ZeRO-3: parameters outside the units
+  double largest_block = 0;                // the runtime's default sharding unit
   double compute_s = 0, recompute_s = 0, tp_comm_s = 0, zero_exposed_s = 0;
   double backward_s = 0;                   // one micro-batch, all chunks
   double p2p_bytes = 0;                    // largest stage output it sends
@@ -410,6 +411,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     r.activations_per_micro_batch += e.activation_bytes_per_micro_batch;
     r.workspace = std::max(r.workspace, e.workspace_bytes);
     for (int64_t i = first[s]; i <= last[s]; ++i) {
+      if (plan.layers[i].kind == LayerKind::block) r.largest_block = std::max(r.largest_block, costs[i].params);
       if (plan.layers[i].sharding_unit) {
         r.largest_gathered = std::max(r.largest_gathered, costs[i].params);
       } else {
@@ -527,7 +529,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // holds the unsharded gradients of the unit being filled and of the one being reduced;
       // where the whole gradients are kept (stage 1, or stage 2 accumulating micro-batches),
       // the shards' own reduced gradients (what the optimizer reads) come on top of them.
-      const double unit = std::max(load.largest_gathered, load.root_params);
+      // Plans below stage 3 mark no sharding units: the runtime's default units are the blocks.
+      const double unit = load.largest_gathered > 0 ? load.largest_gathered
+                          : load.largest_block > 0  ? load.largest_block
+                                                    : load.params;
       buffers += 2 * unit * training.grad_bytes;
       const bool whole_grads = layout.zero_stage == 1 || layout.num_micro_batches > 1;
       if (whole_grads) {
