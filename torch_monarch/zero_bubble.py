@@ -18,12 +18,16 @@ def _deferred_forward(module, x):
 
 
 def defer_weight_gradients(model: nn.Module) -> int:
-    """Routes ``model``'s plain ``nn.Linear`` modules (not subclasses with their own forward)
-    through ``deferred_linear``; returns how many."""
+    """Routes ``model``'s plain ``nn.Linear`` modules through ``deferred_linear``; returns how
+    many. Left as they are: subclasses with their own forward, a forward already replaced on
+    the instance (e.g. recomputation's checkpoint wrapper), and weights computed by hooks or
+    parametrizations (weight norm): their gradients come in B as before."""
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-            if getattr(module, "_monarch_deferred_weight_grad", False):
+            if getattr(module, "_monarch_deferred_weight_grad", False) or "forward" in module.__dict__:
+                continue
+            if module._forward_pre_hooks or getattr(module, "parametrizations", None) is not None:
                 continue
             module.forward = _deferred_forward.__get__(module)
             module._monarch_deferred_weight_grad = True

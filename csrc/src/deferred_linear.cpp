@@ -22,10 +22,15 @@ std::pair<at::Tensor, at::Tensor> weight_grads(const WeightGradSink::Entry& e) {
 struct DeferredLinear : torch::autograd::Function<DeferredLinear> {
   // `bias` is an empty placeholder when `has_bias` is false (autograd functions take no
   // undefined tensors).
+  // The weight and bias are kept as the parameters themselves (saved_data), not as saved
+  // variables: under non-reentrant checkpointing a saved variable comes back as a new tensor
+  // tied to the parameter only weakly, and W must hand its gradient to the parameter itself.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const at::Tensor& bias, bool has_bias) {
-    ctx->save_for_backward({input, weight, bias});
-    ctx->saved_data["has_bias"] = has_bias;
+    const bool weight_grads = weight.requires_grad() || (has_bias && bias.requires_grad());
+    ctx->save_for_backward({weight_grads ? input : at::Tensor()});
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["bias"] = has_bias ? bias : at::Tensor();
     return has_bias ? at::linear(input, weight, bias) : at::linear(input, weight);
   }
 
@@ -33,12 +38,16 @@ struct DeferredLinear : torch::autograd::Function<DeferredLinear> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor bias = ctx->saved_data["has_bias"].toBool() ? saved[2] : at::Tensor();
+    const at::Tensor weight = ctx->saved_data["weight"].toTensor();
+    const at::Tensor bias = ctx->saved_data["bias"].isTensor() ? ctx->saved_data["bias"].toTensor() : at::Tensor();
     const at::Tensor& dy = grads[0];
     at::Tensor dx = ctx->needs_input_grad(0) ? dy.matmul(weight) : at::Tensor();
+    if (!input.defined()) return {dx, at::Tensor(), at::Tensor(), at::Tensor()};  // frozen weight and bias
     WeightGradSink::Entry e{weight, bias, input, dy};
-    if (WeightGradSink::offer(e)) return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+    // Deferred only for leaf parameters (a weight computed from others, e.g. weight norm,
+    // needs its graph, which B frees).
+    const bool leaves = weight.is_leaf() && (!bias.defined() || bias.is_leaf());
+    if (leaves && WeightGradSink::offer(e)) return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
     auto [dw, db] = weight_grads(e);
     return {dx, ctx->needs_input_grad(1) ? dw : at::Tensor(), ctx->needs_input_grad(2) ? db : at::Tensor(),
             at::Tensor()};

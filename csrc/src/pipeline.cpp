@@ -1,5 +1,7 @@
 #include "monarch/runtime/pipeline.h"
 
+#include <set>
+
 #include <chrono>
 #include <climits>
 #include <sstream>
@@ -158,8 +160,9 @@ std::vector<at::Tensor> AutogradStageWork::backward_input(int64_t stage, int64_t
   }
   const size_t num_inputs = wanted.size();
   if (stage_parameters_) {
+    std::set<const void*> seen;  // a parameter listed twice is captured once
     for (auto& p : stage_parameters_(stage)) {
-      if (p.requires_grad()) wanted.push_back(p);
+      if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) wanted.push_back(p);
     }
   }
   std::vector<at::Tensor> result(s.inputs.size());

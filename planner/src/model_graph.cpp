@@ -132,6 +132,14 @@ void restrict_cuts_to_blocks(ModelGraph& graph) {
 
 bool ModelGraph::can_cut_before(int index) const {
   if (index <= 0 || index >= static_cast<int>(layers.size())) return false;
+  // In a model made of blocks the runtimes cut only between two blocks (what comes before
+  // the first block runs on the first stage, what comes after the last on the last), and
+  // validate() refuses a stage without a block: one rule for search, validator and runtime.
+  bool has_blocks = false;
+  for (const auto& l : layers) has_blocks = has_blocks || l.kind == LayerKind::block;
+  if (has_blocks && !(layers[index - 1].kind == LayerKind::block && layers[index].kind == LayerKind::block)) {
+    return false;
+  }
   // Only the chain edge (index-1 -> index) may cross the cut: it becomes the stage's p2p.
   for (const auto& [from, to] : edges) {
     const bool crosses = from < index && to >= index;

@@ -182,29 +182,11 @@ std::string why_slower(const Prediction& loser, const Prediction& winner) {
   return out.str();
 }
 
-// The runtimes cut pipelines between blocks only, and validate() refuses a stage without a
-// block: the search cuts there too (what comes before the first block stays on the first
-// stage, what comes after the last on the last). A graph without blocks is left as it is.
-ModelGraph with_cuts_between_blocks(const ModelGraph& graph) {
-  ModelGraph out = graph;
-  const int n = static_cast<int>(graph.layers.size());
-  int first = -1, last = -1;
-  for (int i = 0; i < n; ++i) {
-    if (graph.layers[i].kind != LayerKind::block) continue;
-    if (first < 0) first = i;
-    last = i;
-  }
-  if (first < 0) return out;
-  if (first > 0) out.edges.emplace_back(0, first);
-  if (last < n - 1) out.edges.emplace_back(last, n - 1);
-  return out;
-}
-
 class Searcher {
  public:
   Searcher(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
            const SearchOptions& options, bool allow_over_memory)
-      : graph_(with_cuts_between_blocks(graph)), cluster_(cluster), training_(training), pins_(options.pins),
+      : graph_(graph), cluster_(cluster), training_(training), pins_(options.pins),
         options_(options), allow_over_memory_(allow_over_memory) {}
 
   Plan run() {
@@ -618,7 +600,7 @@ class Searcher {
     return out.str();
   }
 
-  const ModelGraph graph_;
+  const ModelGraph& graph_;
   const Cluster& cluster_;
   const TrainingConfig& training_;
   const Pins pins_;

@@ -67,3 +67,35 @@ def test_deferred_linear_outside_the_split_pass_is_a_plain_linear():
     assert torch.allclose(x.grad, x2.grad, rtol=1e-6)
     for p, q in zip(split.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_split_backward_under_full_recompute_reaches_the_parameters():
+    """Non-reentrant checkpointing hands saved tensors back as new tensors: W must still
+    accumulate into the parameters themselves (no engine holding their accumulators here)."""
+    from torch_monarch import recompute
+
+    plain = Stage()
+    split = copy.deepcopy(plain)
+    defer_weight_gradients(split)
+    recompute.apply([split], "full")  # the whole stage re-runs in backward
+    x = torch.randn(4, 5, 8)
+    dy = torch.randn(4, 5, 8)
+    w = work_for(plain)
+    w.forward(0, 0, [x.clone().requires_grad_()])
+    w.backward(0, 0, [dy])
+    w2 = work_for(split)
+    w2.forward(0, 0, [x.clone().requires_grad_()])
+    w2.backward_input(0, 0, [dy])
+    w2.backward_weight(0, 0)
+    for (name, p), q in zip(split.named_parameters(), plain.parameters()):
+        assert p.grad is not None, name
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_frozen_and_recomputed_linears_are_left_as_they_are():
+    from torch_monarch import recompute
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    recompute.apply([model[0]], "full")  # its forward is the checkpoint wrapper now
+    assert defer_weight_gradients(model) == 1
+    assert not getattr(model[0], "_monarch_deferred_weight_grad", False)
