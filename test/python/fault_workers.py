@@ -83,6 +83,15 @@ def tp_load_wrong_shape(mesh):
     pm.load_state_dict(state)
 
 
+def zero3_load_wrong_shapes(mesh):
+    """A transposed weight (same element count) and one with a wrong count, into ZeRO-3."""
+    model = torch_monarch.fully_shard(make_model(), mesh=mesh, zero_stage=3)
+    state = make_model().state_dict()
+    state["blocks.0.fc1.weight"] = state["blocks.0.fc1.weight"].t().contiguous()
+    state["blocks.1.proj.weight"] = torch.zeros(33, 32)
+    model.load_state_dict(state)
+
+
 def units_mismatch(mesh):
     """fully_shard with units= that differ between the ranks (same parameters)."""
     model = make_model()
@@ -162,6 +171,7 @@ SCENARIOS = {
     "bucket_mismatch": bucket_mismatch,
     "tp_uneven_batch": tp_uneven_batch,
     "units_mismatch": units_mismatch,
+    "zero3_load_wrong_shapes": zero3_load_wrong_shapes,
     "tp_load_wrong_shape": tp_load_wrong_shape,
     "tp_splits_nothing": tp_splits_nothing,
     "tp_splits_nothing_parallelize": tp_splits_nothing_parallelize,

@@ -101,3 +101,13 @@ def test_a_wrong_shape_loaded_into_a_tp_model_names_the_key_and_both_shapes():
     for e in (x["error"] for x in results(r)):
         assert "wte.weight has shape [65, 32], the model holds [64, 32] (split over tp=2 along dim 0: [32, 32] " \
                "per rank)" in e, e
+
+
+def test_a_transposed_or_miscounted_weight_loaded_into_zero3_is_refused_by_name():
+    """Plain torch refuses a transposed weight of the same element count; so must ZeRO-3
+    (before, it loaded scrambled rows and said all keys matched)."""
+    r = run("zero3_load_wrong_shapes")
+    assert r.codes == [1, 1], r.describe()
+    for e in (x["error"] for x in results(r)):
+        assert "blocks.0.fc1.weight: the checkpoint holds [32, 128], the model [128, 32]" in e, e
+        assert "blocks.1.proj.weight: the checkpoint holds [33, 32], the model [32, 32]" in e, e
