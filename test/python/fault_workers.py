@@ -92,6 +92,27 @@ def zero3_load_wrong_shapes(mesh):
     model.load_state_dict(state)
 
 
+def pipeline_retry_after_dead_peer(mesh):
+    """pp=2: the last stage dies after a good step; the first stage retries twice: every
+    attempt fails at once with the first error (rank, collective, group)."""
+    pm = torch_monarch.parallelize(make_model(), example_input=batch(0, GLOBAL_BATCH)[0], global_batch=GLOBAL_BATCH,
+                                   pp=2, dp=1, tp=1, micro_batches=2, schedule="1f1b")
+    x, y = batch(0, GLOBAL_BATCH)
+    pm.train_step(x, y, loss_fn)
+    if pm.mesh.coordinate("pp") == 1:
+        os._exit(3)
+    errors, seconds = [], []
+    for _ in range(3):
+        start = time.monotonic()
+        try:
+            pm.train_step(x, y, loss_fn)
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+        seconds.append(time.monotonic() - start)
+    return {"errors": errors, "seconds": seconds}
+
+
 def units_mismatch(mesh):
     """fully_shard with units= that differ between the ranks (same parameters)."""
     model = make_model()
@@ -171,6 +192,7 @@ SCENARIOS = {
     "bucket_mismatch": bucket_mismatch,
     "tp_uneven_batch": tp_uneven_batch,
     "units_mismatch": units_mismatch,
+    "pipeline_retry": pipeline_retry_after_dead_peer,
     "zero3_load_wrong_shapes": zero3_load_wrong_shapes,
     "tp_load_wrong_shape": tp_load_wrong_shape,
     "tp_splits_nothing": tp_splits_nothing,
@@ -186,7 +208,8 @@ SCENARIOS = {
 def main(scenario):
     torch.set_num_threads(1)
     torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "60")))
-    mesh = torch_monarch.device_mesh() if not scenario.startswith("tp_") else None
+    # Scenarios that make their own mesh (parallelize, tensor_parallel) get none.
+    mesh = torch_monarch.device_mesh() if not scenario.startswith(("tp_", "pipeline_")) else None
     try:
         result = SCENARIOS[scenario](mesh) or {}
     except (RuntimeError, ValueError) as e:

@@ -23,6 +23,10 @@ def results(r):
     return [torch.load(r.result_path(rank)) for rank in range(2)]
 
 
+def results_of(r, rank):
+    return torch.load(r.result_path(rank))
+
+
 def test_different_bucket_sizes_are_an_error_on_every_rank_naming_each_value():
     r = run("bucket_mismatch")
     assert r.codes == [1, 1], r.describe()
@@ -111,3 +115,16 @@ def test_a_transposed_or_miscounted_weight_loaded_into_zero3_is_refused_by_name(
     for e in (x["error"] for x in results(r)):
         assert "blocks.0.fc1.weight: the checkpoint holds [32, 128], the model [128, 32]" in e, e
         assert "blocks.1.proj.weight: the checkpoint holds [33, 32], the model [32, 32]" in e, e
+
+
+def test_pipelined_steps_retried_after_a_dead_peer_repeat_the_first_error_at_once():
+    r = run("pipeline_retry", env={"MONARCH_TIMEOUT_S": "10"})
+    assert r.codes[1] == 3, r.describe()
+    assert r.codes[0] == 0, r.describe()
+    got = results_of(r, 0)
+    first, *later = got["errors"]
+    assert first is not None and "rank 0" in first and "group 'pp'" in first, first
+    original = first[first.index("rank 0: "):].split(" failed: ")[0]  # "rank 0: recv of ... on group 'pp' ..."
+    for message, seconds in zip(later, got["seconds"][1:]):
+        assert message is not None and original in message, (first, message)
+        assert seconds < 5, f"a retry waited {seconds:.1f} s instead of failing at once"
