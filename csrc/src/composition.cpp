@@ -224,8 +224,7 @@ void Composition::set_data_parallel(int64_t stage, DataParallelEngine* engine) {
 void Composition::set_fully_shard(int64_t stage, FullyShardEngine* engine) {
   for (auto& s : stages_) {
     if (s.stage == stage) {
-      s.fully_shard = engine && engine->options().zero_stage < 3 ? engine : nullptr;
-      s.sharded = engine;
+      s.fully_shard = engine;
       return;
     }
   }
@@ -241,7 +240,7 @@ std::vector<int64_t> Composition::local_stages() const {
 void Composition::set_sync(bool sync) {
   for (auto& s : stages_) {
     if (s.data_parallel) s.data_parallel->set_sync(sync);
-    if (s.fully_shard) s.fully_shard->set_sync(sync);
+    if (s.accumulates()) s.fully_shard->set_sync(sync);
   }
 }
 
@@ -294,8 +293,8 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int
           for (auto& s : stages_) {
             if (s.stage != stage) continue;
             if (s.data_parallel) s.data_parallel->set_sync(is_last);
-            if (s.fully_shard) s.fully_shard->set_sync(is_last);
-            if (s.sharded) s.sharded->prepare_gradient_roots();  // ZB-H1's W hands gradients to freed parameters
+            if (s.accumulates()) s.fully_shard->set_sync(is_last);
+            if (s.fully_shard) s.fully_shard->prepare_gradient_roots();  // ZB-H1's W hands gradients to freed parameters
           }
         });
     PipelineStepStats stats;

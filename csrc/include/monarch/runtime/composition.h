@@ -103,12 +103,12 @@ struct LocalStage {
   // Set (here or with set_data_parallel) when the stage is wrapped in DDP-style data
   // parallelism: the engine turns its gradient sync off for all but the last micro-batch.
   DataParallelEngine* data_parallel = nullptr;
-  // Set (set_fully_shard) when wrapped in ZeRO-1/2: gradients accumulate over micro-batches
-  // and are reduced once per step, as with data parallelism.
+  // Set (set_fully_shard) when wrapped in ZeRO: under stages 1-2 gradients accumulate over
+  // micro-batches and are reduced once per step, as with data parallelism; under any stage
+  // the parameters get placeholders of their shapes before a zero-bubble weight pass
+  // (FullyShardEngine::prepare_gradient_roots).
   FullyShardEngine* fully_shard = nullptr;
-  // Any ZeRO stage's engine (set_fully_shard): its parameters are given placeholders of
-  // their shapes before a zero-bubble weight pass (FullyShardEngine::prepare_gradient_roots).
-  FullyShardEngine* sharded = nullptr;
+  bool accumulates() const { return fully_shard != nullptr && fully_shard->options().zero_stage < 3; }
 };
 
 class Composition {
