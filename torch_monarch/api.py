@@ -36,7 +36,7 @@ def _pins(pins):
 
 def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
-    recomputation of whole blocks only (``full``, not ``selective``), sequence
+    recomputation (``full`` or ``selective``) only for models with blocks, sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
     layers, pipelines only for models with blocks. Bytes per parameter follow the dtype:
     fp32 training with Adam keeps 4 (weights) + 4 (grads) + 8 (two moments); bf16/fp16
@@ -46,9 +46,9 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     t = _planner.training(global_batch, compute_dtype=dtype)
     if dtype == _planner.DType.fp32:
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
-    # The runtime recomputes whole blocks (torch_monarch/recompute.py), not the attention core.
+    # The runtime recomputes whole blocks or their attention cores (torch_monarch/recompute.py).
     t.allow_recompute = len(info.blocks) > 0
-    t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.full]
+    t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.selective, _planner.Recompute.full]
     t.allow_sequence_parallel = bool(pins.get("sequence_parallel"))
     # A model still on meta is materialized after the cut, which tensor parallelism cannot
     # do yet (it splits real weights).
@@ -141,12 +141,12 @@ def _layer_differences(plan, info):
 
 
 def _runtime_problems(plan):
-    """Plan fields the runtime cannot carry out yet: refused, never silently ignored."""
-    recompute = str(plan.recompute).split(".")[-1]
-    if recompute == "selective":
-        return ["recompute: the plan recomputes the attention core only (selective), which the runtime does "
-                "not do (a user's attention core is not a separate call); plan with recompute='full' or "
-                "'none' (parallelize's own planning does)"]
+    """Plan fields the runtime cannot carry out: refused, never silently ignored."""
+    from .recompute import check_mode
+    try:
+        check_mode(plan.recompute)
+    except ValueError as e:
+        return [str(e)]
     return []
 
 

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from . import compat
 from . import planner as _planner
+from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
 from .tensor_parallel_modules import (HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, Colwise, Replicate, Rowwise,
                                       VocabEmbedding, VocabHead, default_plan, resolve_plan)
@@ -111,6 +113,11 @@ class _Recorder:
         self.order = 0
         self.seen_saved = {}
         self.saved_by = []  # (tensor, stack snapshot) for later classification
+        self.core = {}      # id -> tensor: attention-core outputs (selective.makes_core), this capture
+        self.saved_core = set()  # ids of saved tensors that are attention-core tensors
+
+    def is_core(self, t):
+        return self.core.get(id(t)) is t
 
     def is_param(self, t):
         return id(t) in self.param_ids or (t._base is not None and id(t._base) in self.param_ids)
@@ -128,6 +135,8 @@ class _Recorder:
             for name in self.stack:
                 self.records[name].saved_bytes += nbytes
             self.saved_by.append((t, tuple(self.stack)))
+            if self.is_core(t):
+                self.saved_core.add(id(t))
         return t
 
 
@@ -150,6 +159,11 @@ def _make_mode(recorder):
                 flops = attention = _attention_flops(args[0], args[1])
             if flops:
                 recorder.add(flops, attention)
+            tensors = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+            if makes_core(func, tensors, recorder.is_core, recorder.is_param):
+                for o in tree_flatten(out)[0]:
+                    if isinstance(o, torch.Tensor):
+                        recorder.core[id(o)] = o
             return out
 
     return FlopCounter()
@@ -439,8 +453,8 @@ def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
         nbytes = t.numel() * size / per_sample
         leaf = stack[-1]
         inner = [n for n in stack if n == lname or n.startswith(prefix)]
-        if seq and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq:
-            a.attention_scores += nbytes
+        if id(t) in recorder.saved_core:
+            a.attention_scores += nbytes  # what selective recomputation rebuilds
         elif leaf in row:
             a.tp_sharded += nbytes
         elif leaf in col:

@@ -391,8 +391,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
     parallelism, recomputation and bucket size are the plan's; keywords override them.
-    ``recompute="full"`` re-runs each block's forward in its backward (torch_monarch.recompute);
-    ``"selective"`` is refused.
+    ``recompute="full"`` re-runs each block's forward in its backward, ``"selective"`` only its
+    attention core (torch_monarch.recompute).
 
     ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;

@@ -6,8 +6,10 @@ block's forward (same RNG state, so dropout masks match) to rebuild what it need
 non-reentrant checkpointing (saved-tensor hooks): gradients still reach the parameters
 through the original graph, so the data-parallel and ZeRO engines' gradient hooks fire once,
 as without recomputation, and module hooks outside the block (ZeRO's gather / free) run
-once. ``selective`` (only the attention core re-run) needs the attention core as a separate
-call, which models written the usual way do not have: refused.
+once.
+
+``selective``: only the attention core is re-run (``selective.py``: found at the operator
+level, so it works on modules that compute attention inline).
 """
 
 import functools
@@ -15,7 +17,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "full")
+from . import selective
+
+MODES = ("none", "selective", "full")
 
 
 def mode_name(mode):
@@ -25,30 +29,34 @@ def mode_name(mode):
 def check_mode(mode):
     """Refuses a mode the runtime cannot carry out, naming it."""
     name = mode_name(mode)
-    if name == "selective":
-        raise ValueError("recompute: 'selective' (re-running only the attention core) is not supported by the "
-                         "runtime: the attention core of a user's module is not a separate call; use "
-                         "recompute='full' or 'none'")
     if name not in MODES:
         raise ValueError(f"recompute: unknown mode {mode!r} (expected one of {MODES})")
     return name
 
 
 def apply(blocks, mode):
-    """Makes each block recompute its activations during backward (``full``); ``none`` leaves
-    them as they are. The block's own forward is wrapped, inside its module hooks."""
-    if check_mode(mode) == "none":
+    """Makes each block recompute its activations during backward: all of them (``full``) or
+    its attention core's (``selective``); ``none`` leaves them as they are. The block's own
+    forward is wrapped, inside its module hooks."""
+    name = check_mode(mode)
+    if name == "none":
         return
     for block in blocks:
-        if getattr(block, "_monarch_recompute", False):
+        done = getattr(block, "_monarch_recompute", None)
+        if done == name:
             continue
+        if done:
+            raise ValueError(f"recompute: block {type(block).__name__} already recomputes '{done}'; cannot also "
+                             f"recompute '{name}'")
         inner = block.forward
 
         @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
+        def forward(*args, _inner=inner, _block=block, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)  # inference keeps nothing anyway
+            if name == "selective":
+                return selective.run(_inner, _block, *args, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
-        block._monarch_recompute = True
+        block._monarch_recompute = name

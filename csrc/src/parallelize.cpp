@@ -1,4 +1,5 @@
 #include "monarch/parallelize.h"
+#include "monarch/runtime/recompute.h"
 
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -38,6 +39,12 @@ std::string prefixed(const std::string& prefix, const std::string& name) {
 // ---- reading C++ models ------------------------------------------------------------------
 
 namespace {
+
+// Selective recomputation finds the attention core at the operator level while a block runs
+// (torch_monarch/selective.py, a Python dispatch mode); LibTorch offers C++ no such hook.
+constexpr const char* kSelectiveRefusal =
+    "the C++ frontend recomputes whole blocks only; plan with recompute=full or none, or parallelize from "
+    "Python, which also recomputes the attention core alone";
 
 // Children of a Sequential as pieces; a child that is itself a Sequential (a body of blocks)
 // contributes its own children, so its blocks can be cut between.
@@ -177,6 +184,8 @@ struct ParallelModule::Stage {
   int64_t id = 0;
   std::vector<size_t> pieces;
   std::vector<int64_t> unit;                 // per piece: 0 (root) or its ZeRO unit
+  std::vector<bool> is_block;                // per piece: a block (what recompute re-runs)
+  std::vector<std::vector<at::Tensor>> block_params;  // per piece: its parameters needing gradients
   std::vector<at::Tensor> owned;             // parameters the dp wrapper handles (not tied), each once
   std::vector<at::Tensor> all;               // + tied: what ZB-H1's weight pass differentiates
   std::vector<const void*> zero_order;       // parameters in the ZeRO engine's order
@@ -197,8 +206,9 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   TORCH_CHECK(layout.mesh.tp == 1, "monarch::parallelize: tp=", layout.mesh.tp,
               ": the C++ frontend cannot swap the modules of a torch::nn or TorchScript model for "
               "tensor-parallel ones; plan with tp=1 (pin tp=1), or parallelize from Python");
-  TORCH_CHECK(layout.recompute == planner::Recompute::none, "monarch::parallelize: recompute=",
-              planner::to_string(layout.recompute), ": the C++ frontend does not recompute activations");
+  TORCH_CHECK(layout.recompute != planner::Recompute::selective, "monarch::parallelize: recompute=selective: ",
+              kSelectiveRefusal);
+  recompute_ = layout.recompute == planner::Recompute::full;
   std::vector<int64_t> blocks = options.blocks.empty() ? find_blocks(model_) : options.blocks;
   TORCH_CHECK(layout.block_stage.size() == blocks.size(), "monarch::parallelize: the layout places ",
               layout.block_stage.size(), " blocks, the model has ", blocks.size());
@@ -284,7 +294,10 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       int64_t unit = 0;
       if (block && layout.zero_stage > 0 && dp > 1) unit = units++;  // ZeRO: one unit per block
       st->unit.push_back(unit);
+      st->is_block.push_back(block);
+      st->block_params.emplace_back();
       for (const auto& [name, t] : pieces[i].parameters) {
+        if (block && t.requires_grad()) st->block_params.back().push_back(t);
         if (!seen.insert(id_of(t)).second) continue;
         local_ids.insert(id_of(t));
         st->all.push_back(t);
@@ -386,7 +399,12 @@ std::vector<at::Tensor> ParallelModule::run_stage(int64_t s, const at::Tensor& i
   for (size_t k = 0; k < st.pieces.size(); ++k) {
     const int64_t unit = st.unit[k];
     if (st.zero && unit > 0) st.zero->before_forward(unit);
-    x = model_.pieces[st.pieces[k]].forward(x);
+    const Piece& piece = model_.pieces[st.pieces[k]];
+    if (recompute_ && st.is_block[k]) {
+      x = recompute_full(piece.forward, x, st.block_params[k]);
+    } else {
+      x = piece.forward(x);
+    }
     if (st.zero && unit > 0) st.zero->after_forward(unit, {x});
   }
   if (st.zero) st.zero->after_forward(0, {x});
@@ -512,9 +530,8 @@ std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Pla
   for (auto& p : more) {
     if (std::find(problems.begin(), problems.end(), p) == problems.end()) problems.push_back(p);
   }
-  if (layout.recompute != planner::Recompute::none) {
-    problems.push_back("recompute=" + planner::to_string(layout.recompute) + ": the C++ frontend does not "
-                       "recompute activations (plan with recompute=none; the Python frontend does full)");
+  if (layout.recompute == planner::Recompute::selective) {
+    problems.push_back(std::string("recompute=selective: ") + kSelectiveRefusal);
   }
   if (layout.mesh.tp > 1) {
     problems.push_back("tp=" + std::to_string(layout.mesh.tp) + ": the C++ frontend cannot swap torch::nn or "

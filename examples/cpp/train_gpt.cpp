@@ -7,7 +7,7 @@
 //   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
 //
 // Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S
-// --micro-batch N --schedule NAME (pins for the planner), --steps N, --layers N,
+// --micro-batch N --schedule NAME --recompute none|full (pins for the planner), --steps N, --layers N,
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
 // parity is then checked against the same file trained in one process).
 #include <torch/script.h>
@@ -169,7 +169,8 @@ int main(int argc, char** argv) {
       training.param_bytes = training.grad_bytes = training.activation_bytes = 4;
       training.optimizer_bytes = 8;  // Adam's two fp32 moments
       training.allow_tensor_parallel = false;  // the C++ frontend does not swap modules
-      training.allow_recompute = false;        // the runtime does not recompute yet
+      // The C++ frontend recomputes whole blocks (full), not the attention core alone.
+      training.recompute_modes = {monarch::planner::Recompute::none, monarch::planner::Recompute::full};
       training.allow_sequence_parallel = false;
       monarch::planner::SearchOptions options;
       auto& pins = options.pins;
@@ -178,6 +179,7 @@ int main(int argc, char** argv) {
       if (!arg(args, "dp").empty()) pins.dp = std::stoll(arg(args, "dp"));
       if (!arg(args, "zero").empty()) pins.zero_stage = std::stoll(arg(args, "zero"));
       if (!arg(args, "micro-batch").empty()) pins.micro_batch_size = std::stoll(arg(args, "micro-batch"));
+      if (!arg(args, "recompute").empty()) pins.recompute = monarch::planner::recompute_from_string(arg(args, "recompute"));
       if (!arg(args, "schedule").empty()) pins.schedule = monarch::planner::schedule_from_string(arg(args, "schedule"));
       plan = monarch::planner::search(graph, monarch::planner::cluster_preset("cpu", world->size()), training,
                                       options);

@@ -180,7 +180,12 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     c.params = layer_params_per_tp_rank(layer, layout.tp);
     c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
                                                             layout.sequence_parallel, layout.recompute);
-    c.workspace_bytes = (layout.recompute == Recompute::full && layer.recomputable) ? stored : 0.0;
+    // What backward rebuilds for one layer at a time: all its activations (full), or its
+    // attention core (selective).
+    c.workspace_bytes = !layer.recomputable                          ? 0.0
+                        : layout.recompute == Recompute::full        ? stored
+                        : layout.recompute == Recompute::selective   ? act_scale * layer.activations.attention_scores * b / t
+                                                                     : 0.0;
     costs.push_back(c);
   }
   return costs;

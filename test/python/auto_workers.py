@@ -178,9 +178,11 @@ def main(name, pins):
                    os.path.join(out, f"rank{world.rank}.pt"))
         return 0
     from torch_monarch.sharded import _default_units
-    recomputed = [bool(getattr(u, "_monarch_recompute", False)) for u in _default_units(model)]
+    from torch_monarch import selective
+    recomputed = [getattr(u, "_monarch_recompute", None) or "none" for u in _default_units(model)]
     torch.save({"losses": losses, "state": state if world.rank == 0 else None,
-                "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage, "recomputed": recomputed},
+                "mesh": (pm.pp, pm.dp, pm.tp), "zero": pm.zero_stage, "recomputed": recomputed,
+                "selective": dict(selective.STATS)},
                os.path.join(out, f"rank{world.rank}.pt"))
     return 0
 

@@ -173,16 +173,15 @@ def test_custom_modules_say_how_they_split():
         read_model(bad, torch.zeros(2, 8, 32))
 
 
-def test_a_plan_field_the_runtime_cannot_carry_out_is_refused():
+def test_plans_with_every_recompute_mode_are_carried_out():
     model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=8)
     x = torch.zeros(2, 8, dtype=torch.long)
-    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="selective")
-    with pytest.raises(ValueError, match=r"recompute: the plan recomputes the attention core only \(selective\)"):
+    # Whole blocks (full) and the attention core alone (selective) are both recomputed by the
+    # runtime: such plans are accepted.
+    for mode in ("selective", "full"):
+        p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute=mode)
+        assert str(p.recompute).endswith(mode)
         torch_monarch.check_plan(p, model, x, world_size=2)
-    # Whole blocks are recomputed by the runtime: such a plan is accepted.
-    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), recompute="full")
-    assert str(p.recompute).endswith("full")
-    torch_monarch.check_plan(p, model, x, world_size=2)
 
 
 def test_link_fit_recovers_latency_and_bandwidth():

@@ -35,6 +35,10 @@ CASES = [
     (2, "gpt2:recompute=full,zero_stage=0"), (2, "gpt2:recompute=full,zero_stage=3"),
     (4, "gpt2:pp=2,recompute=full,schedule=zb_h1"), (4, "llama:pp=2,tp=2,recompute=full"),
     (2, "llama:tp=2,sequence_parallel=1,recompute=full"), (2, "bert:recompute=full,zero_stage=2"),
+    # Selective recomputation (the attention core alone) likewise.
+    (2, "gpt2:recompute=selective,zero_stage=3"), (4, "gpt2:pp=2,recompute=selective,schedule=zb_h1"),
+    (4, "llama:pp=2,tp=2,recompute=selective"), (2, "llama:tp=2,sequence_parallel=1,recompute=selective"),
+    (2, "bert:recompute=selective,zero_stage=1"),
 ]
 
 
@@ -59,10 +63,16 @@ def test_parallelize_matches_one_process(ranks, scenario):
     for rank in range(ranks):
         res = torch.load(r.result_path(rank))
         assert res["mesh"] == (mesh["pp"], mesh["dp"], mesh["tp"])
-        # The plan's recompute is carried out: every block re-runs in backward, or none does.
-        assert set(res["recomputed"]) <= {plan["recompute"] == "full"}, res["recomputed"]
-        if plan["recompute"] == "full":
-            assert res["recomputed"], "recompute=full but the model has no blocks to recompute"
+        # The plan's recompute is carried out on every block of this rank's stages, and selective
+        # rebuilt in backward every attention-core tensor it dropped in forward.
+        assert set(res["recomputed"]) <= {plan["recompute"], "none"}, res["recomputed"]
+        if plan["recompute"] != "none":
+            assert plan["recompute"] in res["recomputed"], f"recompute={plan['recompute']} but no block does"
+        stats = res["selective"]
+        if plan["recompute"] == "selective":
+            assert stats["dropped"] > 0 and stats["rebuilt"] == stats["dropped"], stats
+        else:
+            assert stats["dropped"] == 0, stats
         for step, (got, want) in enumerate(zip(res["losses"], ref_losses)):
             assert got == pytest.approx(want, rel=LOSS_REL), f"{scenario} rank {rank}: loss of step {step}"
     state = torch.load(r.result_path(0))["state"]

@@ -17,7 +17,8 @@
 // The blocks (the units pipelines are cut between and ZeRO-3 gathers one at a time) are the
 // longest run of consecutive pieces of one type. Tensor parallelism needs modules swapped for
 // tensor-parallel ones, which a C++ module tree does not allow: plans with tp > 1 are refused
-// here (plan with tp=1; the Python frontend does tp).
+// here (plan with tp=1; the Python frontend does tp). recompute=full re-runs each block in
+// backward (monarch/runtime/recompute.h); selective is refused (the Python frontend does it).
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -130,6 +131,7 @@ class ParallelModule {
   std::vector<std::unique_ptr<Stage>> stages_;
   std::unique_ptr<Composition> composition_;
   std::vector<at::Tensor> optimizer_parameters_;
+  bool recompute_ = false;  // blocks keep only their input and re-run in backward (recompute=full)
   std::vector<std::string> optimizer_names_;
 };
 

@@ -1,0 +1,224 @@
+"""Selective activation recomputation (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Sec. 5): a block keeps everything autograd saves
+except the attention core's s x s tensors (softmax output, dropout mask, dropped-out scores),
+and its backward re-runs only the attention core's operators to rebuild them.
+
+A user's attention core is no separate call (HF modules compute it inline), so it is found at
+the operator level: while the block runs forward, a dispatch mode watches every aten op.
+  * The core starts at a matrix product of two activations (Q K^T): neither operand lives in
+    the block's parameters or buffers.
+  * Every op reading a core tensor belongs to the core (scale, mask, softmax, dropout, and the
+    views between them), except a matrix product (A V), which ends it: its output is the
+    ordinary residual-stream width and is saved as usual.
+Core ops are written to a tape (the op, its non-core inputs held by reference, core inputs by
+tape position, the RNG state before a random op). A saved tensor that is a core output is
+packed as a tape position instead of the tensor (``saved_tensors_hooks``); when backward
+first unpacks one, the tape is replayed under no_grad, in forward order, with the recorded
+RNG states, so the rebuilt tensors are bit-identical to the ones forward made (same ops, same
+inputs, same dropout masks). Replayed tensors live until backward has used every one of the
+block's packed positions. Gradients flow through the original graph, so the data-parallel and
+ZeRO engines' hooks fire once, as without recomputation.
+
+Fused attention kernels (``scaled_dot_product_attention`` in torch 2.x) keep no s x s tensors:
+they are not taped and selective keeps what they save, as Korthikanti's term would be zero.
+"""
+
+import weakref
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
+            _aten.matmul.default}
+_RANDOM = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
+
+# Counts since the process started (what tests and benches read): saved tensors left out of
+# forward's memory, and rebuilt in backward.
+STATS = {"dropped": 0, "rebuilt": 0}
+
+
+def _storage_ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except AttributeError:  # torch < 2.0
+        return t.storage().data_ptr()
+
+
+def _key(t):
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _is_random(func):
+    if _RANDOM is not None and _RANDOM in getattr(func, "tags", ()):
+        return True
+    name = str(func)
+    return any(w in name for w in ("bernoulli", "dropout", "rand", "normal", "uniform", "exponential"))
+
+
+def makes_core(func, tensors, is_core, is_weight):
+    """Whether `func` applied to `tensors` belongs to the attention core (its outputs are core
+    tensors): the rule this module recomputes by and the model reader counts by."""
+    core_in = any(is_core(t) for t in tensors)
+    if func in _MATMULS:
+        # A product of two activations starts the core (Q K^T); one reading the core ends it (A V).
+        return not core_in and len(tensors) >= 2 and not any(is_weight(t) for t in tensors)
+    return core_in
+
+
+class _Ref:
+    """A core tensor in the tape: output `out` of entry `entry`."""
+    __slots__ = ("entry", "out")
+
+    def __init__(self, entry, out):
+        self.entry, self.out = entry, out
+
+
+class _Packed:
+    """What autograd keeps for a saved core tensor: where the tape rebuilds it."""
+    __slots__ = ("tape", "ref")
+
+    def __init__(self, tape, ref):
+        self.tape, self.ref = tape, ref
+
+
+def _rng_states(tensors):
+    cpu = torch.get_rng_state()
+    cuda = {}
+    for t in tensors:
+        if t.is_cuda and t.device.index not in cuda:
+            cuda[t.device.index] = torch.cuda.get_rng_state(t.device)
+    return cpu, cuda
+
+
+def _set_rng_states(states):
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    for index, state in cuda.items():
+        torch.cuda.set_rng_state(state, torch.device("cuda", index))
+
+
+class Tape:
+    """The attention core's ops of one block's forward, replayable."""
+
+    def __init__(self):
+        self.entries = []     # (func, args, kwargs with _Ref for core inputs, rng states or None)
+        self.versions = []    # per entry: (non-core input, its version when recorded)
+        self.needed = set()   # (entry, out) positions some saved tensor points at
+        self.needed_saves = 0  # saved tensors packed as positions (a position may be saved twice)
+        self.results = None   # after replay: {(entry, out): tensor}
+
+    def record(self, func, args, kwargs, rng):
+        self.entries.append((func, args, kwargs, rng))
+        # Versions of the non-core inputs: one changed in place before backward would rebuild
+        # different values (autograd's own check for saved tensors, extended to the tape).
+        kept = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        self.versions.append([(a, a._version) for a in kept])
+        return len(self.entries) - 1
+
+    def get(self, ref):
+        if self.results is None:
+            self._replay()
+        return self.results[(ref.entry, ref.out)]
+
+    def _replay(self):
+        values = {}
+
+        def resolve(a):
+            return values[(a.entry, a.out)] if isinstance(a, _Ref) else a
+
+        saved_rng = None
+        with torch.no_grad():
+            try:
+                for i, (func, args, kwargs, rng) in enumerate(self.entries):
+                    for a, version in self.versions[i]:
+                        if a._version != version:
+                            raise RuntimeError(
+                                f"selective recompute: an input of {func} (shape {tuple(a.shape)}) in the "
+                                "attention core was modified in place after the forward; the core cannot be "
+                                "rebuilt (use recompute='full' or 'none', or do not modify it in place)")
+                    if rng is not None:
+                        if saved_rng is None:
+                            saved_rng = _rng_states([v for v in values.values()])
+                        _set_rng_states(rng)
+                    out = func(*tree_map(resolve, args), **tree_map(resolve, kwargs))
+                    for j, o in enumerate(tree_flatten(out)[0]):
+                        if isinstance(o, torch.Tensor):
+                            values[(i, j)] = o
+            finally:
+                if saved_rng is not None:
+                    _set_rng_states(saved_rng)  # the caller's RNG stream is not disturbed
+        # Only what backward will unpack stays; the rest of the core is freed now.
+        self.results = {k: values[k] for k in self.needed}
+        STATS["rebuilt"] += self.needed_saves
+
+
+class _CoreRecorder(TorchDispatchMode):
+    """Watches one block's forward: tapes the attention core's ops and remembers, for every
+    live core tensor, its tape position."""
+
+    def __init__(self, tape, weight_storages):
+        super().__init__()
+        self.tape = tape
+        self.weights = weight_storages
+        self.core = {}  # _key(tensor) -> (weakref to the tensor, _Ref)
+
+    def ref_of(self, t):
+        hit = self.core.get(_key(t))
+        if hit is None:
+            return None
+        alive = hit[0]()
+        # The same memory, shape and strides while the tensor that had them is alive: the same
+        # tensor (or an alias of it), so the same values.
+        return hit[1] if alive is not None else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if not makes_core(func, tensors, lambda t: self.ref_of(t) is not None,
+                          lambda t: _storage_ptr(t) in self.weights):
+            return func(*args, **kwargs)
+        rng = _rng_states(tensors) if _is_random(func) else None
+
+        def as_ref(a):
+            if isinstance(a, torch.Tensor):
+                r = self.ref_of(a)
+                if r is not None:
+                    return r
+            return a
+
+        entry = self.tape.record(func, tree_map(as_ref, args), tree_map(as_ref, kwargs), rng)
+        out = func(*args, **kwargs)
+        for j, o in enumerate(tree_flatten(out)[0]):
+            if isinstance(o, torch.Tensor):
+                self.core[_key(o)] = (weakref.ref(o), _Ref(entry, j))
+        return out
+
+
+def run(fn, module, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a block's forward) with its attention core recomputed in backward."""
+    tape = Tape()
+    weights = {_storage_ptr(t) for t in module.parameters()} | {_storage_ptr(t) for t in module.buffers()}
+    weights.discard(0)
+    recorder = _CoreRecorder(tape, weights)
+
+    def pack(t):
+        ref = recorder.ref_of(t)
+        if ref is None:
+            return t  # kept as without hooks (autograd hands the hook a detached alias where it must)
+        tape.needed.add((ref.entry, ref.out))
+        tape.needed_saves += 1
+        STATS["dropped"] += 1
+        return _Packed(tape, ref)
+
+    def unpack(p):
+        return p.tape.get(p.ref) if isinstance(p, _Packed) else p
+
+    with saved_tensors_hooks(pack, unpack):
+        with recorder:
+            out = fn(*args, **kwargs)
+    recorder.core.clear()
+    return out
