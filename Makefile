@@ -58,6 +58,7 @@ bench: build python
 	$(VENV)/bin/python bench/traffic.py --out bench/results/traffic.json
 	$(VENV)/bin/python bench/fuzz.py --out bench/results/fuzz.json
 	$(VENV)/bin/python bench/zero_bubble.py --out bench/results/zero_bubble.json
+	$(VENV)/bin/python bench/layouts.py --out bench/results/layouts.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

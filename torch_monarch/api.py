@@ -103,6 +103,7 @@ def check_plan(plan, model, example_input=None, *, info=None, world_size=None, t
     problems += _tp_problems(plan)
     problems += _stage_problems(plan, info)
     problems += _runtime_problems(plan)
+    problems += _dtype_problems(plan, model)
     if len(problems) > 20:
         problems = problems[:20] + [f"... and {len(problems) - 20} more"]
     if problems:
@@ -148,6 +149,35 @@ def _runtime_problems(plan):
     except ValueError as e:
         return [str(e)]
     return []
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_of(plan, model):
+    """The dtype ZeRO computes in when the plan's compute dtype differs from the model's
+    parameters (fp32 shards, gathered and cast per unit); None when they agree."""
+    compute = _TORCH_DTYPES.get(str(plan.training.compute_dtype).split(".")[-1])
+    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return None if compute is None or compute == param else compute
+
+
+def _dtype_problems(plan, model):
+    """The plan's compute dtype is carried out (the model's own, or ZeRO's mixed precision) or
+    refused, never silently trained in another."""
+    name = str(plan.training.compute_dtype).split(".")[-1]
+    if name not in _TORCH_DTYPES:
+        return [f"training.compute_dtype: {name} is not a dtype the runtime computes in (fp32, tf32, bf16, fp16)"]
+    mixed = mixed_precision_of(plan, model)
+    if mixed is None:
+        return []
+    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if plan.zero_stage >= 1 and plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1:
+        return []  # ZeRO gathers fp32 shards and computes in the plan's dtype
+    return [f"training.compute_dtype: the plan computes in {name}, the model's parameters are "
+            f"{str(param).replace('torch.', '')}; the runtime casts only under ZeRO without tp or pp "
+            f"(zero_stage >= 1, dp > 1, tp = pp = 1: pin those, or cast the model, e.g. model.to({mixed}), or "
+            f"plan with dtype matching the model)"]
 
 
 def _few(names, limit=6):

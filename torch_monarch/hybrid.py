@@ -52,7 +52,7 @@ class ParallelModel(nn.Module):
     ``monarch::parallelize`` uses) does the rest: micro-batch loop or pipeline schedule,
     replica and tied-weight sync, the global mean loss, whole-model state dicts."""
 
-    def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None):
+    def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None):
         super().__init__()
         self.mesh = mesh
         self.layout = layout
@@ -162,7 +162,7 @@ class ParallelModel(nn.Module):
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
-                                               init_fn=init_fn)
+                                               init_fn=init_fn, mixed_precision=mixed_precision)
                 self._composition.set_fully_shard(s, self._wrapped[s]._engine)
             else:
                 self._wrapped[s] = m
@@ -390,7 +390,9 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
 
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
-    parallelism, recomputation and bucket size are the plan's; keywords override them.
+    parallelism, recomputation and bucket size are the plan's; keywords override them. The
+    plan's compute dtype is the model's, or, under ZeRO (tp = pp = 1), ZeRO's mixed precision
+    (fp32 shards, units gathered and computed in it); any other mix is refused.
     ``recompute="full"`` re-runs each block's forward in its backward, ``"selective"`` only its
     attention core (torch_monarch.recompute).
 
@@ -461,7 +463,15 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
             sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
             block_names=block_names, recompute=_recompute_kind(recompute))
+    # The plan's compute dtype: the model's own, or ZeRO's mixed precision (check_plan refused
+    # any other combination).
+    from .api import mixed_precision_of
+    mixed = mixed_precision_of(plan, model) if plan is not None else None
+    if mixed is not None and layout.zero_stage == 0:
+        raise ValueError(f"parallelize: zero_stage=0 overrides a plan that computes in {mixed} on a model whose "
+                         "parameters are another dtype; the runtime casts only under ZeRO (keep the plan's "
+                         "zero_stage, or cast the model)")
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
-                           init_fn=init_fn)
+                           init_fn=init_fn, mixed_precision=mixed)
     result.plan = plan  # None when laid out by hand
     return result

@@ -349,6 +349,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("peak_flops_bf16", &Cluster::peak_flops_bf16)
       .def_readwrite("peak_flops_fp8", &Cluster::peak_flops_fp8)
       .def_readwrite("matmul_efficiency", &Cluster::matmul_efficiency)
+      .def_readwrite("backward_forward_ratio", &Cluster::backward_forward_ratio)
       .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
       .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)
       .def_readwrite("intra_node_latency_s", &Cluster::intra_node_latency_s)

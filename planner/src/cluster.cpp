@@ -152,6 +152,8 @@ void validate(const Cluster& c) {
   require(c.matmul_efficiency > 0 && c.matmul_efficiency <= 1, "matmul_efficiency",
           "must be in (0, 1]");
   require(c.hbm_bytes_per_s > 0, "hbm_bytes_per_s", "must be > 0");
+  require(c.backward_forward_ratio > 0 && c.backward_forward_ratio <= 10, "backward_forward_ratio",
+          "must be in (0, 10]");
   require(c.intra_node_bytes_per_s > 0, "intra_node_bytes_per_s", "must be > 0");
   require(c.inter_node_bytes_per_s > 0, "inter_node_bytes_per_s", "must be > 0");
   require(c.intra_node_latency_s >= 0, "intra_node_latency_s", "must be >= 0");

@@ -154,8 +154,9 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
         layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none);
     const double forward_compute =
         layer.forward_flops_per_sample * b / t / flops_per_s + 2.0 * stored / cluster.hbm_bytes_per_s;
-    // Backward: twice the forward (gradients w.r.t. inputs and weights), Narayanan et al.
-    const double backward_compute = 2.0 * forward_compute;
+    // Backward: twice the forward (gradients w.r.t. inputs and weights), Narayanan et al.;
+    // or the cluster's measured ratio.
+    const double backward_compute = cluster.backward_forward_ratio * forward_compute;
     double recompute = 0;
     if (layer.recomputable && layout.recompute == Recompute::full) {
       recompute = forward_compute;

@@ -59,6 +59,7 @@ Json cluster_to_json(const Cluster& c) {
   j["peak_flops_fp8"] = c.peak_flops_fp8;
   j["matmul_efficiency"] = c.matmul_efficiency;
   j["hbm_bytes_per_s"] = c.hbm_bytes_per_s;
+  j["backward_forward_ratio"] = c.backward_forward_ratio;
   j["intra_node_bytes_per_s"] = c.intra_node_bytes_per_s;
   j["intra_node_latency_s"] = c.intra_node_latency_s;
   j["inter_node_bytes_per_s"] = c.inter_node_bytes_per_s;
@@ -314,6 +315,7 @@ Cluster cluster_from_json(const Fields& f) {
   c.peak_flops_fp8 = f.number("peak_flops_fp8");
   c.matmul_efficiency = f.number("matmul_efficiency");
   c.hbm_bytes_per_s = f.number("hbm_bytes_per_s");
+  if (f.has("backward_forward_ratio")) c.backward_forward_ratio = f.number("backward_forward_ratio");  // optional: 2
   c.intra_node_bytes_per_s = f.number("intra_node_bytes_per_s");
   c.intra_node_latency_s = f.number("intra_node_latency_s");
   c.inter_node_bytes_per_s = f.number("inter_node_bytes_per_s");
@@ -508,7 +510,7 @@ Plan plan_from_value(const Json& root) {
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
                   "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
                   "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
-                  "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "backward_forward_ratio", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",

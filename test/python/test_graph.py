@@ -192,3 +192,23 @@ def test_link_fit_recovers_latency_and_bandwidth():
     seconds = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in sizes]
     got_alpha, got_bw = fit_alpha_beta(sizes, seconds, n)
     assert got_alpha == pytest.approx(alpha, rel=1e-9) and got_bw == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_the_plans_compute_dtype_is_carried_out_or_refused():
+    model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=8)  # fp32
+    x = torch.zeros(2, 8, dtype=torch.long)
+    cluster = planner.cluster("a100-80gb", 2)
+    # bf16 under ZeRO without tp / pp: ZeRO's mixed precision (fp32 shards, bf16 compute).
+    p = torch_monarch.plan(model, x, 8, cluster, dtype="bf16", tp=1, pp=1, dp=2, zero_stage=3)
+    torch_monarch.check_plan(p, model, x, world_size=2)
+    from torch_monarch.api import mixed_precision_of
+    assert mixed_precision_of(p, model) == torch.bfloat16
+    # bf16 with plain replicas: nothing would cast, so the plan is refused, naming the field.
+    p = torch_monarch.plan(model, x, 8, cluster, dtype="bf16", tp=1, pp=1, dp=2, zero_stage=0)
+    with pytest.raises(ValueError, match=r"training.compute_dtype: the plan computes in bf16, the model's "
+                                         r"parameters are float32; the runtime casts only under ZeRO"):
+        torch_monarch.check_plan(p, model, x, world_size=2)
+    # The model's own dtype needs nothing.
+    p = torch_monarch.plan(model, x, 8, cluster, dtype="fp32", tp=1, pp=1, dp=2, zero_stage=0)
+    torch_monarch.check_plan(p, model, x, world_size=2)
+    assert mixed_precision_of(p, model) is None

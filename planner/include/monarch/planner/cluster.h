@@ -20,6 +20,10 @@ struct Cluster {
   double peak_flops_fp8 = 0;
   double matmul_efficiency = 0.75;   // share of peak large GEMMs reach
   double hbm_bytes_per_s = 0;        // device memory bandwidth (memory-bound kernels)
+  // Backward compute time / forward compute time: 2 for matmul-bound layers (gradients for
+  // inputs and weights, Narayanan et al. 2021); a measured profile may say otherwise (CPU
+  // kernels whose forward is dominated by memory-bound ops measure about 1.4).
+  double backward_forward_ratio = 2.0;
   // Effective (achieved bus) bandwidth per device and per-message latency of each level.
   double intra_node_bytes_per_s = 0;
   double intra_node_latency_s = 0;
