@@ -53,6 +53,10 @@ LAYOUTS = [
     ("pp2 dp2 zb_h1", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=2, schedule="zb_h1")),
     ("pp4 gpipe", dict(dp=1, tp=1, pp=4, zero=0, micro_batch=4, schedule="gpipe")),
     ("pp2 tp2 1f1b", dict(dp=1, tp=2, pp=2, zero=0, micro_batch=4, schedule="1f1b")),
+    # Recomputation: the layouts whose cost differs by more than this machine's noise.
+    ("dp4 selective", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=4, schedule="none", recompute="selective")),
+    ("zero3 full recompute", dict(dp=4, tp=1, pp=1, zero=3, micro_batch=4, schedule="none", recompute="full")),
+    ("pp2 dp2 full recompute", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b", recompute="full")),
 ]
 
 
@@ -114,6 +118,7 @@ def measure_cluster(world, everyone, graph):
     hbm = 3 * x.numel() * 4 / _all_max(everyone, add)
     c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops
     c.hbm_bytes_per_s = hbm
+    c.cores_per_node = float(len(os.sched_getaffinity(0)))  # the rates above are with all ranks busy
     # A profile of one block (forward, backward) at 4 sequences per rank: the share of the
     # GEMM rate the whole block reaches once its memory-bound ops are counted at the measured
     # bandwidth (matmul_efficiency), and backward / forward.
@@ -267,13 +272,28 @@ def run(ranks, timeout=1500):
     return per_rank[0]["cluster"], table
 
 
+def ordered_pairs(rows, margin):
+    """Pairs of layouts whose predicted times differ by more than `margin` (relative), and how
+    many of them the measurement orders the same way."""
+    pairs = agree = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            lo, hi = sorted((a, b), key=lambda r: r["predicted_s"])
+            if hi["predicted_s"] > lo["predicted_s"] * (1 + margin):
+                pairs += 1
+                agree += hi["measured_s"] > lo["measured_s"]
+    return pairs, agree
+
+
 def summarize(cluster, table):
     pinned = [r for r in table if r["layout"] != "planner's pick"]
     pick = next(r for r in table if r["pick"])
     rho = spearman([r["predicted_s"] for r in pinned], [r["measured_s"] for r in pinned])
+    pairs, agree = ordered_pairs(pinned, 0.10)
     fastest = min(r["measured_s"] for r in table)
     worst = max(abs(r["ratio"] - 1) for r in table)
-    return {"cluster": cluster, "spearman": rho, "worst_time_deviation": worst,
+    return {"cluster": cluster, "spearman": rho, "pairs_apart_10pct": pairs, "pairs_ordered_right": agree,
+            "worst_time_deviation": worst,
             "pick": pick["plan"], "pick_vs_fastest": pick["measured_s"] / fastest,
             "fastest": min(table, key=lambda r: r["measured_s"])["plan"], "layouts": table}
 
@@ -303,6 +323,8 @@ def main():
     print(f"Spearman (pinned layouts, predicted vs measured time): {s['spearman']:.2f}; worst time deviation "
           f"{s['worst_time_deviation'] * 100:.0f}%; the planner's pick ({s['pick']}) is "
           f"{(s['pick_vs_fastest'] - 1) * 100:.1f}% behind the measured fastest ({s['fastest']})")
+    print(f"pairs of layouts predicted more than 10% apart: {s['pairs_apart_10pct']}, measured in the same order: "
+          f"{s['pairs_ordered_right']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(s, f, indent=1)

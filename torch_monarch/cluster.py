@@ -96,6 +96,13 @@ def measure_matmul_flops(size=512, repeats=8, dtype=torch.float32, device="cpu")
     return 2.0 * size ** 3 / best
 
 
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def detect(world_size=None, ranks_per_node=None, measure=True):
     """The planner's Cluster for this job: world size and ranks per node from torchrun's
     environment (WORLD_SIZE, LOCAL_WORLD_SIZE), device memory (CUDA properties, or on CPU
@@ -124,9 +131,13 @@ def detect(world_size=None, ranks_per_node=None, measure=True):
         c.device_memory_bytes = _cpu_memory_bytes() / local
         c.memory_reserved_bytes = min(c.memory_reserved_bytes, 0.25 * c.device_memory_bytes)
         flops = _measured("cpu-flops", world, local, measure_matmul_flops, measure)
+        # The node's ranks share its cores: the planner's rates are per rank with all busy
+        # (a fair share of a core each when there are more ranks than cores).
+        c.cores_per_node = float(_cores())
+        share = min(1.0, c.cores_per_node / local)
         if flops:
             # The measured rate is what a matmul achieves here: it is the peak, at efficiency 1.
-            c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops
+            c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops * share
             c.matmul_efficiency = 1.0
     c.devices_per_node = local
     c.nodes = world // local
@@ -221,7 +232,7 @@ def _copy_cluster(cluster):
     c = _planner.Cluster()
     for field in ("name", "nodes", "devices_per_node", "device_memory_bytes", "memory_reserved_bytes",
                   "peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency",
-                  "backward_forward_ratio", "hbm_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "backward_forward_ratio", "cores_per_node", "hbm_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"):
         setattr(c, field, getattr(cluster, field))
     return c

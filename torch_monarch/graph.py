@@ -546,4 +546,8 @@ def _transformer_config(graph, plan, blocks, seq, hidden, dtype):
     c.gated_mlp = any(n.startswith(first) and n.rpartition(".")[2] in _GATE_NAMES for n in plan)
     c.tied_embeddings = bool(graph.tied_groups)
     c.dtype = dtype
+    # What the model's attention did when read: kept s x s tensors (materialized) or not (a
+    # fused kernel such as torch 2.x's scaled_dot_product_attention).
+    c.attention = (_planner.AttentionKernel.materialized if block_layers[0].activations.attention_scores > 0
+                   else _planner.AttentionKernel.flash)
     return c

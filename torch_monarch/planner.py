@@ -33,6 +33,7 @@ LayerKind = _P.LayerKind
 TpPattern = _P.TpPattern
 ScheduleKind = _P.ScheduleKind
 Recompute = _P.Recompute
+AttentionKernel = _P.AttentionKernel
 ActionType = _P.ActionType
 
 TpDims = _P.TpDims
@@ -104,12 +105,14 @@ def _set_fields(obj, overrides, enums, what):
 
 
 def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, gated_mlp=False,
-                tied_embeddings=False, dtype="bf16", name="transformer"):
-    """ModelGraph of a decoder-only transformer (embedding, blocks, final norm, LM head)."""
+                tied_embeddings=False, dtype="bf16", attention="flash", name="transformer"):
+    """ModelGraph of a decoder-only transformer (embedding, blocks, final norm, LM head).
+    ``attention``: ``flash`` (no s x s scores kept) or ``materialized``."""
     config = TransformerConfig(
         name=name, layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
         kv_heads=kv_heads or 0, ffn=ffn or 0, gated_mlp=gated_mlp,
-        tied_embeddings=tied_embeddings, dtype=_enum(DType, dtype, "dtype"))
+        tied_embeddings=tied_embeddings, dtype=_enum(DType, dtype, "dtype"),
+        attention=_enum(AttentionKernel, attention, "attention"))
     return build_transformer(config)
 
 

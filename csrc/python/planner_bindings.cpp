@@ -201,6 +201,12 @@ void bind_enums(py::module_& m) {
   finish_enum(schedule, [](const std::string& n, const std::string& f) { return schedule_from_string(n, f); },
               "schedule");
 
+  py::enum_<AttentionKernel> attention(m, "AttentionKernel",
+                                       "How attention is computed: flash (no s x s scores kept) or materialized.");
+  attention.value("flash", AttentionKernel::flash).value("materialized", AttentionKernel::materialized);
+  finish_enum(attention,
+              [](const std::string& n, const std::string& f) { return attention_kernel_from_string(n, f); },
+              "attention");
   py::enum_<Recompute> recompute(m, "Recompute", "Activation recomputation (Korthikanti et al. 2022).");
   recompute.value("none", Recompute::none)
       .value("selective", Recompute::selective)
@@ -291,13 +297,15 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("vocab", &TransformerConfig::vocab)
       .def_readwrite("tied_embeddings", &TransformerConfig::tied_embeddings)
       .def_readwrite("dtype", &TransformerConfig::dtype)
+      .def_readwrite("attention", &TransformerConfig::attention)
       .def(py::self == py::self)
       .def("__repr__", [](const TransformerConfig& c) {
         std::ostringstream os;
         os << "TransformerConfig(name=" << quoted(c.name) << ", layers=" << c.layers << ", hidden=" << c.hidden
            << ", heads=" << c.heads << ", kv_heads=" << c.kv_heads << ", ffn=" << c.ffn
            << ", gated_mlp=" << pybool(c.gated_mlp) << ", seq=" << c.seq << ", vocab=" << c.vocab
-           << ", tied_embeddings=" << pybool(c.tied_embeddings) << ", dtype=" << to_string(c.dtype) << ")";
+           << ", tied_embeddings=" << pybool(c.tied_embeddings) << ", dtype=" << to_string(c.dtype)
+           << ", attention=" << to_string(c.attention) << ")";
         return os.str();
       });
 
@@ -350,6 +358,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("peak_flops_fp8", &Cluster::peak_flops_fp8)
       .def_readwrite("matmul_efficiency", &Cluster::matmul_efficiency)
       .def_readwrite("backward_forward_ratio", &Cluster::backward_forward_ratio)
+      .def_readwrite("cores_per_node", &Cluster::cores_per_node)
       .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
       .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)
       .def_readwrite("intra_node_latency_s", &Cluster::intra_node_latency_s)

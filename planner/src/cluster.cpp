@@ -154,6 +154,7 @@ void validate(const Cluster& c) {
   require(c.hbm_bytes_per_s > 0, "hbm_bytes_per_s", "must be > 0");
   require(c.backward_forward_ratio > 0 && c.backward_forward_ratio <= 10, "backward_forward_ratio",
           "must be in (0, 10]");
+  require(c.cores_per_node >= 0, "cores_per_node", "must be >= 0 (0: devices do not share compute)");
   require(c.intra_node_bytes_per_s > 0, "intra_node_bytes_per_s", "must be > 0");
   require(c.inter_node_bytes_per_s > 0, "inter_node_bytes_per_s", "must be > 0");
   require(c.intra_node_latency_s >= 0, "intra_node_latency_s", "must be >= 0");

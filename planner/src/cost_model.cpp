@@ -496,6 +496,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       before += plan.schedule == ScheduleKind::zero_bubble_h1 ? c.forward_s : work;
     }
     for (double w : per_rank) bound = std::max(bound, m * w);
+    // Devices sharing cores run a schedule up to `over` times faster while others idle.
+    if (cluster.cores_per_node > 0 && cluster.cores_per_node < static_cast<double>(cluster.devices_per_node)) {
+      bound /= static_cast<double>(cluster.devices_per_node) / cluster.cores_per_node;
+    }
     // Cut only when the bound is above the threshold by more than rounding can explain:
     // the simulation sums the same costs in another order, and a layout tying the
     // threshold may still win the tie-break.
@@ -565,12 +569,24 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   t.tp_comm = m * b.tp_comm_s;
   // The simulation's idle time splits into the transfers on the fill/drain critical path and
   // the schedule's bubble proper (which also absorbs stage imbalance).
-  const double idle = std::max(0.0, sim.makespan_s - sim.busy_s[busiest]);
+  double makespan = sim.makespan_s;
+  if (cluster.cores_per_node > 0 && cluster.cores_per_node < static_cast<double>(cluster.devices_per_node)) {
+    // Devices sharing fewer cores (CPU ranks on one machine): the rates are with every device
+    // busy, so the schedule's makespan holds when all are; a device idle in a bubble lends its
+    // share, so the step takes no longer than the work spread over the cores (the mean busy
+    // time at all-busy rates), nor less than the schedule run at uncontended speed (one core
+    // per device at most: the makespan / oversubscription).
+    const double over = static_cast<double>(cluster.devices_per_node) / cluster.cores_per_node;
+    double mean_busy = 0;
+    for (int64_t r = 0; r < layout.pp; ++r) mean_busy += sim.busy_s[r] / static_cast<double>(layout.pp);
+    makespan = std::min(sim.makespan_s, std::max(mean_busy, sim.makespan_s / over));
+  }
+  const double idle = std::max(0.0, makespan - sim.busy_s[busiest]);
   t.pp_comm = std::min(idle, critical_path_p2p);
   t.bubble = idle - t.pp_comm;
   t.dp_comm = m * b.zero_exposed_s + worst_end;
   t.optimizer = worst_optimizer;
-  t.total = sim.makespan_s + worst_end + worst_optimizer;
+  t.total = makespan + worst_end + worst_optimizer;
 
   p.step_time_s = t.total;
   p.memory_bytes_per_device = p.memory.total();

@@ -107,6 +107,17 @@ ScheduleKind schedule_from_string(const std::string& name, const std::string& fi
   return parse_name(schedule_names(), "schedule", name, field);
 }
 
+const NameTable<AttentionKernel>& attention_names() {
+  static const NameTable<AttentionKernel> t = {{AttentionKernel::flash, "flash"},
+                                               {AttentionKernel::materialized, "materialized"}};
+  return t;
+}
+
+std::string to_string(AttentionKernel k) { return name_of(attention_names(), k); }
+AttentionKernel attention_kernel_from_string(const std::string& name, const std::string& field) {
+  return parse_name(attention_names(), "attention kernel", name, field);
+}
+
 std::string to_string(Recompute r) { return name_of(recompute_names(), r); }
 Recompute recompute_from_string(const std::string& name, const std::string& field) {
   return parse_name(recompute_names(), "recompute mode", name, field);

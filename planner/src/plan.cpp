@@ -8,6 +8,7 @@ namespace monarch::planner {
 bool TransformerConfig::operator==(const TransformerConfig& o) const {
   return name == o.name && layers == o.layers && hidden == o.hidden && heads == o.heads &&
          kv_heads == o.kv_heads && ffn == o.ffn && gated_mlp == o.gated_mlp && seq == o.seq &&
+         attention == o.attention &&
          vocab == o.vocab && tied_embeddings == o.tied_embeddings && dtype == o.dtype;
 }
 
@@ -18,7 +19,7 @@ bool Cluster::operator==(const Cluster& o) const {
          peak_flops_fp32 == o.peak_flops_fp32 && peak_flops_tf32 == o.peak_flops_tf32 &&
          peak_flops_bf16 == o.peak_flops_bf16 && peak_flops_fp8 == o.peak_flops_fp8 &&
          matmul_efficiency == o.matmul_efficiency && hbm_bytes_per_s == o.hbm_bytes_per_s &&
-         backward_forward_ratio == o.backward_forward_ratio &&
+         backward_forward_ratio == o.backward_forward_ratio && cores_per_node == o.cores_per_node &&
          intra_node_bytes_per_s == o.intra_node_bytes_per_s &&
          intra_node_latency_s == o.intra_node_latency_s &&
          inter_node_bytes_per_s == o.inter_node_bytes_per_s &&

@@ -34,6 +34,7 @@ Json transformer_to_json(const TransformerConfig& t) {
   j["vocab"] = t.vocab;
   j["tied_embeddings"] = t.tied_embeddings;
   j["dtype"] = to_string(t.dtype);
+  j["attention"] = to_string(t.attention);
   j["name"] = t.name;
   return j;
 }
@@ -60,6 +61,7 @@ Json cluster_to_json(const Cluster& c) {
   j["matmul_efficiency"] = c.matmul_efficiency;
   j["hbm_bytes_per_s"] = c.hbm_bytes_per_s;
   j["backward_forward_ratio"] = c.backward_forward_ratio;
+  j["cores_per_node"] = c.cores_per_node;
   j["intra_node_bytes_per_s"] = c.intra_node_bytes_per_s;
   j["intra_node_latency_s"] = c.intra_node_latency_s;
   j["inter_node_bytes_per_s"] = c.inter_node_bytes_per_s;
@@ -288,6 +290,9 @@ TransformerConfig transformer_from_json(const Fields& f) {
   t.vocab = f.integer("vocab");
   t.tied_embeddings = f.boolean("tied_embeddings");
   t.dtype = dtype_from_string(f.string("dtype"), f.path("dtype"));
+  // Optional: plans written before it was a choice costed materialized scores.
+  t.attention = f.has("attention") ? attention_kernel_from_string(f.string("attention"), f.path("attention"))
+                                   : AttentionKernel::materialized;
   t.name = f.string("name");
   return t;
 }
@@ -298,7 +303,7 @@ void model_from_json(const Fields& f, Plan& p) {
   if (f.has("transformer")) {
     p.transformer = transformer_from_json(
         f.object("transformer", {"layers", "hidden", "heads", "kv_heads", "ffn", "gated_mlp",
-                                 "seq", "vocab", "tied_embeddings", "dtype", "name"}));
+                                 "seq", "vocab", "tied_embeddings", "dtype", "attention", "name"}));
   }
 }
 
@@ -316,6 +321,7 @@ Cluster cluster_from_json(const Fields& f) {
   c.matmul_efficiency = f.number("matmul_efficiency");
   c.hbm_bytes_per_s = f.number("hbm_bytes_per_s");
   if (f.has("backward_forward_ratio")) c.backward_forward_ratio = f.number("backward_forward_ratio");  // optional: 2
+  if (f.has("cores_per_node")) c.cores_per_node = f.number("cores_per_node");  // optional: 0
   c.intra_node_bytes_per_s = f.number("intra_node_bytes_per_s");
   c.intra_node_latency_s = f.number("intra_node_latency_s");
   c.inter_node_bytes_per_s = f.number("inter_node_bytes_per_s");
@@ -510,7 +516,7 @@ Plan plan_from_value(const Json& root) {
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
                   "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
                   "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
-                  "backward_forward_ratio", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "backward_forward_ratio", "cores_per_node", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",

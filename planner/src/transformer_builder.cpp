@@ -123,7 +123,10 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
   l.activations.replicated = 4 * act * s * h + 2 * s * h;
   l.activations.tp_sharded =
       act * s * (2 * h + 2 * kv_width) + (c.gated_mlp ? 3.0 : 2.0) * act * s * f;
-  l.activations.attention_scores = (2 * act + 1) * a * s * s;
+  // Materialized: softmax output and dropped-out scores (act bytes each) and the dropout mask
+  // (1 byte); FlashAttention: one fp32 log-sum-exp per head and row (Dao et al. 2022, Alg. 2).
+  l.activations.attention_scores =
+      c.attention == AttentionKernel::materialized ? (2 * act + 1) * a * s * s : 4 * a * s;
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = act * s * h;
   l.tp = TpPattern::block;

@@ -28,6 +28,7 @@ const char* kUsage = R"(usage:
                            [--tp T] [--pp P] [--dp D] [--zero Z] [--micro-batch M]
                            [--schedule gpipe|1f1b|interleaved_1f1b|zb_h1] [--virtual-stages V]
                            [--recompute none|selective|full] [--sequence-parallel on|off]
+                           [--attention flash|materialized]
                            [--alternatives N] [--json]
       Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
       scores exactly that layout) and prints a summary; -o writes the plan as JSON.
@@ -109,7 +110,7 @@ int cmd_transformer(int argc, char** argv) {
                   {"--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--vocab",
                    "--dtype", "--name", "--global-batch", "--gpus", "--cluster", "--output",
                    "--tp", "--pp", "--dp", "--zero", "--micro-batch", "--schedule",
-                   "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives"},
+                   "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives", "--attention"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -123,6 +124,7 @@ int cmd_transformer(int argc, char** argv) {
   tc.gated_mlp = args.has("--gated-mlp");
   tc.tied_embeddings = args.has("--tied-embeddings");
   tc.dtype = mp::dtype_from_string(args.str("--dtype", "bf16"), "--dtype");
+  tc.attention = mp::attention_kernel_from_string(args.str("--attention", "flash"), "--attention");
   tc.name = args.str("--name", "transformer");
   const mp::ModelGraph graph = mp::build_transformer(tc);
 

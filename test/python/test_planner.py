@@ -292,3 +292,22 @@ def test_wrong_types_name_the_field(gpt3):
         planner.pins(sequence_parallel="on")
     with pytest.raises(TypeError, match="training.global_batch: expected int, got str"):
         planner.training("512")
+
+
+def test_llama3_405b_production_layout_fits_with_flash_attention():
+    # Dubey et al. 2024 ("The Llama 3 Herd of Models", Sec. 3.3.2, Table 4): 16,384 H100-80GB,
+    # sequence 8192, tp 8, pp 16, dp 128, no activation checkpointing, FSDP-style sharded
+    # optimizer states and gradients; 126 layers, h 16384, 128 heads, 8 KV heads, ffn 53248,
+    # SwiGLU, vocab 128256; global batch 16M tokens (2048 sequences).
+    cluster = planner.cluster("h100-80gb", 16384)
+    training = planner.training(2048)
+    fits = {}
+    for attention in ("flash", "materialized"):
+        g = planner.transformer(126, 16384, 128, 8192, 128256, kv_heads=8, ffn=53248, gated_mlp=True,
+                                dtype="bf16", attention=attention, name="llama3-405b")
+        p = planner.evaluate(g, cluster, training, tp=8, pp=16, dp=128, zero=2, micro_batch=1, schedule="1f1b",
+                             recompute="none", sequence_parallel=True, allow_over_memory=True)
+        fits[attention] = p.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes()
+    # With FlashAttention (what it ran with) it fits; costed with materialized s x s scores
+    # (the 5as/h term) it would need several times the memory.
+    assert fits == {"flash": True, "materialized": False}

@@ -112,7 +112,9 @@ TEST_CASE("GPT-3 parameter count matches Narayanan et al.'s P formula", "[cost_m
 }
 
 TEST_CASE("Korthikanti et al. 2022 activation formulas", "[cost_model][activations]") {
-  const ModelGraph g = build_transformer(gpt3());
+  TransformerConfig c = gpt3();
+  c.attention = AttentionKernel::materialized;  // the paper's Megatron kept the scores
+  const ModelGraph g = build_transformer(c);
   const Layer& block = first_block(g);
   const double s = 2048, h = 12288, a = 96;
   for (int64_t b : {1, 4}) {
@@ -140,6 +142,25 @@ TEST_CASE("Korthikanti et al. 2022 activation formulas", "[cost_model][activatio
   CHECK(korthikanti_layer_activation_bytes(s, 1, h, a, 8, false, Recompute::full) == Approx(2 * sbh));
   // By hand: 34 * 2048 * 12288 / 8 bytes with tp 8, sequence parallel, selective recompute.
   CHECK(layer_activation_bytes(block, 1, 8, true, Recompute::selective) == 106954752.0);
+}
+
+TEST_CASE("FlashAttention keeps no s x s scores: the same FLOPs, selective recompute has nothing to drop",
+          "[cost_model][activations]") {
+  TransformerConfig c = gpt3();
+  c.attention = AttentionKernel::materialized;
+  const Layer materialized = first_block(build_transformer(c));
+  c.attention = AttentionKernel::flash;
+  const Layer flash = first_block(build_transformer(c));
+  const double s = 2048, h = 12288, a = 96;
+  CHECK(flash.forward_flops_per_sample == materialized.forward_flops_per_sample);
+  CHECK(flash.activations.attention_scores == Approx(4 * a * s));  // one fp32 log-sum-exp per head and row
+  // The rest (34 sbh) is the same: with flash, no recompute keeps what selective would.
+  CHECK(layer_activation_bytes(flash, 1, 1, false, Recompute::none) ==
+        Approx(s * h * 34 + 4 * a * s));
+  CHECK(layer_activation_bytes(flash, 1, 8, true, Recompute::selective) ==
+        layer_activation_bytes(materialized, 1, 8, true, Recompute::selective));
+  // Flash is what a TransformerConfig means unless it says otherwise.
+  CHECK(TransformerConfig{}.attention == AttentionKernel::flash);
 }
 
 TEST_CASE("grouped KV heads and gated MLP change activations and FLOPs as expected", "[cost_model]") {

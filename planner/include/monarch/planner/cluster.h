@@ -24,6 +24,11 @@ struct Cluster {
   // inputs and weights, Narayanan et al. 2021); a measured profile may say otherwise (CPU
   // kernels whose forward is dominated by memory-bound ops measure about 1.4).
   double backward_forward_ratio = 2.0;
+  // Compute units a node's devices share (CPU cores for CPU ranks); 0: every device computes
+  // on its own (GPUs). With fewer than devices_per_node, the rates above are per device with
+  // all of the node's devices busy, and a device idle in a pipeline bubble lends its share to
+  // the busy ones (cost_model.cpp).
+  double cores_per_node = 0;
   // Effective (achieved bus) bandwidth per device and per-message latency of each level.
   double intra_node_bytes_per_s = 0;
   double intra_node_latency_s = 0;

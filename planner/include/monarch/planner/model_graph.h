@@ -57,6 +57,14 @@ struct Layer {
 };
 
 // Hyperparameters of a decoder-only transformer (GPT-3, Llama...).
+// How attention is computed: FlashAttention (Dao et al. 2022; every current stack's default)
+// keeps no s x s scores (only a per-row log-sum-exp), materialized attention keeps the
+// softmax output, its dropout mask and the dropped-out scores (Korthikanti et al. 2022's
+// 5as/h term). FLOPs are the same.
+enum class AttentionKernel { flash, materialized };
+std::string to_string(AttentionKernel kernel);
+AttentionKernel attention_kernel_from_string(const std::string& name, const std::string& field = "attention");
+
 struct TransformerConfig {
   std::string name = "transformer";
   int64_t layers = 0;
@@ -69,6 +77,7 @@ struct TransformerConfig {
   int64_t vocab = 0;
   bool tied_embeddings = false;
   DType dtype = DType::bf16;
+  AttentionKernel attention = AttentionKernel::flash;
   bool operator==(const TransformerConfig& o) const;
 };
 
