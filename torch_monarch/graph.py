@@ -113,11 +113,19 @@ class _Recorder:
         self.order = 0
         self.seen_saved = {}
         self.saved_by = []  # (tensor, stack snapshot) for later classification
-        self.core = {}      # id -> tensor: attention-core outputs (selective.makes_core), this capture
+        self.core = {}      # id -> tensor: attention-core outputs (selective.makes_core), this block
         self.saved_core = set()  # ids of saved tensors that are attention-core tensors
+        self.weight_ids = set()
+        self.blocks = set()  # the runtime recomputes inside blocks, one block at a time
 
     def is_core(self, t):
         return self.core.get(id(t)) is t
+
+    def is_weight(self, t):
+        return id(t) in self.weight_ids or (t._base is not None and id(t._base) in self.weight_ids)
+
+    def in_block(self):
+        return any(n in self.blocks for n in self.stack)
 
     def is_param(self, t):
         return id(t) in self.param_ids or (t._base is not None and id(t._base) in self.param_ids)
@@ -160,7 +168,7 @@ def _make_mode(recorder):
             if flops:
                 recorder.add(flops, attention)
             tensors = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
-            if makes_core(func, tensors, recorder.is_core, recorder.is_param):
+            if recorder.in_block() and makes_core(func, tensors, recorder.is_core, recorder.is_weight):
                 for o in tree_flatten(out)[0]:
                     if isinstance(o, torch.Tensor):
                         recorder.core[id(o)] = o
@@ -223,6 +231,8 @@ def _capture(model, example_input, recorder, tensors):
         name = recorder.names.get(id(module))
         if name is None:
             return
+        if name in recorder.blocks:
+            recorder.core.clear()  # as the runtime: each block's core is its own
         recorder.stack.append(name)
         r = recorder.records[name]
         if r.order < 0:
@@ -268,6 +278,7 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     meta_of = {}
     tensors = {}
     param_ids = set()
+    weight_ids = set()  # parameters and buffers: what the attention-core rule calls weights
     tied = {}
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in list(module._parameters.items()) + list(module._buffers.items()):
@@ -279,6 +290,7 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
                 if isinstance(p, nn.Parameter):
                     m.requires_grad_(p.requires_grad)
                     param_ids.add(id(m))
+                weight_ids.add(id(m))
                 meta_of[id(p)] = m
             tensors[full] = meta_of[id(p)]
             if isinstance(p, nn.Parameter):
@@ -291,6 +303,8 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
                 records[mname].params += p.numel()
     batch, seq = _batch_and_seq(example_input)
     recorder = _Recorder(names, param_ids)
+    recorder.weight_ids = weight_ids
+    recorder.blocks = {n for n, m in model.named_modules() if id(m) in {id(b) for b in blocks_of(model)}}
     recorder.records = records
     _capture(model, example_input, recorder, tensors)
 

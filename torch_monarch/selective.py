@@ -27,28 +27,41 @@ import weakref
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
-            _aten.matmul.default}
+# Matrix products below autograd (matmul itself decomposes into these), every overload.
+_MATMULS = {_aten.mm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.addmm}
 _RANDOM = getattr(getattr(torch, "Tag", None), "nondeterministic_seeded", None)
 
 # Counts since the process started (what tests and benches read): saved tensors left out of
-# forward's memory, and rebuilt in backward.
+# forward's memory, and saved tensors backward rebuilt and used.
 STATS = {"dropped": 0, "rebuilt": 0}
 
 
 def _storage_ptr(t):
+    """The tensor's storage address; None for tensors without one (sparse, nested, wrapper
+    subclasses, meta): those are neither weights nor trackable core tensors."""
     try:
-        return t.untyped_storage().data_ptr()
-    except AttributeError:  # torch < 2.0
-        return t.storage().data_ptr()
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except AttributeError:  # torch < 2.0
+            ptr = t.storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return ptr or None
 
 
 def _key(t):
+    if t.is_meta or _storage_ptr(t) is None:
+        return None
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _is_matmul(func):
+    return getattr(func, "overloadpacket", None) in _MATMULS
 
 
 def _is_random(func):
@@ -62,7 +75,7 @@ def makes_core(func, tensors, is_core, is_weight):
     """Whether `func` applied to `tensors` belongs to the attention core (its outputs are core
     tensors): the rule this module recomputes by and the model reader counts by."""
     core_in = any(is_core(t) for t in tensors)
-    if func in _MATMULS:
+    if _is_matmul(func):
         # A product of two activations starts the core (Q K^T); one reading the core ends it (A V).
         return not core_in and len(tensors) >= 2 and not any(is_weight(t) for t in tensors)
     return core_in
@@ -78,10 +91,18 @@ class _Ref:
 
 class _Packed:
     """What autograd keeps for a saved core tensor: where the tape rebuilds it."""
-    __slots__ = ("tape", "ref")
+    __slots__ = ("tape", "ref", "used")
 
     def __init__(self, tape, ref):
-        self.tape, self.ref = tape, ref
+        self.tape, self.ref, self.used = tape, ref, False
+
+
+class _Kept:
+    """What autograd keeps for any other saved tensor: it, and its version when saved."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor, version):
+        self.tensor, self.version = tensor, version
 
 
 def _rng_states(tensors):
@@ -91,6 +112,19 @@ def _rng_states(tensors):
         if t.is_cuda and t.device.index not in cuda:
             cuda[t.device.index] = torch.cuda.get_rng_state(t.device)
     return cpu, cuda
+
+
+class _no_autocast:
+    def __enter__(self):
+        self.contexts = [torch.autocast("cpu", enabled=False)]
+        if torch.cuda.is_available():
+            self.contexts.append(torch.autocast("cuda", enabled=False))
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
 
 
 def _set_rng_states(states):
@@ -107,11 +141,14 @@ class Tape:
         self.entries = []     # (func, args, kwargs with _Ref for core inputs, rng states or None)
         self.versions = []    # per entry: (non-core input, its version when recorded)
         self.needed = set()   # (entry, out) positions some saved tensor points at
-        self.needed_saves = 0  # saved tensors packed as positions (a position may be saved twice)
         self.results = None   # after replay: {(entry, out): tensor}
+        self.last_use = {}    # (entry, out) -> the last entry reading it
 
     def record(self, func, args, kwargs, rng):
         self.entries.append((func, args, kwargs, rng))
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, _Ref):
+                self.last_use[(a.entry, a.out)] = len(self.entries) - 1
         # Versions of the non-core inputs: one changed in place before backward would rebuild
         # different values (autograd's own check for saved tensors, extended to the tape).
         kept = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
@@ -130,7 +167,8 @@ class Tape:
             return values[(a.entry, a.out)] if isinstance(a, _Ref) else a
 
         saved_rng = None
-        with torch.no_grad():
+        # Forward's ops, as forward ran them: no autocast that backward may run under.
+        with torch.no_grad(), _no_autocast():
             try:
                 for i, (func, args, kwargs, rng) in enumerate(self.entries):
                     for a, version in self.versions[i]:
@@ -147,12 +185,14 @@ class Tape:
                     for j, o in enumerate(tree_flatten(out)[0]):
                         if isinstance(o, torch.Tensor):
                             values[(i, j)] = o
+                    # What no later op reads and backward does not need is freed at once:
+                    # replay holds no more of the core than forward did.
+                    for k in [k for k in values if k not in self.needed and self.last_use.get(k, -1) <= i]:
+                        del values[k]
             finally:
                 if saved_rng is not None:
                     _set_rng_states(saved_rng)  # the caller's RNG stream is not disturbed
-        # Only what backward will unpack stays; the rest of the core is freed now.
         self.results = {k: values[k] for k in self.needed}
-        STATS["rebuilt"] += self.needed_saves
 
 
 class _CoreRecorder(TorchDispatchMode):
@@ -166,7 +206,10 @@ class _CoreRecorder(TorchDispatchMode):
         self.core = {}  # _key(tensor) -> (weakref to the tensor, _Ref)
 
     def ref_of(self, t):
-        hit = self.core.get(_key(t))
+        key = _key(t)
+        if key is None:
+            return None
+        hit = self.core.get(key)
         if hit is None:
             return None
         alive = hit[0]()
@@ -193,8 +236,9 @@ class _CoreRecorder(TorchDispatchMode):
         entry = self.tape.record(func, tree_map(as_ref, args), tree_map(as_ref, kwargs), rng)
         out = func(*args, **kwargs)
         for j, o in enumerate(tree_flatten(out)[0]):
-            if isinstance(o, torch.Tensor):
-                self.core[_key(o)] = (weakref.ref(o), _Ref(entry, j))
+            key = _key(o) if isinstance(o, torch.Tensor) else None
+            if key is not None:
+                self.core[key] = (weakref.ref(o), _Ref(entry, j))
         return out
 
 
@@ -202,20 +246,37 @@ def run(fn, module, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a block's forward) with its attention core recomputed in backward."""
     tape = Tape()
     weights = {_storage_ptr(t) for t in module.parameters()} | {_storage_ptr(t) for t in module.buffers()}
-    weights.discard(0)
+    weights.discard(None)
     recorder = _CoreRecorder(tape, weights)
 
     def pack(t):
         ref = recorder.ref_of(t)
         if ref is None:
-            return t  # kept as without hooks (autograd hands the hook a detached alias where it must)
+            # Kept, detached (holding the tensor itself would tie an output to its own node:
+            # a cycle no collector sees), with its version: autograd skips its in-place check
+            # for tensors saved through hooks, so unpack makes it.
+            with no_dispatch():
+                return _Kept(t.detach(), t._version)
         tape.needed.add((ref.entry, ref.out))
-        tape.needed_saves += 1
         STATS["dropped"] += 1
         return _Packed(tape, ref)
 
     def unpack(p):
-        return p.tape.get(p.ref) if isinstance(p, _Packed) else p
+        if torch.is_grad_enabled():
+            raise RuntimeError("selective recompute: backward with create_graph=True (double backward) is not "
+                               "supported: the attention core is rebuilt without a graph; use recompute='full' "
+                               "or 'none'")
+        if isinstance(p, _Kept):
+            if p.tensor._version != p.version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {tuple(p.tensor.shape)} saved in a block under selective "
+                    f"recompute is at version {p.tensor._version}; expected version {p.version} instead")
+            return p.tensor
+        if not p.used:
+            p.used = True
+            STATS["rebuilt"] += 1
+        return p.tape.get(p.ref)
 
     with saved_tensors_hooks(pack, unpack):
         with recorder:

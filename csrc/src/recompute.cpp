@@ -48,6 +48,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "monarch recompute_full: backward with create_graph=True (double "
+                "backward) is not supported: the re-run block's gradients are computed without a graph");
     auto block = c10::static_intrusive_pointer_cast<Block>(ctx->saved_data["block"].toCapsule());
     const at::Tensor input = ctx->get_saved_variables()[0].detach().requires_grad_(ctx->needs_input_grad(0));
     std::vector<RngState> now;

@@ -160,7 +160,8 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     double recompute = 0;
     if (layer.recomputable && layout.recompute == Recompute::full) {
       recompute = forward_compute;
-    } else if (layer.recomputable && layout.recompute == Recompute::selective) {
+    } else if (layer.recomputable && layout.recompute == Recompute::selective &&
+               layer.activations.attention_scores > 0) {  // nothing to rebuild without kept scores
       const double scores = act_scale * layer.activations.attention_scores * b / t;
       recompute = layer.attention_flops_per_sample * b / t / flops_per_s +
                   2.0 * scores / cluster.hbm_bytes_per_s;

@@ -125,8 +125,13 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
       act * s * (2 * h + 2 * kv_width) + (c.gated_mlp ? 3.0 : 2.0) * act * s * f;
   // Materialized: softmax output and dropped-out scores (act bytes each) and the dropout mask
   // (1 byte); FlashAttention: one fp32 log-sum-exp per head and row (Dao et al. 2022, Alg. 2).
-  l.activations.attention_scores =
-      c.attention == AttentionKernel::materialized ? (2 * act + 1) * a * s * s : 4 * a * s;
+  // Materialized scores are what selective recompute drops; flash's log-sum-exp is kept by it
+  // (the runtime's flash kernel saves it like any other tensor), split by heads under tp.
+  if (c.attention == AttentionKernel::materialized) {
+    l.activations.attention_scores = (2 * act + 1) * a * s * s;
+  } else {
+    l.activations.tp_sharded += 4 * a * s;
+  }
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = act * s * h;
   l.tp = TpPattern::block;

@@ -164,3 +164,31 @@ def test_unknown_modes_and_two_modes_on_one_block_are_refused_by_name():
     for mode in ("none", "selective", "full"):
         plan.recompute = getattr(torch_monarch.planner.Recompute, mode)
         assert _runtime_problems(plan) == []
+
+
+def test_selective_keeps_autograd_checks_for_the_tensors_it_keeps():
+    torch.manual_seed(0)
+    block = Mlp()
+    recompute.apply([block], "selective")
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.0
+    y = block(h)  # its first linear saved h
+    h.add_(1.0)   # changed in place before backward: the gradient would be wrong
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    # Double backward is refused, not answered with gradients that have no graph.
+    y = _gpt_block_output()
+    g, = torch.autograd.grad(y.sum(), [y.base_input], create_graph=False, retain_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), [y.base_input], create_graph=True)
+
+
+def _gpt_block_output():
+    from torch_monarch.sharded import _default_units
+    model = _gpt(0.0)
+    block = _default_units(model)[0]
+    recompute.apply([block], "selective")
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    y = block(x)
+    y.base_input = x
+    return y
