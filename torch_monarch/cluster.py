@@ -97,10 +97,8 @@ def measure_matmul_flops(size=512, repeats=8, dtype=torch.float32, device="cpu")
 
 
 def _cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    # The machine's cores (a rank may be pinned to fewer; the node's ranks share all).
+    return os.cpu_count() or 1
 
 
 def detect(world_size=None, ranks_per_node=None, measure=True):
@@ -134,7 +132,11 @@ def detect(world_size=None, ranks_per_node=None, measure=True):
         # The node's ranks share its cores: the planner's rates are per rank with all busy
         # (a fair share of a core each when there are more ranks than cores).
         c.cores_per_node = float(_cores())
-        share = min(1.0, c.cores_per_node / local)
+        # The rate was measured with `threads` threads on an idle machine; with all ranks
+        # busy each gets its share of the cores (ranks here run one thread each, as
+        # torch_monarch.run sets OMP_NUM_THREADS).
+        threads = max(1, torch.get_num_threads())
+        share = min(float(threads), c.cores_per_node / local) / threads
         if flops:
             # The measured rate is what a matmul achieves here: it is the peak, at efficiency 1.
             c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops * share

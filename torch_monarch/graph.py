@@ -62,6 +62,7 @@ class ModelInfo:
     seq: int
     total_params: int
     tp_plan: dict                   # {module name: style} the layers' tp structure came from
+    param_dtype: object = None      # planner DType of the model's own parameters
 
     def summary(self):
         lines = [f"{self.graph.name}: {self.total_params:,} parameters, {len(self.blocks)} blocks, "
@@ -326,7 +327,7 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return ModelInfo(graph=graph, modules=records, layer_modules=[n for n, _ in info_layers], blocks=blocks,
                      tied=[v for v in tied.values() if len(v) > 1], batch=batch, seq=seq, total_params=total,
-                     tp_plan=plan)
+                     tp_plan=plan, param_dtype=_dtype_of(model))
 
 
 def _named(model, modules):
