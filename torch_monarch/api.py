@@ -55,11 +55,6 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     t.allow_tensor_parallel = not deferred and any(
         str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
     t.allow_pipeline_parallel = len(info.blocks) > 1
-    if info.param_dtype is not None and _TORCH_DTYPES.get(str(dtype).split(".")[-1]) != \
-            _TORCH_DTYPES.get(str(info.param_dtype).split(".")[-1]):
-        # Computing in another dtype than the parameters' is ZeRO's mixed precision, without
-        # tp or pp (check_plan's rule): plan only such layouts.
-        t.allow_tensor_parallel = t.allow_pipeline_parallel = False
     t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
                    _planner.ScheduleKind.zero_bubble_h1]
     return t
@@ -252,10 +247,14 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
         raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
                          "initialization does not support tensor parallelism yet")
     info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
-    if dtype is not None and "zero_stage" not in pins and \
-            _TORCH_DTYPES.get(str(_planner._enum(_planner.DType, dtype, "dtype")).split(".")[-1]) != \
-            _TORCH_DTYPES.get(str(info.param_dtype).split(".")[-1]):
-        pins["zero_stage"] = 3  # ZeRO's mixed precision: the one way the runtime casts
+    # Computing in another dtype than the parameters' is ZeRO's mixed precision here, without
+    # tp or pp (check_plan's rule): this job plans only such layouts. (Planning for another
+    # machine, torch_monarch.plan, has no such limit.)
+    mixed = dtype is not None and \
+        _TORCH_DTYPES.get(str(_planner._enum(_planner.DType, dtype, "dtype")).split(".")[-1]) != \
+        _TORCH_DTYPES.get(str(info.param_dtype).split(".")[-1])
+    if mixed and "zero_stage" not in pins:
+        pins["zero_stage"] = 3
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     if cluster is None:
         cluster = detect(world_size=world.size)
@@ -264,8 +263,10 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     text, error = None, ""
     if world.rank == 0:
         try:
-            p = _planner.plan(graph, cluster, runtime_training(info, global_batch, dtype, _pins(pins), deferred),
-                              **_pins(pins))
+            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred)
+            if mixed:
+                training.allow_tensor_parallel = training.allow_pipeline_parallel = False
+            p = _planner.plan(graph, cluster, training, **_pins(pins))
             text = _planner.dumps(p)
         except (ValueError, RuntimeError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"

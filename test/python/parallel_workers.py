@@ -124,7 +124,7 @@ def from_plan(world):
     from tiny_gpt import HEADS, HIDDEN, SEQ, VOCAB
     graph = planner.transformer(layers=4, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOCAB,
                                 tied_embeddings=True, dtype="fp32", name="tiny-gpt")
-    plan = planner.evaluate(graph, planner.cluster("cpu", world.size), planner.training(GLOBAL_BATCH),
+    plan = planner.evaluate(graph, planner.cluster("cpu", world.size), planner.training(GLOBAL_BATCH, compute_dtype="fp32"),
                             tp=2, pp=2, dp=1, zero=0, micro_batch=2, schedule="1f1b", recompute="none",
                             sequence_parallel=True, allow_over_memory=True)
     plan = planner.loads(planner.dumps(plan))
