@@ -250,10 +250,10 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     # Computing in another dtype than the parameters' is ZeRO's mixed precision here, without
     # tp or pp (check_plan's rule): this job plans only such layouts. (Planning for another
     # machine, torch_monarch.plan, has no such limit.)
+    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     mixed = dtype is not None and \
-        _TORCH_DTYPES.get(str(_planner._enum(_planner.DType, dtype, "dtype")).split(".")[-1]) != \
-        _TORCH_DTYPES.get(str(info.param_dtype).split(".")[-1])
-    if mixed and "zero_stage" not in pins:
+        _TORCH_DTYPES.get(str(_planner._enum(_planner.DType, dtype, "dtype")).split(".")[-1]) != param
+    if mixed and "zero_stage" not in pins and "zero" not in pins:
         pins["zero_stage"] = 3
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     if cluster is None:

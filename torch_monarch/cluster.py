@@ -97,8 +97,11 @@ def measure_matmul_flops(size=512, repeats=8, dtype=torch.float32, device="cpu")
 
 
 def _cores():
-    # The machine's cores (a rank may be pinned to fewer; the node's ranks share all).
-    return os.cpu_count() or 1
+    # The cores this job may use (a cpuset or container limit; ranks inherit the launcher's).
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def detect(world_size=None, ranks_per_node=None, measure=True):
@@ -128,7 +131,8 @@ def detect(world_size=None, ranks_per_node=None, measure=True):
         c.name = f"cpu ({socket.gethostname()})"
         c.device_memory_bytes = _cpu_memory_bytes() / local
         c.memory_reserved_bytes = min(c.memory_reserved_bytes, 0.25 * c.device_memory_bytes)
-        flops = _measured("cpu-flops", world, local, measure_matmul_flops, measure)
+        # Cached per thread count: the share below assumes the rate of this many threads.
+        flops = _measured(f"cpu-flops-{torch.get_num_threads()}t", world, local, measure_matmul_flops, measure)
         # The node's ranks share its cores: the planner's rates are per rank with all busy
         # (a fair share of a core each when there are more ranks than cores).
         c.cores_per_node = float(_cores())

@@ -144,7 +144,7 @@ class _Recorder:
             for name in self.stack:
                 self.records[name].saved_bytes += nbytes
             self.saved_by.append((t, tuple(self.stack)))
-            if self.is_core(t):
+            if self.in_block() and self.is_core(t):
                 self.saved_core.add(id(t))
         return t
 

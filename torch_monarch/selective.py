@@ -217,6 +217,23 @@ class _CoreRecorder(TorchDispatchMode):
         # tensor (or an alias of it), so the same values.
         return hit[1] if alive is not None else None
 
+    def _refuse_writes_to_saved(self, func, args):
+        """An in-place op on a core tensor backward will need would make replay hand backward
+        the changed values: refused, as autograd refuses it for tensors it keeps."""
+        try:
+            schema_args = func._schema.arguments
+        except AttributeError:
+            return
+        for i, arg in enumerate(schema_args[:len(args)]):
+            alias = getattr(arg, "alias_info", None)
+            if alias is None or not getattr(alias, "is_write", False) or not isinstance(args[i], torch.Tensor):
+                continue
+            ref = self.ref_of(args[i])
+            if ref is not None and (ref.entry, ref.out) in self.tape.needed:
+                raise RuntimeError(f"selective recompute: {func} modifies in place a tensor of the attention core "
+                                   "that backward needs; rebuilding it would give backward the changed values "
+                                   "(use recompute='full' or 'none', or an out-of-place op)")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
@@ -224,6 +241,7 @@ class _CoreRecorder(TorchDispatchMode):
         if not makes_core(func, tensors, lambda t: self.ref_of(t) is not None,
                           lambda t: _storage_ptr(t) in self.weights):
             return func(*args, **kwargs)
+        self._refuse_writes_to_saved(func, args)
         rng = _rng_states(tensors) if _is_random(func) else None
 
         def as_ref(a):
@@ -262,10 +280,8 @@ def run(fn, module, *args, **kwargs):
         return _Packed(tape, ref)
 
     def unpack(p):
-        if torch.is_grad_enabled():
-            raise RuntimeError("selective recompute: backward with create_graph=True (double backward) is not "
-                               "supported: the attention core is rebuilt without a graph; use recompute='full' "
-                               "or 'none'")
+        # (Autograd re-attaches the saved tensor's node to what unpack returns, so double
+        # backward goes through forward's own graph: nothing to refuse.)
         if isinstance(p, _Kept):
             if p.tensor._version != p.version:
                 raise RuntimeError(
