@@ -34,6 +34,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from procmem import reset_peak, vm
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
@@ -72,19 +74,6 @@ def batch(step):
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def vm(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field}")
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:  # "5": VmHWM := current RSS (Linux >= 4.0)
-        f.write("5")
 
 
 def _all_max(group, value):

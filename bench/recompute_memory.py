@@ -20,25 +20,10 @@ import sys
 
 MODES = ("none", "selective", "full")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from procmem import reset_peak, vm
 ROOT = os.path.dirname(HERE)
 BATCH, SEQ = 8, 256
-
-
-def vm(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field}")
-
-
-def rss():
-    return vm("VmRSS")
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset VmHWM to the current RSS (Linux >= 4.0)
-        f.write("5")
 
 
 def build():
@@ -65,13 +50,13 @@ def measure(mode):
     for p in model.parameters():  # gradients exist before the step, as after the first one
         p.grad = torch.zeros_like(p)
     gc.collect()
-    before = rss()
+    before = vm("VmRSS")
     reset_peak()
     logits = model(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), y.reshape(-1))
     del logits
     gc.collect()
-    held = rss() - before
+    held = vm("VmRSS") - before
     loss.backward()
     peak = vm("VmHWM") - before
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

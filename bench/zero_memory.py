@@ -21,16 +21,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from procmem import vm
 WIDTH, BLOCKS, BATCH, STEPS = 2048, 8, 8, 3
 LAYOUTS = ["torch_ddp", "dp", "zero1", "zero2", "zero3"]
-
-
-def vm(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def make_model():

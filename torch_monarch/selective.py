@@ -44,13 +44,10 @@ STATS = {"dropped": 0, "rebuilt": 0}
 def _storage_ptr(t):
     """The tensor's storage address; None for tensors without one (sparse, nested, wrapper
     subclasses, meta): those are neither weights nor trackable core tensors."""
-    try:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except AttributeError:  # torch < 2.0
-            ptr = t.storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided \
+            or getattr(t, "is_nested", False):
         return None
+    ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else t.storage().data_ptr()
     return ptr or None
 
 
