@@ -358,6 +358,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("peak_flops_fp8", &Cluster::peak_flops_fp8)
       .def_readwrite("matmul_efficiency", &Cluster::matmul_efficiency)
       .def_readwrite("backward_forward_ratio", &Cluster::backward_forward_ratio)
+      .def_readwrite("overlap_contention", &Cluster::overlap_contention)
       .def_readwrite("cores_per_node", &Cluster::cores_per_node)
       .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
       .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)

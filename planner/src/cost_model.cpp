@@ -43,6 +43,13 @@ double korthikanti_layer_activation_bytes(double s, double b, double h, double a
   return 0;
 }
 
+double overlapped_seconds(double compute_s, double comm_s, double contention) {
+  // While both run each goes 1 + contention times slower; whichever is left then runs alone:
+  // max(c, x) + contention * min(c, x) for c, x >= 0.
+  const double c = std::max(compute_s, 0.0), x = std::max(comm_s, 0.0);
+  return std::max(c, x) + contention * std::min(c, x);
+}
+
 // ---- Graph-level quantities ---------------------------------------------------------------
 
 double model_flops_per_step(const ModelGraph& graph, int64_t global_batch) {
@@ -179,6 +186,7 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     c.backward_s = backward_compute + recompute + bwd_tp + recompute_tp;
     c.backward_compute_s = backward_compute;
     c.tp_comm_s = fwd_tp + bwd_tp + recompute_tp;
+    c.forward_tp_s = fwd_tp;
     c.params = layer_params_per_tp_rank(layer, layout.tp);
     c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
                                                             layout.sequence_parallel, layout.recompute);
@@ -247,28 +255,51 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   e.recompute_s = recompute;
   e.tp_comm_s = tp_comm;
 
-  // ZeRO-3 reduce-scatters gradients after every micro-batch's backward and all-gathers
-  // parameters before forward and again before backward (FSDP with reshard_after_forward).
-  // Both overlap with the stage's compute except the first gather / last reduce (Zhao et al.
-  // 2023, PyTorch FSDP, Sec. 3.3 prefetching). ZeRO-2 reduces once per step (below).
+  // ZeRO-3 all-gathers each unit's parameters before its forward and again before its
+  // backward, and reduce-scatters its gradients after the backward (FSDP with
+  // reshard_after_forward; Zhao et al. 2023, PyTorch FSDP, Sec. 3.3-3.4). Every layer is its
+  // own message, paying the ring's latency. The first gather of each pass and the last
+  // reduction cannot overlap; the rest overlap the pass's computation, each side slowed by
+  // the cluster's contention while they do (overlapped_seconds). The dp collectives hide
+  // behind tp collectives only when those use another link: two collectives on one link take
+  // turns. ZeRO-1/2 reduce once per step (predict).
   const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
-  double exposed_forward = 0, exposed_backward = 0;
+  const Link tp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::tp);
+  const bool tp_shares_link = layout.tp > 1 && tp_link.inter_node == dp_link.inter_node;
+  double exposed_forward = 0, exposed_backward_input = 0, exposed_backward_weight = 0;
   if (layout.dp > 1 && layout.zero_stage >= 3) {
-    const double grads = e.params * training.grad_bytes;
-    const double rs = collective_seconds(Collective::reduce_scatter, grads, dp_link);
-    const double last_rs = collective_seconds(
-        Collective::reduce_scatter, std::min(grads, largest_layer * training.grad_bytes), dp_link);
-    double ag_b = 0;
-    if (layout.zero_stage >= 3) {
-      const double weights = e.params * training.param_bytes;
-      const double ag = collective_seconds(Collective::all_gather, weights, dp_link);
-      const double first_ag = collective_seconds(
-          Collective::all_gather, std::min(weights, largest_layer * training.param_bytes), dp_link);
-      exposed_forward = std::max(first_ag, ag - forward);
-      ag_b = ag;
+    double ag = 0, rs = 0, forward_tp = 0;
+    for (int64_t i = first; i <= last; ++i) {
+      ag += collective_seconds(Collective::all_gather, costs[i].params * training.param_bytes, dp_link);
+      rs += collective_seconds(Collective::reduce_scatter, costs[i].params * training.grad_bytes, dp_link);
+      forward_tp += costs[i].forward_tp_s;
     }
-    exposed_backward = std::max(last_rs, ag_b + rs - backward);
+    // Forward runs first to last; backward gathers the last layer first and reduces the
+    // first layer last.
+    const double first_ag = collective_seconds(Collective::all_gather,
+                                               costs[first].params * training.param_bytes, dp_link);
+    const double backward_first_ag = collective_seconds(
+        Collective::all_gather, costs[last].params * training.param_bytes, dp_link);
+    const double last_rs = collective_seconds(Collective::reduce_scatter,
+                                              costs[first].params * training.grad_bytes, dp_link);
+    const double kappa = cluster.overlap_contention;
+    const double forward_hiding = forward - (tp_shares_link ? forward_tp : 0.0);
+    const double backward_hiding = backward - (tp_shares_link ? tp_comm - forward_tp : 0.0);
+    exposed_forward = first_ag + overlapped_seconds(forward_hiding, ag - first_ag, kappa) - forward_hiding;
+    if (layout.schedule == ScheduleKind::zero_bubble_h1) {
+      // The input-gradient pass needs the gathered weights; the weight pass, which the
+      // schedule defers into bubbles, produces the gradients to reduce.
+      const double weight_grad = backward_compute / 2.0;
+      const double input_hiding = backward_hiding - weight_grad;
+      exposed_backward_input = backward_first_ag +
+          overlapped_seconds(input_hiding, ag - backward_first_ag, kappa) - input_hiding;
+      exposed_backward_weight = last_rs + overlapped_seconds(weight_grad, rs - last_rs, kappa) - weight_grad;
+    } else {
+      exposed_backward_input = backward_first_ag + last_rs +
+          overlapped_seconds(backward_hiding, ag + rs - backward_first_ag - last_rs, kappa) - backward_hiding;
+    }
   }
+  const double exposed_backward = exposed_backward_input + exposed_backward_weight;
   e.zero_comm_exposed_s = exposed_forward + exposed_backward;
 
   Link p2p = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
@@ -282,8 +313,8 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   // else (input gradients, recompute, tp collectives) is on the critical path in B.
   const double weight_grad = backward_compute / 2.0;
   e.costs.forward_s = forward + exposed_forward;
-  e.costs.backward_weight_s = weight_grad + exposed_backward;
-  e.costs.backward_input_s = backward - weight_grad;
+  e.costs.backward_weight_s = weight_grad + exposed_backward_weight;
+  e.costs.backward_input_s = backward - weight_grad + exposed_backward_input;
   return e;
 }
 
@@ -462,7 +493,9 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         const Collective c = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
         const double reduce = collective_seconds(c, grads, dp_link);
         const double last_micro_batch_backward = load.backward_s;
-        end += std::max(collective_seconds(c, bucket, dp_link), reduce - last_micro_batch_backward);
+        const double last_bucket = collective_seconds(c, bucket, dp_link);
+        end += last_bucket + overlapped_seconds(last_micro_batch_backward, reduce - last_bucket,
+                                                cluster.overlap_contention) - last_micro_batch_backward;
       }
       if (layout.zero_stage == 1 || layout.zero_stage == 2) {
         end += collective_seconds(Collective::all_gather, load.params * training.param_bytes, dp_link);

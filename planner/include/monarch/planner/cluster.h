@@ -29,6 +29,11 @@ struct Cluster {
   // all of the node's devices busy, and a device idle in a pipeline bubble lends its share to
   // the busy ones (cost_model.cpp).
   double cores_per_node = 0;
+  // How much slower computation and communication each run while they overlap: they share
+  // the device's SMs and memory bandwidth (Rashidi et al. 2021, "Enabling Compute-Communication
+  // Overlap in Distributed Deep Learning Training Platforms", ISCA). 0: overlap is free. The
+  // GPU presets' value is calibrated on Narayanan et al. 2021 Table 2 (docs/cost_model.md).
+  double overlap_contention = 0;
   // Effective (achieved bus) bandwidth per device and per-message latency of each level.
   double intra_node_bytes_per_s = 0;
   double intra_node_latency_s = 0;

@@ -28,6 +28,10 @@ struct ModelStateBytes {
   double params = 0, grads = 0, optimizer = 0;
   double total() const { return params + grads + optimizer; }
 };
+// Wall time of `compute_s` of computation overlapped with `comm_s` of communication when each
+// runs 1 + contention times slower while both do (Cluster::overlap_contention).
+double overlapped_seconds(double compute_s, double comm_s, double contention);
+
 ModelStateBytes zero_model_state_bytes(double params, int64_t dp, int64_t stage,
                                        double param_bytes = 2, double grad_bytes = 2,
                                        double optimizer_bytes = 12);
@@ -63,6 +67,7 @@ struct LayerCost {
   double recompute_s = 0;  // part of backward_s
   double backward_compute_s = 0;  // backward_s without recompute and tp collectives
   double tp_comm_s = 0;    // exposed tp collectives, forward + backward + recompute
+  double forward_tp_s = 0; // the forward's part of tp_comm_s
   double params = 0;       // on one tp rank
   double activation_bytes = 0;  // kept per micro-batch
   double workspace_bytes = 0;   // live while recomputing
