@@ -79,7 +79,8 @@ bool Plan::operator==(const Plan& o) const {
          num_micro_batches == o.num_micro_batches && schedule == o.schedule &&
          virtual_stages == o.virtual_stages && recompute == o.recompute &&
          sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
-         layers == o.layers && prediction == o.prediction && alternatives == o.alternatives;
+         layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
+         alternatives == o.alternatives;
 }
 
 // "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"

@@ -13,12 +13,22 @@
 #include <nlohmann/json.hpp>
 
 #include "monarch/planner/errors.h"
+#include "embedding_json.h"
+#include "json_fields.h"
+#include "monarch/planner/embeddings.h"
 #include "monarch/planner/plan.h"
 
 namespace monarch::planner {
 namespace {
 
-using Json = nlohmann::ordered_json;
+using json_detail::as_array;
+using json_detail::as_integer;
+using json_detail::as_number;
+using json_detail::as_string;
+using json_detail::element;
+using json_detail::Fields;
+using json_detail::Json;
+using json_detail::type_name;
 
 // ---------------------------------------------------------------- writing
 
@@ -175,6 +185,7 @@ Json plan_to_json_value(const Plan& p) {
   Json layers = Json::array();
   for (const auto& l : p.layers) layers.push_back(layer_to_json(l));
   j["layers"] = layers;
+  if (p.embeddings) j["embeddings"] = json_detail::embeddings_to_json_value(*p.embeddings);
   j["prediction"] = prediction_to_json(p.prediction);
   Json alternatives = Json::array();
   for (const auto& a : p.alternatives) alternatives.push_back(alternative_to_json(a));
@@ -183,101 +194,6 @@ Json plan_to_json_value(const Plan& p) {
 }
 
 // ---------------------------------------------------------------- reading
-
-std::string type_name(const Json& j) {
-  switch (j.type()) {
-    case Json::value_t::null: return "null";
-    case Json::value_t::boolean: return "boolean";
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "integer";
-    case Json::value_t::number_float: return "number";
-    case Json::value_t::string: return "string";
-    case Json::value_t::array: return "array";
-    case Json::value_t::object: return "object";
-    default: return "unknown";
-  }
-}
-
-[[noreturn]] void wrong_type(const Json& j, const char* expected, const std::string& path) {
-  std::string got = type_name(j);
-  if (j.is_number_float()) got += " " + j.dump();  // "expected integer, got number 2.5"
-  throw ValidationError(path, std::string("expected ") + expected + ", got " + got);
-}
-
-int64_t as_integer(const Json& j, const std::string& path) {
-  if (j.is_number_unsigned()) {
-    if (j.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      throw ValidationError(path, j.dump() + " is out of range for a 64-bit integer");
-    }
-    return static_cast<int64_t>(j.get<uint64_t>());
-  }
-  if (!j.is_number_integer()) wrong_type(j, "integer", path);
-  return j.get<int64_t>();
-}
-
-// Integers are accepted where a real number is expected (hand-written "bytes": 1000).
-double as_number(const Json& j, const std::string& path) {
-  if (!j.is_number()) wrong_type(j, "number", path);
-  return j.get<double>();
-}
-
-bool as_bool(const Json& j, const std::string& path) {
-  if (!j.is_boolean()) wrong_type(j, "boolean", path);
-  return j.get<bool>();
-}
-
-std::string as_string(const Json& j, const std::string& path) {
-  if (!j.is_string()) wrong_type(j, "string", path);
-  return j.get<std::string>();
-}
-
-const Json& as_array(const Json& j, const std::string& path) {
-  if (!j.is_array()) wrong_type(j, "array", path);
-  return j;
-}
-
-std::string join(const std::string& path, const std::string& key) {
-  return path.empty() ? key : path + "." + key;
-}
-
-std::string element(const std::string& path, size_t i) {
-  return path + "[" + std::to_string(i) + "]";
-}
-
-// One JSON object being read: checks it is an object with no unknown keys, and reads
-// its fields with their full paths in error messages.
-class Fields {
- public:
-  Fields(const Json& j, std::string path, std::initializer_list<const char*> allowed)
-      : j_(j), path_(std::move(path)) {
-    if (!j_.is_object()) wrong_type(j_, "object", path_.empty() ? "plan" : path_);
-    for (const auto& item : j_.items()) {
-      bool known = false;
-      for (const char* key : allowed) known = known || item.key() == key;
-      if (!known) throw ValidationError(join(path_, item.key()), "unknown field");
-    }
-  }
-
-  std::string path(const char* key) const { return join(path_, key); }
-  bool has(const char* key) const { return j_.contains(key); }
-  const Json& at(const char* key) const {
-    if (!has(key)) throw ValidationError(path(key), "missing required field");
-    return j_.at(key);
-  }
-
-  int64_t integer(const char* key) const { return as_integer(at(key), path(key)); }
-  double number(const char* key) const { return as_number(at(key), path(key)); }
-  bool boolean(const char* key) const { return as_bool(at(key), path(key)); }
-  std::string string(const char* key) const { return as_string(at(key), path(key)); }
-  const Json& array(const char* key) const { return as_array(at(key), path(key)); }
-  Fields object(const char* key, std::initializer_list<const char*> allowed) const {
-    return Fields(at(key), path(key), allowed);
-  }
-
- private:
-  const Json& j_;
-  std::string path_;
-};
 
 TransformerConfig transformer_from_json(const Fields& f) {
   TransformerConfig t;
@@ -511,8 +427,8 @@ Plan plan_from_value(const Json& root) {
   const Fields f(root, "",
                  {"version", "model", "cluster", "training", "mesh", "zero_stage",
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
-                  "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "prediction",
-                  "alternatives"});
+                  "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "embeddings",
+                  "prediction", "alternatives"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
@@ -540,6 +456,9 @@ Plan plan_from_value(const Json& root) {
     p.layers.push_back(layer_from_json(Fields(
         layers[i], element("layers", i),
         {"name", "kind", "params", "stage", "tp", "tp_dims", "sharding_unit"})));
+  }
+  if (f.has("embeddings")) {  // optional: models without embedding tables
+    p.embeddings = json_detail::embeddings_from_fields(f.object("embeddings", json_detail::kEmbeddingKeys));
   }
   p.prediction = prediction_from_json(f.object(
       "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",

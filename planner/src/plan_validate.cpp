@@ -270,6 +270,16 @@ void validate(const Plan& plan) {
   check_param_total(plan);
   check_transformer(plan);
   check_prediction(plan);
+  if (plan.embeddings) {
+    // The tables are sharded over every rank of the plan; evaluate_embeddings checks each
+    // placement covers its table exactly once and fits the device memory.
+    if (plan.embeddings->world_size != plan.mesh.world_size()) {
+      throw ValidationError("embeddings.world_size", std::to_string(plan.embeddings->world_size) +
+                                                         ", but the mesh has " +
+                                                         std::to_string(plan.mesh.world_size()) + " ranks");
+    }
+    evaluate_embeddings(*plan.embeddings, plan.cluster);
+  }
 }
 
 void validate(const Plan& plan, const ModelGraph& graph) {

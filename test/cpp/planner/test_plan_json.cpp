@@ -505,3 +505,33 @@ TEST_CASE("enum and dtype names round-trip", "[plan_json]") {
                       "kind: unknown layer kind 'Block' (expected one of embedding, attention, "
                       "mlp, norm, block, head, other)");
 }
+
+TEST_CASE("plan JSON carries an embeddings section, checked against the mesh", "[plan_json][embeddings]") {
+  Plan p = make_plan();
+  EmbeddingTable t;
+  t.name = "user_id";
+  t.rows = 1000;
+  t.dim = 16;
+  t.features = {"user_id"};
+  EmbeddingOptions o;
+  o.world_size = p.mesh.world_size();
+  o.batch_per_rank = 4;
+  p.embeddings = plan_embeddings({t}, p.cluster, o);
+  const std::string text = to_json(p);
+  const Plan back = plan_from_json(text);
+  CHECK(back == p);
+  CHECK(to_json(back) == text);
+  validate(back);
+
+  Plan other = p;
+  other.embeddings->world_size = 3;
+  try {
+    validate(other);
+    FAIL("expected a ValidationError");
+  } catch (const ValidationError& e) {
+    CHECK(e.field() == "embeddings.world_size");
+  }
+  Json j = to_value(p);
+  j["embeddings"]["placements"][0]["shards"][0]["rows"] = 999;
+  CHECK_THROWS_WITH(validate(from_value(j)), Contains("embeddings.placements.user_id") && Contains("do not cover"));
+}

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "monarch/planner/cluster.h"
+#include "monarch/planner/embeddings.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/training_config.h"
 
@@ -94,6 +95,9 @@ struct Plan {
   bool sequence_parallel = false;
   double dp_bucket_bytes = 25.0 * 1024 * 1024;
   std::vector<LayerPlacement> layers;
+  // Embedding tables of a recommendation model, sharded over all the plan's ranks (absent for
+  // models without them).
+  std::optional<EmbeddingPlan> embeddings;
   // What the cost model expects.
   Prediction prediction;
   std::vector<Alternative> alternatives;

@@ -1,0 +1,626 @@
+// Choosing each table's sharding and placing the shards (TorchRec's enumerate -> estimate ->
+// propose -> partition, done as one greedy pass plus local search, with a lower bound).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "embedding_internal.h"
+#include "monarch/planner/embeddings.h"
+#include "monarch/planner/errors.h"
+
+namespace monarch::planner {
+
+using embedding_detail::RankBytes;
+
+// ---- names --------------------------------------------------------------------------------
+
+std::string to_string(EmbeddingSharding s) {
+  switch (s) {
+    case EmbeddingSharding::data_parallel: return "data_parallel";
+    case EmbeddingSharding::table_wise: return "table_wise";
+    case EmbeddingSharding::row_wise: return "row_wise";
+    case EmbeddingSharding::column_wise: return "column_wise";
+    case EmbeddingSharding::table_row_wise: return "table_row_wise";
+  }
+  return "?";
+}
+
+EmbeddingSharding embedding_sharding_from_string(const std::string& name, const std::string& field) {
+  for (auto s : {EmbeddingSharding::data_parallel, EmbeddingSharding::table_wise, EmbeddingSharding::row_wise,
+                 EmbeddingSharding::column_wise, EmbeddingSharding::table_row_wise}) {
+    if (to_string(s) == name) return s;
+  }
+  throw ValidationError(field, "unknown sharding '" + name +
+                                   "' (data_parallel, table_wise, row_wise, column_wise, table_row_wise)");
+}
+
+std::string to_string(EmbeddingOptimizer o) {
+  switch (o) {
+    case EmbeddingOptimizer::sgd: return "sgd";
+    case EmbeddingOptimizer::rowwise_adagrad: return "rowwise_adagrad";
+    case EmbeddingOptimizer::adam: return "adam";
+  }
+  return "?";
+}
+
+EmbeddingOptimizer embedding_optimizer_from_string(const std::string& name, const std::string& field) {
+  for (auto o : {EmbeddingOptimizer::sgd, EmbeddingOptimizer::rowwise_adagrad, EmbeddingOptimizer::adam}) {
+    if (to_string(o) == name) return o;
+  }
+  throw ValidationError(field, "unknown optimizer '" + name + "' (sgd, rowwise_adagrad, adam)");
+}
+
+std::string to_string(EmbeddingPooling p) {
+  switch (p) {
+    case EmbeddingPooling::sum: return "sum";
+    case EmbeddingPooling::mean: return "mean";
+    case EmbeddingPooling::none: return "none";
+  }
+  return "?";
+}
+
+EmbeddingPooling embedding_pooling_from_string(const std::string& name, const std::string& field) {
+  for (auto p : {EmbeddingPooling::sum, EmbeddingPooling::mean, EmbeddingPooling::none}) {
+    if (to_string(p) == name) return p;
+  }
+  throw ValidationError(field, "unknown pooling '" + name + "' (sum, mean, none)");
+}
+
+bool EmbeddingTable::operator==(const EmbeddingTable& o) const {
+  return name == o.name && rows == o.rows && dim == o.dim && bytes_per_element == o.bytes_per_element &&
+         features == o.features && pooling_factor == o.pooling_factor && pooling == o.pooling;
+}
+bool EmbeddingShard::operator==(const EmbeddingShard& o) const {
+  return rank == o.rank && row_offset == o.row_offset && rows == o.rows && col_offset == o.col_offset &&
+         cols == o.cols;
+}
+bool EmbeddingPlacement::operator==(const EmbeddingPlacement& o) const {
+  return table == o.table && sharding == o.sharding && shards == o.shards;
+}
+bool EmbeddingRankLoad::operator==(const EmbeddingRankLoad& o) const {
+  return storage_bytes == o.storage_bytes && lookup_s == o.lookup_s && comm_s == o.comm_s &&
+         sent_bytes == o.sent_bytes && received_bytes == o.received_bytes;
+}
+bool EmbeddingPlan::operator==(const EmbeddingPlan& o) const {
+  return optimizer == o.optimizer && world_size == o.world_size && batch_per_rank == o.batch_per_rank &&
+         tables == o.tables && placements == o.placements && ranks == o.ranks && max_rank_s == o.max_rank_s &&
+         lower_bound_s == o.lower_bound_s;
+}
+
+namespace {
+
+std::string table_field(const EmbeddingTable& t) { return "embeddings.tables." + t.name; }
+
+void validate_table(const EmbeddingTable& t) {
+  const std::string f = table_field(t);
+  if (t.name.empty()) throw ValidationError("embeddings.tables", "a table has no name");
+  if (t.rows <= 0) throw ValidationError(f + ".rows", "must be > 0");
+  if (t.dim <= 0) throw ValidationError(f + ".dim", "must be > 0");
+  if (!(t.bytes_per_element > 0 && t.bytes_per_element <= 8)) {
+    throw ValidationError(f + ".bytes_per_element", "must be in (0, 8]");
+  }
+  if (t.features.empty()) throw ValidationError(f + ".features", "no feature looks this table up");
+  if (!(t.pooling_factor > 0) || !std::isfinite(t.pooling_factor)) {
+    throw ValidationError(f + ".pooling_factor", "must be > 0");
+  }
+}
+
+void validate_options(const EmbeddingOptions& o) {
+  if (o.world_size < 1) throw ValidationError("embeddings.world_size", "must be >= 1");
+  if (o.batch_per_rank < 1) throw ValidationError("embeddings.batch_per_rank", "must be >= 1");
+  if (o.memory_budget_bytes < 0) throw ValidationError("embeddings.memory_budget_bytes", "must be >= 0");
+  if (o.column_chunk < 0) throw ValidationError("embeddings.column_chunk", "must be >= 0");
+}
+
+int64_t chunk_width(const EmbeddingTable& t, const EmbeddingOptions& o) {
+  if (o.column_chunk > 0) return o.column_chunk;
+  return std::max<int64_t>(4, (t.dim / 4) / 4 * 4);
+}
+
+int64_t node_size(const Cluster& c, int64_t world) { return std::max<int64_t>(1, std::min(c.devices_per_node, world)); }
+
+// The shards of `sharding` for a table, placed at `rank` (table-wise), `node` (table-row-wise:
+// its first rank), or starting at `rank` for column chunks (chunk i on ranks[i]).
+std::vector<EmbeddingShard> rows_split(int64_t rows, int64_t cols, const std::vector<int64_t>& ranks) {
+  std::vector<EmbeddingShard> out;
+  const int64_t n = static_cast<int64_t>(ranks.size());
+  const int64_t block = (rows + n - 1) / n;  // block row sharding: rank i owns [i b, (i+1) b)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t begin = i * block, end = std::min(rows, begin + block);
+    if (end <= begin) break;
+    out.push_back({ranks[i], begin, end - begin, 0, cols});
+  }
+  return out;
+}
+
+struct Candidate {
+  EmbeddingSharding sharding;
+  // Placeable pieces: for table-wise one, for column-wise one per chunk, for the spread
+  // shardings none (their shards are fixed: every rank, or one node chosen at placement).
+  int64_t pieces = 0;
+};
+
+std::vector<EmbeddingSharding> allowed(const EmbeddingTable& t, const Cluster& c, const EmbeddingOptions& o,
+                                       double budget, std::string* why_not_pinned) {
+  std::vector<EmbeddingSharding> out;
+  const double state = embedding_optimizer_bytes_per_row(o.optimizer, t.dim);
+  const double whole = static_cast<double>(t.rows) * (static_cast<double>(t.dim) * t.bytes_per_element + state);
+  const int64_t chunk = chunk_width(t, o);
+  const int64_t W = o.world_size;
+  const int64_t N = node_size(c, W);
+  auto consider = [&](EmbeddingSharding s, bool ok, const std::string& reason) {
+    if (ok) {
+      out.push_back(s);
+    } else if (why_not_pinned) {
+      auto it = o.pins.find(t.name);
+      if (it != o.pins.end() && it->second == s) *why_not_pinned = reason;
+    }
+  };
+  auto gib = [](double b) {
+    std::ostringstream s;
+    s.precision(3);
+    s << b / (1024.0 * 1024 * 1024) << " GiB";
+    return s.str();
+  };
+  consider(EmbeddingSharding::data_parallel, whole <= budget,
+           "data_parallel needs the whole table (" + gib(whole) + ") on every rank; the budget is " + gib(budget));
+  consider(EmbeddingSharding::table_wise, whole <= budget,
+           "table_wise needs the whole table (" + gib(whole) + ") on one rank; the budget is " + gib(budget));
+  const double chunk_bytes = static_cast<double>(t.rows) *
+      (static_cast<double>(std::min(chunk, t.dim)) * t.bytes_per_element +
+       embedding_optimizer_bytes_per_row(o.optimizer, std::min(chunk, t.dim)));
+  consider(EmbeddingSharding::column_wise, W > 1 && t.dim >= 2 * chunk && chunk_bytes <= budget,
+           W <= 1 ? "column_wise needs more than one rank"
+           : t.dim < 2 * chunk
+               ? "column_wise needs dim >= 2 chunks of " + std::to_string(chunk) + " (dim is " + std::to_string(t.dim) + ")"
+               : "column_wise needs a chunk (" + gib(chunk_bytes) + ") on one rank; the budget is " + gib(budget));
+  const double rw = whole / static_cast<double>(std::min<int64_t>(W, t.rows));
+  consider(EmbeddingSharding::row_wise, W > 1 && rw <= budget,
+           W <= 1 ? "row_wise needs more than one rank"
+                  : "row_wise puts " + gib(rw) + " on a rank; the budget is " + gib(budget));
+  const double twrw = whole / static_cast<double>(std::min<int64_t>(N, t.rows));
+  consider(EmbeddingSharding::table_row_wise, N > 1 && W % N == 0 && twrw <= budget,
+           N <= 1 ? "table_row_wise needs more than one rank per node"
+                  : "table_row_wise puts " + gib(twrw) + " on a rank of one node; the budget is " + gib(budget));
+  return out;
+}
+
+struct State {
+  const std::vector<EmbeddingTable>& tables;
+  const Cluster& cluster;
+  const EmbeddingOptions& options;
+  double budget;
+  std::vector<RankBytes> load;          // all tables placed so far
+  std::vector<EmbeddingPlacement> placements;
+  std::vector<std::vector<RankBytes>> contribution;  // per table
+
+  double rank_time(const RankBytes& r) const {
+    return embedding_detail::rank_seconds(r, cluster, options.world_size);
+  }
+  double max_time() const {
+    double m = 0;
+    for (const auto& r : load) m = std::max(m, rank_time(r));
+    return m;
+  }
+  std::vector<RankBytes> bytes_of(size_t t, const EmbeddingPlacement& p) const {
+    return embedding_detail::embedding_rank_bytes(tables[t], p, cluster, options);
+  }
+  void add(size_t t, EmbeddingPlacement p, std::vector<RankBytes> bytes) {
+    contribution[t] = std::move(bytes);
+    for (size_t r = 0; r < load.size(); ++r) load[r] += contribution[t][r];
+    placements[t] = std::move(p);
+  }
+  void remove(size_t t) {
+    for (size_t r = 0; r < load.size(); ++r) load[r] -= contribution[t][r];
+    contribution[t].assign(load.size(), RankBytes{});
+  }
+  bool fits(const std::vector<RankBytes>& extra) const {
+    for (size_t r = 0; r < load.size(); ++r) {
+      if (load[r].storage + extra[r].storage > budget * (1 + 1e-12)) return false;
+    }
+    return true;
+  }
+  // Max rank time if `extra` were added.
+  double max_with(const std::vector<RankBytes>& extra) const {
+    double m = 0;
+    for (size_t r = 0; r < load.size(); ++r) {
+      RankBytes x = load[r];
+      x += extra[r];
+      m = std::max(m, rank_time(x));
+    }
+    return m;
+  }
+};
+
+std::vector<int64_t> all_ranks(int64_t n, int64_t first = 0) {
+  std::vector<int64_t> r(n);
+  std::iota(r.begin(), r.end(), first);
+  return r;
+}
+
+// The best placement of table t with sharding s given the current load (greedy: each
+// piece on the rank that keeps the maximum lowest, among ranks with memory for it).
+struct Scored {
+  EmbeddingPlacement placement;
+  std::vector<RankBytes> bytes;  // what it adds to each rank
+  double max_s = 0;              // the most loaded rank's time with it added
+};
+
+// The best placement of table t with sharding s given the current load: each piece (a
+// table-wise table, a column chunk) on the rank that keeps the maximum lowest among ranks
+// with memory for it; a table-row-wise table on the best node. A piece adds the same bytes to
+// every rank but its owner, so each rank is scored in O(1) from the two largest times of the
+// others.
+std::optional<Scored> best_placement(const State& st, size_t t, EmbeddingSharding s) {
+  const EmbeddingTable& table = st.tables[t];
+  const int64_t W = st.options.world_size;
+  Scored out;
+  out.placement.table = table.name;
+  out.placement.sharding = s;
+  auto finish_with = [&](std::vector<EmbeddingShard> shards) -> std::optional<Scored> {
+    out.placement.shards = std::move(shards);
+    out.bytes = st.bytes_of(t, out.placement);
+    if (!st.fits(out.bytes)) return std::nullopt;
+    out.max_s = st.max_with(out.bytes);
+    return out;
+  };
+  switch (s) {
+    case EmbeddingSharding::data_parallel: {
+      std::vector<EmbeddingShard> shards;
+      for (int64_t r = 0; r < W; ++r) shards.push_back({r, 0, table.rows, 0, table.dim});
+      return finish_with(std::move(shards));
+    }
+    case EmbeddingSharding::row_wise: return finish_with(rows_split(table.rows, table.dim, all_ranks(W)));
+    case EmbeddingSharding::table_row_wise: {
+      const int64_t N = node_size(st.cluster, W);
+      std::optional<Scored> best;
+      for (int64_t node = 0; node < W / N; ++node) {
+        auto q = finish_with(rows_split(table.rows, table.dim, all_ranks(N, node * N)));
+        if (q && (!best || q->max_s < best->max_s)) best = std::move(q);
+      }
+      return best;
+    }
+    case EmbeddingSharding::table_wise:
+    case EmbeddingSharding::column_wise: {
+      const int64_t chunk = s == EmbeddingSharding::table_wise ? table.dim : chunk_width(table, st.options);
+      std::vector<RankBytes> load = st.load;  // with this table's pieces chosen so far
+      std::vector<EmbeddingShard> shards;
+      for (int64_t col = 0; col < table.dim; col += chunk) {
+        const int64_t cols = std::min(chunk, table.dim - col);
+        EmbeddingPlacement piece;
+        piece.table = table.name;
+        piece.sharding = s;
+        piece.shards = {{0, 0, table.rows, col, cols}};
+        const auto b = st.bytes_of(t, piece);
+        const RankBytes owner = b[0];
+        const RankBytes other = W > 1 ? b[1] : RankBytes{};
+        std::vector<double> others(W);
+        int64_t top = -1, second = -1;
+        for (int64_t q = 0; q < W; ++q) {
+          RankBytes x = load[q];
+          x += other;
+          others[q] = st.rank_time(x);
+          if (top < 0 || others[q] > others[top]) {
+            second = top;
+            top = q;
+          } else if (second < 0 || others[q] > others[second]) {
+            second = q;
+          }
+        }
+        double best = std::numeric_limits<double>::infinity();
+        int64_t where = -1;
+        for (int64_t r = 0; r < W; ++r) {
+          if (load[r].storage + owner.storage > st.budget * (1 + 1e-12)) continue;
+          RankBytes x = load[r];
+          x += owner;
+          const double rest = r == top ? (second >= 0 ? others[second] : 0.0) : (top >= 0 ? others[top] : 0.0);
+          const double v = std::max(rest, st.rank_time(x));
+          if (v < best) {
+            best = v;
+            where = r;
+          }
+        }
+        if (where < 0) return std::nullopt;
+        for (int64_t q = 0; q < W; ++q) load[q] += q == where ? owner : other;
+        shards.push_back({where, 0, table.rows, col, cols});
+      }
+      return finish_with(std::move(shards));
+    }
+  }
+  return std::nullopt;
+}
+
+// The table's shards with no other table around: the placement's shape, on the first ranks.
+EmbeddingPlacement canonical_placement(const State& st, size_t t, EmbeddingSharding s) {
+  EmbeddingPlacement q;
+  q.table = st.tables[t].name;
+  q.sharding = s;
+  const int64_t W = st.options.world_size;
+  const EmbeddingTable& table = st.tables[t];
+  switch (s) {
+    case EmbeddingSharding::data_parallel:
+      for (int64_t r = 0; r < W; ++r) q.shards.push_back({r, 0, table.rows, 0, table.dim});
+      break;
+    case EmbeddingSharding::row_wise: q.shards = rows_split(table.rows, table.dim, all_ranks(W)); break;
+    case EmbeddingSharding::table_row_wise:
+      q.shards = rows_split(table.rows, table.dim, all_ranks(node_size(st.cluster, W)));
+      break;
+    case EmbeddingSharding::table_wise: q.shards = {{0, 0, table.rows, 0, table.dim}}; break;
+    case EmbeddingSharding::column_wise: {
+      const int64_t chunk = chunk_width(table, st.options);
+      int64_t i = 0;
+      for (int64_t col = 0; col < table.dim; col += chunk, ++i) {
+        q.shards.push_back({i % W, 0, table.rows, col, std::min(chunk, table.dim - col)});
+      }
+      break;
+    }
+  }
+  return q;
+}
+
+// Two bounds from one table alone with sharding s: its total work summed over ranks, taking
+// lookup + (sent + received) / 2 / bw per rank (max(S, R) >= (S + R) / 2, so this adds up over
+// tables and never exceeds the table's share of all ranks' time); and its most loaded rank.
+std::pair<double, double> table_bounds(const State& st, size_t t, EmbeddingSharding s) {
+  const auto bytes = st.bytes_of(t, canonical_placement(st, t, s));
+  const Link link = embedding_detail::all_to_all_link(st.cluster, st.options.world_size);
+  double total = 0, most = 0;
+  for (const auto& r : bytes) {
+    total += r.lookup_bytes / st.cluster.hbm_bytes_per_s + (r.sent + r.received) / 2 / link.bytes_per_s +
+             r.intra_bytes / st.cluster.intra_node_bytes_per_s + r.latency_s;
+    most = std::max(most, st.rank_time(r));
+  }
+  return {total, most};
+}
+
+double fixed_latency(const Cluster& c, const std::vector<EmbeddingPlacement>& placements, int64_t W) {
+  // Ids, lengths, pooled rows forward and their gradients backward: four all-to-alls per
+  // step for all the sharded tables together, each W - 1 messages per rank.
+  bool any = false;
+  for (const auto& p : placements) any = any || p.sharding != EmbeddingSharding::data_parallel;
+  return any && W > 1 ? 4 * static_cast<double>(W - 1) * embedding_detail::all_to_all_link(c, W).latency_s : 0.0;
+}
+
+EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& cluster, const EmbeddingOptions& o,
+                     std::vector<EmbeddingPlacement> placements, double lower_bound) {
+  EmbeddingPlan plan;
+  plan.optimizer = o.optimizer;
+  plan.world_size = o.world_size;
+  plan.batch_per_rank = o.batch_per_rank;
+  plan.tables = tables;
+  plan.ranks.assign(o.world_size, EmbeddingRankLoad{});
+  std::vector<RankBytes> load(o.world_size);
+  for (size_t t = 0; t < tables.size(); ++t) {
+    const auto b = embedding_detail::embedding_rank_bytes(tables[t], placements[t], cluster, o);
+    for (int64_t r = 0; r < o.world_size; ++r) load[r] += b[r];
+  }
+  const double fixed = fixed_latency(cluster, placements, o.world_size);
+  for (int64_t r = 0; r < o.world_size; ++r) {
+    auto& out = plan.ranks[r];
+    out.storage_bytes = load[r].storage;
+    out.lookup_s = load[r].lookup_bytes / cluster.hbm_bytes_per_s;
+    out.comm_s = embedding_detail::comm_seconds(load[r], cluster, o.world_size) + fixed;
+    out.sent_bytes = load[r].sent + load[r].intra_bytes / 2;
+    out.received_bytes = load[r].received + load[r].intra_bytes / 2;
+    plan.max_rank_s = std::max(plan.max_rank_s, out.total_s());
+  }
+  plan.placements = std::move(placements);
+  plan.lower_bound_s = lower_bound + fixed;
+  return plan;
+}
+
+double budget_of(const Cluster& c, double budget) { return budget > 0 ? budget : c.usable_memory_bytes(); }
+
+}  // namespace
+
+EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const Cluster& cluster,
+                              const EmbeddingOptions& options) {
+  validate(cluster);
+  validate_options(options);
+  std::set<std::string> names;
+  for (const auto& t : tables) {
+    validate_table(t);
+    if (!names.insert(t.name).second) throw ValidationError(table_field(t), "two tables have this name");
+  }
+  for (const auto& [name, _] : options.pins) {
+    if (!names.count(name)) throw ValidationError("embeddings.pins." + name, "no table has this name");
+  }
+  const double budget = budget_of(cluster, options.memory_budget_bytes);
+  const int64_t W = options.world_size;
+
+  State st{tables, cluster, options, budget, std::vector<RankBytes>(W), std::vector<EmbeddingPlacement>(tables.size()),
+           std::vector<std::vector<RankBytes>>(tables.size(), std::vector<RankBytes>(W))};
+
+  // Enumerate and estimate: each table's shardings, each with its total work.
+  std::vector<std::vector<EmbeddingSharding>> options_of(tables.size());
+  std::vector<double> cheapest(tables.size(), std::numeric_limits<double>::infinity());
+  double bound_sum = 0, bound_max = 0;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    std::string why;
+    auto kinds = allowed(tables[t], cluster, options, budget, &why);
+    auto pin = options.pins.find(tables[t].name);
+    if (pin != options.pins.end()) {
+      if (std::find(kinds.begin(), kinds.end(), pin->second) == kinds.end()) {
+        throw ValidationError(table_field(tables[t]) + ".sharding",
+                              "pinned to " + to_string(pin->second) + ", which it cannot take: " + why);
+      }
+      kinds = {pin->second};
+    }
+    if (kinds.empty()) {
+      throw InfeasibleError(table_field(tables[t]) + ": no sharding fits the per-rank budget");
+    }
+    // Most promising first: least total work.
+    std::vector<std::pair<double, EmbeddingSharding>> scored;
+    double alone = std::numeric_limits<double>::infinity();
+    for (auto k : kinds) {
+      const auto [total, most] = table_bounds(st, t, k);
+      scored.push_back({total, k});
+      alone = std::min(alone, most);
+    }
+    bound_max = std::max(bound_max, alone);
+    std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
+      return a.first < b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (const auto& [v, k] : scored) options_of[t].push_back(k);
+    cheapest[t] = scored.front().first;
+    bound_sum += cheapest[t];
+  }
+  const double lower_bound = std::max(bound_sum / static_cast<double>(W), bound_max);
+
+  // Propose and partition: largest tables first, each with the sharding and placement that
+  // keep the most loaded rank lowest (longest-processing-time first, Graham 1969).
+  std::vector<size_t> order(tables.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cheapest[a] > cheapest[b]; });
+  for (size_t t : order) {
+    std::optional<Scored> chosen;
+    for (auto k : options_of[t]) {
+      auto p = best_placement(st, t, k);
+      if (p && (!chosen || p->max_s < chosen->max_s * (1 - 1e-12))) chosen = std::move(p);
+    }
+    if (!chosen) {
+      throw InfeasibleError(table_field(tables[t]) + ": no rank has memory left for it after placing the larger tables "
+                            "(budget per rank " + std::to_string(budget / (1024.0 * 1024 * 1024)) + " GiB)");
+    }
+    st.add(t, std::move(chosen->placement), std::move(chosen->bytes));
+  }
+
+  // Local search: take a table off the most loaded rank and put it back where (and as) it
+  // lowers the maximum; stop when no move helps.
+  // Only tables with a shard on the hot rank that could sit elsewhere are moved (spread
+  // shardings load every rank alike); bounded so planning time stays linear.
+  const int rounds = std::min<int>(4 * static_cast<int>(tables.size()) + 8, 512);
+  for (int round = 0; round < rounds; ++round) {
+    const double current = st.max_time();
+    int64_t hot = 0;
+    for (int64_t r = 1; r < W; ++r) {
+      if (st.rank_time(st.load[r]) > st.rank_time(st.load[hot])) hot = r;
+    }
+    bool improved = false;
+    for (size_t t = 0; t < tables.size() && !improved; ++t) {
+      const auto& shards = st.placements[t].shards;
+      const bool movable = st.placements[t].sharding == EmbeddingSharding::table_wise ||
+                           st.placements[t].sharding == EmbeddingSharding::column_wise ||
+                           st.placements[t].sharding == EmbeddingSharding::table_row_wise;
+      if (!movable || std::none_of(shards.begin(), shards.end(), [&](const EmbeddingShard& x) { return x.rank == hot; })) {
+        continue;
+      }
+      EmbeddingPlacement before = st.placements[t];
+      std::vector<RankBytes> before_bytes = st.contribution[t];
+      st.remove(t);
+      std::optional<Scored> better;
+      for (auto k : options_of[t]) {
+        auto p = best_placement(st, t, k);
+        if (p && p->max_s < current * (1 - 1e-9) && (!better || p->max_s < better->max_s)) better = std::move(p);
+      }
+      if (better) {
+        st.add(t, std::move(better->placement), std::move(better->bytes));
+        improved = true;
+      } else {
+        st.add(t, std::move(before), std::move(before_bytes));
+      }
+    }
+    if (!improved) break;
+  }
+  return finish(tables, cluster, options, st.placements, lower_bound);
+}
+
+EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, double memory_budget_bytes) {
+  validate(cluster);
+  EmbeddingOptions o;
+  o.world_size = plan.world_size;
+  o.batch_per_rank = plan.batch_per_rank;
+  o.optimizer = plan.optimizer;
+  validate_options(o);
+  if (plan.placements.size() != plan.tables.size()) {
+    throw ValidationError("embeddings.placements", std::to_string(plan.placements.size()) + " placements for " +
+                                                       std::to_string(plan.tables.size()) + " tables");
+  }
+  for (size_t t = 0; t < plan.tables.size(); ++t) {
+    const EmbeddingTable& table = plan.tables[t];
+    validate_table(table);
+    const EmbeddingPlacement& p = plan.placements[t];
+    const std::string f = "embeddings.placements." + table.name;
+    if (p.table != table.name) throw ValidationError(f, "placement " + std::to_string(t) + " is for '" + p.table + "'");
+    // Every (row, column) held exactly once (data-parallel: exactly once per rank).
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> boxes;
+    std::set<int64_t> ranks;
+    for (const auto& s : p.shards) {
+      if (s.rank < 0 || s.rank >= plan.world_size) {
+        throw ValidationError(f + ".shards", "rank " + std::to_string(s.rank) + " outside the world of " +
+                                                 std::to_string(plan.world_size));
+      }
+      if (s.rows <= 0 || s.cols <= 0 || s.row_offset < 0 || s.col_offset < 0 || s.row_offset + s.rows > table.rows ||
+          s.col_offset + s.cols > table.dim) {
+        throw ValidationError(f + ".shards", "a shard on rank " + std::to_string(s.rank) + " is outside the " +
+                                                 std::to_string(table.rows) + " x " + std::to_string(table.dim) + " table");
+      }
+      ranks.insert(s.rank);
+    }
+    double area = 0;
+    for (const auto& s : p.shards) area += static_cast<double>(s.rows) * static_cast<double>(s.cols);
+    const double whole = static_cast<double>(table.rows) * static_cast<double>(table.dim);
+    const bool dp = p.sharding == EmbeddingSharding::data_parallel;
+    if (dp) {
+      if (static_cast<int64_t>(p.shards.size()) != plan.world_size || static_cast<int64_t>(ranks.size()) != plan.world_size ||
+          area != whole * static_cast<double>(plan.world_size)) {
+        throw ValidationError(f + ".shards", "data_parallel needs the whole table on every rank");
+      }
+      continue;
+    }
+    for (size_t i = 0; i < p.shards.size(); ++i) {
+      for (size_t j = i + 1; j < p.shards.size(); ++j) {
+        const auto& a = p.shards[i];
+        const auto& b = p.shards[j];
+        const bool rows = a.row_offset < b.row_offset + b.rows && b.row_offset < a.row_offset + a.rows;
+        const bool cols = a.col_offset < b.col_offset + b.cols && b.col_offset < a.col_offset + a.cols;
+        if (rows && cols) throw ValidationError(f + ".shards", "two shards overlap (ranks " + std::to_string(a.rank) + " and " + std::to_string(b.rank) + ")");
+      }
+    }
+    if (area != whole) throw ValidationError(f + ".shards", "the shards do not cover the table");
+  }
+  const double budget = budget_of(cluster, memory_budget_bytes);
+  EmbeddingPlan out = finish(plan.tables, cluster, o, plan.placements, 0);
+  for (int64_t r = 0; r < plan.world_size; ++r) {
+    if (out.ranks[r].storage_bytes > budget * (1 + 1e-12)) {
+      throw ValidationError("embeddings.ranks." + std::to_string(r),
+                            "holds " + std::to_string(out.ranks[r].storage_bytes / (1024.0 * 1024 * 1024)) +
+                                " GiB of tables, over the budget of " + std::to_string(budget / (1024.0 * 1024 * 1024)) + " GiB");
+    }
+  }
+  out.lower_bound_s = plan.lower_bound_s;
+  return out;
+}
+
+std::string format_embedding_report(const EmbeddingPlan& plan) {
+  std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(3);
+  s << "embedding tables: " << plan.tables.size() << " on " << plan.world_size << " ranks, batch " << plan.batch_per_rank
+    << " per rank, optimizer " << to_string(plan.optimizer) << "\n";
+  for (size_t t = 0; t < plan.tables.size(); ++t) {
+    const auto& p = plan.placements[t];
+    s << "  " << plan.tables[t].name << " (" << plan.tables[t].rows << " x " << plan.tables[t].dim << "): "
+      << to_string(p.sharding) << " on ranks";
+    std::set<int64_t> ranks;
+    for (const auto& sh : p.shards) ranks.insert(sh.rank);
+    for (int64_t r : ranks) s << " " << r;
+    s << "\n";
+  }
+  s.precision(2);
+  for (int64_t r = 0; r < plan.world_size; ++r) {
+    const auto& l = plan.ranks[r];
+    s << "  rank " << r << ": " << l.storage_bytes / (1024.0 * 1024) << " MiB, lookup " << l.lookup_s * 1e3
+      << " ms, all-to-all " << l.comm_s * 1e3 << " ms, sends " << l.sent_bytes / (1024.0 * 1024) << " MiB\n";
+  }
+  s << "  most loaded rank " << plan.max_rank_s * 1e3 << " ms per step; lower bound " << plan.lower_bound_s * 1e3 << " ms";
+  if (plan.lower_bound_s > 0) s << " (" << 100 * (plan.max_rank_s / plan.lower_bound_s - 1) << "% above it)";
+  s << "\n";
+  return s.str();
+}
+
+}  // namespace monarch::planner
