@@ -30,8 +30,13 @@ _RUNTIME = {
     "check_plan": "api",
     "read_model": "graph",
     "meta_init": "compat",
+    "JaggedBatch": "embeddings",
+    "EmbeddingBagConfig": "embeddings",
+    "EmbeddingBagCollection": "embeddings",
+    "shard_embeddings": "embeddings",
     "cluster": None,
     "graph": None,
+    "embeddings": None,
 }
 
 

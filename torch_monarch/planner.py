@@ -56,6 +56,15 @@ Action = _P.Action
 Schedule = _P.Schedule
 StageCosts = _P.StageCosts
 SimulationResult = _P.SimulationResult
+EmbeddingSharding = _P.EmbeddingSharding
+EmbeddingOptimizer = _P.EmbeddingOptimizer
+EmbeddingPooling = _P.EmbeddingPooling
+EmbeddingTable = _P.EmbeddingTable
+EmbeddingShard = _P.EmbeddingShard
+EmbeddingPlacement = _P.EmbeddingPlacement
+EmbeddingRankLoad = _P.EmbeddingRankLoad
+EmbeddingOptions = _P.EmbeddingOptions
+EmbeddingPlan = _P.EmbeddingPlan
 
 PLAN_FORMAT_VERSION = _P.PLAN_FORMAT_VERSION
 
@@ -74,6 +83,9 @@ check_schedule = _P.check_schedule
 simulate = _P.simulate
 closed_form_bubble_fraction = _P.closed_form_bubble_fraction
 tp_bytes_per_step = _P.tp_bytes_per_step
+evaluate_embeddings = _P.evaluate_embeddings
+format_embedding_report = _P.format_embedding_report
+embedding_placement_loads = _P.embedding_placement_loads
 bytes_per_step = _P.bytes_per_step  # (graph, plan) -> per pipeline rank {'dp', 'tp', 'pp', 'ends', 'total'}
 
 
@@ -149,6 +161,33 @@ def pins(*, tp=None, pp=None, dp=None, zero=None, micro_batch=None, schedule=Non
                 schedule=_enum(ScheduleKind, schedule, "schedule"),
                 recompute=_enum(Recompute, recompute, "recompute"),
                 sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+
+
+_BYTES_OF_DTYPE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+
+
+def embedding_table(name, rows, dim, *, features=None, pooling_factor=1.0, pooling="sum", dtype="fp32"):
+    """EmbeddingTable: ``rows`` x ``dim`` in ``dtype`` (fp32, fp16, bf16, int8), looked up by
+    ``features`` (default: one feature named like the table), ``pooling_factor`` ids per
+    sample per feature on average; ``pooling`` sum / mean (EmbeddingBag) or none (Embedding)."""
+    if dtype not in _BYTES_OF_DTYPE:
+        raise ValueError(f"embeddings.tables.{name}.dtype: unknown '{dtype}' (fp32, fp16, bf16, int8)")
+    return EmbeddingTable(name=name, rows=rows, dim=dim, bytes_per_element=float(_BYTES_OF_DTYPE[dtype]),
+                          features=list(features) if features is not None else [name],
+                          pooling_factor=float(pooling_factor), pooling=_enum(EmbeddingPooling, pooling, "pooling"))
+
+
+def plan_embeddings(tables, cluster, *, world_size, batch_per_rank, optimizer="sgd", pins=None,
+                    memory_budget_bytes=0.0, column_chunk=0):
+    """Shards `tables` over `world_size` ranks: each table's sharding (data_parallel,
+    table_wise, row_wise, column_wise, table_row_wise) and where its shards go, keeping the
+    most loaded rank's time lowest under each rank's memory (`memory_budget_bytes`, default
+    the cluster's usable memory). ``pins``: {table name: sharding}."""
+    o = EmbeddingOptions(world_size=world_size, batch_per_rank=batch_per_rank,
+                         optimizer=_enum(EmbeddingOptimizer, optimizer, "optimizer"),
+                         memory_budget_bytes=float(memory_budget_bytes), column_chunk=column_chunk)
+    o.pins = {name: _enum(EmbeddingSharding, s, f"embeddings.pins.{name}") for name, s in (pins or {}).items()}
+    return _P.plan_embeddings(list(tables), cluster, o)
 
 
 def _training(training_or_batch):

@@ -29,6 +29,7 @@
 #include "monarch/planner/search.h"
 #include "monarch/planner/training_config.h"
 #include "monarch/planner/traffic.h"
+#include "binding_helpers.h"
 
 // Lists whose elements users edit in place (plan.layers[3].stage = 2) are bound as opaque
 // list types holding the C++ vector, so item access returns a reference, not a copy.
@@ -42,74 +43,7 @@ namespace monarch::python {
 namespace {
 
 using namespace monarch::planner;
-
-// ---------------------------------------------------------------------------------------
-// Small helpers
-
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
-}
-
-std::string quoted(const std::string& s) { return "'" + s + "'"; }
-
-template <class T>
-std::string opt(const std::optional<T>& v) {
-  if (!v) return "None";
-  std::ostringstream os;
-  if constexpr (std::is_same_v<T, bool>) {
-    os << (*v ? "True" : "False");
-  } else if constexpr (std::is_enum_v<T>) {
-    os << to_string(*v);
-  } else {
-    os << *v;
-  }
-  return os.str();
-}
-
-const char* pybool(bool b) { return b ? "True" : "False"; }
-
-// `value` as int32, or ValidationError (a ValueError) naming the argument.
-int32_t to_int32(int64_t value, const char* name) {
-  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
-    throw ValidationError(name, std::to_string(value) + " is out of range for a 32-bit index");
-  }
-  return static_cast<int32_t>(value);
-}
-
-// T(**kwargs): default-construct, then assign each keyword as an attribute, so unknown
-// names raise AttributeError and values go through the normal field setters.
-template <class T, class Cls>
-void add_kwargs_init(Cls& cls) {
-  cls.def(py::init([](const py::kwargs& kwargs) {
-            py::object obj = py::cast(T{});
-            for (const auto& item : kwargs) py::setattr(obj, item.first, item.second);
-            return obj.cast<T>();
-          }),
-          "Default values, overridden by keyword arguments naming fields.");
-}
-
-template <class T, class Cls>
-void add_copy(Cls& cls) {
-  cls.def("__copy__", [](const T& self) { return T(self); });
-  cls.def("__deepcopy__", [](const T& self, const py::object&) { return T(self); }, py::arg("memo"));
-}
-
-// str(enum) gives the name used in JSON and on the command line ("1f1b", "bf16"), and
-// Enum.from_string(name, field) parses it, raising ValueError that names `field`.
-template <class E, class FromString>
-void finish_enum(py::enum_<E>& e, FromString from_string, const char* default_field) {
-  e.attr("__str__") = py::cpp_function([](E v) { return to_string(v); }, py::name("__str__"),
-                                       py::is_method(e));
-  e.def_static(
-      "from_string",
-      [from_string](const std::string& name, const std::string& field) {
-        return from_string(name, field);
-      },
-      py::arg("name"), py::arg("field") = default_field,
-      "Parses the name used in JSON and on the command line.");
-}
+using namespace monarch::python::binding;
 
 // ---------------------------------------------------------------------------------------
 // Exceptions
@@ -557,6 +491,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("sequence_parallel", &Plan::sequence_parallel)
       .def_readwrite("dp_bucket_bytes", &Plan::dp_bucket_bytes)
       .def_readwrite("layers", &Plan::layers)
+      .def_readwrite("embeddings", &Plan::embeddings)
       .def_readwrite("prediction", &Plan::prediction)
       .def_readwrite("alternatives", &Plan::alternatives)
       .def("num_stages", &Plan::num_stages)
@@ -718,6 +653,8 @@ void bind_schedule(py::module_& m) {
 
 }  // namespace
 
+void bind_embeddings(py::module_& m);  // embedding_bindings.cpp
+
 void bind_planner(py::module_& m) {
   bind_exceptions(m);
   bind_enums(m);
@@ -726,6 +663,7 @@ void bind_planner(py::module_& m) {
   bind_plan(m);
   bind_search(m);
   bind_schedule(m);
+  bind_embeddings(m);
 }
 
 }  // namespace monarch::python

@@ -13,6 +13,7 @@
 #include "monarch/runtime/fully_shard.h"
 #include "monarch/runtime/pipeline.h"
 #include "monarch/runtime/replicas.h"
+#include "monarch/runtime/sharded_embeddings.h"
 #include "monarch/runtime/tensor_parallel.h"
 #include "monarch/runtime/world.h"
 
@@ -306,6 +307,41 @@ void bind_composition(py::module_& m) {
 
 }  // namespace
 
+void bind_embeddings(py::module_& m) {
+  using planner::EmbeddingOptimizer;
+  py::class_<ShardedEmbeddingTables>(m, "ShardedEmbeddingTables")
+      .def(py::init([](planner::EmbeddingPlan plan, Communicator& group, const std::string& optimizer, double lr,
+                       double eps, double beta1, double beta2) {
+             EmbeddingOptimizerConfig config;
+             config.kind = planner::embedding_optimizer_from_string(optimizer, "optimizer");
+             config.lr = lr;
+             config.eps = eps;
+             config.beta1 = beta1;
+             config.beta2 = beta2;
+             py::gil_scoped_release release;
+             return std::make_unique<ShardedEmbeddingTables>(std::move(plan), group, config);
+           }),
+           py::arg("plan"), py::arg("group"), py::arg("optimizer"), py::arg("lr"), py::arg("eps") = 1e-8,
+           py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::keep_alive<1, 3>())
+      .def(
+          "forward",
+          [](ShardedEmbeddingTables& self, std::vector<std::string> keys, at::Tensor values, at::Tensor lengths,
+             std::optional<at::Tensor> weights) {
+            JaggedBatch batch{std::move(keys), std::move(values), std::move(lengths), weights ? *weights : at::Tensor()};
+            py::gil_scoped_release release;
+            return self.forward(batch);
+          },
+          py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("weights") = py::none())
+      .def_property_readonly("output_keys", &ShardedEmbeddingTables::output_keys)
+      .def_property_readonly("output_dims", &ShardedEmbeddingTables::output_dims)
+      .def("load_table", &ShardedEmbeddingTables::load_table, py::arg("table"), py::arg("full"))
+      .def("init_uniform", &ShardedEmbeddingTables::init_uniform, py::arg("bound"), py::arg("seed"))
+      .def("full_table", &ShardedEmbeddingTables::full_table, py::arg("table"), py::call_guard<py::gil_scoped_release>())
+      .def("local_shards", &ShardedEmbeddingTables::local_shards)
+      .def_property_readonly("local_bytes", &ShardedEmbeddingTables::local_bytes)
+      .def_property_readonly("plan", &ShardedEmbeddingTables::plan);
+}
+
 PYBIND11_MODULE(_runtime, m) {
   m.doc() = "torch_monarch runtime: world, mesh, collectives, data-parallel, sharded, tensor- and pipeline-parallel engines";
   // The planner's types (Schedule) are registered by torch_monarch._C.
@@ -463,4 +499,5 @@ PYBIND11_MODULE(_runtime, m) {
   bind_tensor_parallel(m);
   bind_pipeline(m);
   bind_composition(m);
+  bind_embeddings(m);
 }

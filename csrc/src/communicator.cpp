@@ -124,6 +124,7 @@ const char* op_name(int64_t op) {
     case 6: return "broadcast";
     case 7: return "all_to_all";
     case 8: return "barrier";
+    case 9: return "all_to_all_v";
   }
   return "an unknown operation";
 }
@@ -427,6 +428,38 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   auto in_bytes = transport(input.detach().view({-1}));
   return make(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
                 describe(CollectiveKind::all_to_all, input));
+}
+
+Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std::vector<int64_t>& output_splits,
+                                  const std::vector<int64_t>& input_splits) {
+  check_usable();
+  require_flat(output, "all_to_all_v output");
+  require_flat(input, "all_to_all_v input");
+  TORCH_CHECK(static_cast<int>(output_splits.size()) == size() && static_cast<int>(input_splits.size()) == size(),
+              "monarch: all_to_all_v needs one split per rank of group '", name_, "' (", size(), ")");
+  int64_t in_total = 0, out_total = 0;
+  for (int j = 0; j < size(); ++j) {
+    TORCH_CHECK(input_splits[j] >= 0 && output_splits[j] >= 0, "monarch: all_to_all_v: negative split");
+    in_total += input_splits[j];
+    out_total += output_splits[j];
+  }
+  TORCH_CHECK(in_total == input.numel() && out_total == output.numel(), "monarch: all_to_all_v: splits sum to ",
+              in_total, " in / ", out_total, " out, the tensors hold ", input.numel(), " / ", output.numel());
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "monarch: all_to_all_v: input and output dtypes differ");
+  // Sizes differ by rank: the agreement compares the operation and dtype only.
+  agree(Op::all_to_all_v, at::empty({0}, input.options()));
+  const double element = static_cast<double>(input.element_size());
+  counters_.add(CollectiveKind::all_to_all,
+                static_cast<double>(in_total - input_splits[group_rank()]) * element);
+  if (size() == 1) {
+    output.copy_(input);
+    return {};
+  }
+  auto out_bytes = transport(output.detach().view({-1}));
+  auto in_bytes = transport(input.detach().view({-1}));
+  return make(group_->alltoall_base(out_bytes, in_bytes, const_cast<std::vector<int64_t>&>(output_splits),
+                                    const_cast<std::vector<int64_t>&>(input_splits)),
+              describe(CollectiveKind::all_to_all, input));
 }
 
 void Communicator::barrier() {

@@ -97,13 +97,18 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
     case EmbeddingSharding::column_wise: {
       // Every rank sends its ids to each shard's owner, which sends each rank its columns of
       // the looked-up rows back (and receives their gradients in backward).
+      // Column chunks under row-wise Adagrad get the whole row's gradient (the row's
+      // accumulator is a mean over every column).
+      const bool whole_rows = p.sharding == EmbeddingSharding::column_wise &&
+                              o.optimizer == EmbeddingOptimizer::rowwise_adagrad;
       for (const EmbeddingShard& s : p.shards) {
         const double back = B * out_rows_per_sample * static_cast<double>(s.cols) * e;
+        const double grads = whole_rows ? B * out_rows_per_sample * static_cast<double>(t.dim) * e : back;
         for (int64_t q = 0; q < W; ++q) {
           if (q == s.rank) continue;
-          out[q].sent += input_per_rank + back;      // ids forward, gradients backward
+          out[q].sent += input_per_rank + grads;     // ids forward, gradients backward
           out[q].received += back;                   // rows forward
-          out[s.rank].received += input_per_rank + back;
+          out[s.rank].received += input_per_rank + grads;
           out[s.rank].sent += back;
         }
       }
@@ -112,33 +117,22 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
     case EmbeddingSharding::row_wise:
     case EmbeddingSharding::table_row_wise: {
       // Ids go to the rank owning their row (the rows' share); lengths go to every owner.
-      // Sequence tables send each looked-up row back to its sample's rank. Pooled tables:
-      // row-wise, each owner holds partial sums for every sample, reduce-scattered to the
-      // batch's ranks (Mudigere et al. 2022, Sec. 4); table-row-wise reduce-scatters them
-      // inside the node first, then each node rank sends the rows of the samples it now owns.
-      const bool in_node = p.sharding == EmbeddingSharding::table_row_wise;
-      const double node_ranks = static_cast<double>(p.shards.size());
+      // Sequence tables send each looked-up row back to its sample's rank. Pooled tables: each
+      // owner holds partial sums for every sample, reduce-scattered to the batch's ranks
+      // (Mudigere et al. 2022, Sec. 4): each owner sends each rank its samples' partial rows.
+      // Table-row-wise does the same from the ranks of one node (the runtime has no
+      // intra-node pre-reduction yet; docs/cost_model.md).
       for (const EmbeddingShard& s : p.shards) {
         const double share = total_rows > 0 ? static_cast<double>(s.rows) / total_rows : 0.0;
         const double cols = static_cast<double>(s.cols);
         for (int64_t q = 0; q < W; ++q) {
           if (q == s.rank) continue;
           const double in = ids_per_rank * share * kIdBytes + B * F * kLengthBytes;
-          double rows_back = B * F * cols * e;
-          if (!pooled) {
-            rows_back = ids_per_rank * share * cols * e;
-          } else if (in_node) {
-            rows_back = B * F * cols * e / node_ranks;
-          }
+          const double rows_back = pooled ? B * F * cols * e : ids_per_rank * share * cols * e;
           out[q].sent += in + rows_back;
           out[q].received += rows_back;
           out[s.rank].received += in + rows_back;
           out[s.rank].sent += rows_back;
-        }
-        if (in_node && pooled && node_ranks > 1) {
-          // Forward reduce-scatter and backward all-gather of partial sums, over NVLink.
-          const double partials = 2 * (node_ranks - 1) / node_ranks * G * F * cols * e;
-          out[s.rank].intra_bytes += partials;
         }
       }
       break;

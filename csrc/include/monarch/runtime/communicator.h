@@ -104,6 +104,12 @@ class Communicator {
   Handle recv(at::Tensor buffer, int peer_group_rank, int tag = 0);
   // Equal splits: chunk j of `input` goes to rank j; chunk j of `output` comes from rank j.
   Handle all_to_all(at::Tensor output, at::Tensor input);
+  // Uneven splits: input_splits[j] elements of the flat `input` go to rank j (in order);
+  // output_splits[j] elements of the flat `output` come from rank j. Each rank's
+  // output_splits[j] must equal rank j's input_splits[this rank] (the caller exchanges counts
+  // first). The byte counter adds what this rank sends to the others.
+  Handle all_to_all_v(at::Tensor output, at::Tensor input, const std::vector<int64_t>& output_splits,
+                      const std::vector<int64_t>& input_splits);
   void barrier();
 
   ByteCounters& counters() { return counters_; }
@@ -149,7 +155,7 @@ class Communicator {
 
  private:
   enum class Op : int64_t { all_reduce = 1, all_reduce_average, all_reduce_max, reduce_scatter, all_gather,
-                            broadcast, all_to_all, barrier };
+                            broadcast, all_to_all, barrier, all_to_all_v };
   std::string describe(CollectiveKind kind, const at::Tensor& t) const;
   void check_usable() const;
   // The fingerprint exchange (see the class comment); throws on a mismatch.

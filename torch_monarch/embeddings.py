@@ -1,0 +1,250 @@
+"""Embedding tables of recommendation models: jagged sparse batches, an unsharded collection
+(the reference, and what users write), and its sharded form run by the C++ engine
+(``ShardedEmbeddingTables``: all-to-all input and output distribution, fused sparse
+optimizer in backward).
+
+    tables = [EmbeddingBagConfig("user", 1_000_000, 64, features=["user_id"]),
+              EmbeddingBagConfig("item", 500_000, 64, features=["item_id", "clicked_ids"], pooling="mean")]
+    ebc = EmbeddingBagCollection(tables)                     # one process: nn.EmbeddingBag per table
+    sharded = shard_embeddings(ebc, batch_per_rank=256, optimizer="rowwise_adagrad", lr=0.05)
+    pooled = sharded(JaggedBatch.from_lists({"user_id": [[3], [7]], "item_id": [[1, 2], []],
+                                             "clicked_ids": [[5], [6, 8]]}))   # [2, 192]
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import planner as _planner
+
+
+class JaggedBatch:
+    """Sparse features of a batch in TorchRec's KeyedJaggedTensor layout: ``values`` (int64 ids),
+    ``lengths`` (int64, features x batch, feature-major: the ids of feature k, sample i are the
+    next ``lengths[k * B + i]`` values) and optional per-id ``weights``."""
+
+    def __init__(self, keys: Sequence[str], values, lengths, weights=None):
+        self.keys = list(keys)
+        self.values = torch.as_tensor(values, dtype=torch.long).reshape(-1)
+        self.lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)
+        self.weights = None if weights is None else torch.as_tensor(weights, dtype=torch.float32).reshape(-1)
+        if not self.keys:
+            raise ValueError("JaggedBatch: no feature keys")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"JaggedBatch: a feature is named twice in {self.keys}")
+        if self.lengths.numel() % len(self.keys):
+            raise ValueError(f"JaggedBatch: {self.lengths.numel()} lengths for {len(self.keys)} features: expected "
+                             "features x batch size")
+        if self.lengths.numel() and int(self.lengths.min()) < 0:
+            raise ValueError("JaggedBatch: a length is negative")
+        total = int(self.lengths.sum())
+        if total != self.values.numel():
+            raise ValueError(f"JaggedBatch: lengths sum to {total} but there are {self.values.numel()} values")
+        if self.weights is not None and self.weights.numel() != self.values.numel():
+            raise ValueError(f"JaggedBatch: {self.weights.numel()} weights for {self.values.numel()} values")
+
+    @classmethod
+    def from_lists(cls, features: Dict[str, Sequence[Sequence[int]]], weights: Optional[Dict[str, Sequence]] = None):
+        """From {feature: [ids of sample 0, ids of sample 1, ...]} (every feature the same number
+        of samples); ``weights`` likewise, for weighted pooling."""
+        keys = list(features)
+        sizes = {k: len(features[k]) for k in keys}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"JaggedBatch.from_lists: features have different batch sizes {sizes}")
+        values, lengths, ws = [], [], []
+        for k in keys:
+            for i, ids in enumerate(features[k]):
+                ids = list(ids)
+                values.extend(int(v) for v in ids)
+                lengths.append(len(ids))
+                if weights is not None:
+                    w = list(weights[k][i])
+                    if len(w) != len(ids):
+                        raise ValueError(f"JaggedBatch.from_lists: feature '{k}' sample {i}: {len(w)} weights for "
+                                         f"{len(ids)} ids")
+                    ws.extend(float(x) for x in w)
+        return cls(keys, torch.tensor(values, dtype=torch.long), torch.tensor(lengths, dtype=torch.long),
+                   None if weights is None else torch.tensor(ws, dtype=torch.float32))
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys)
+
+    def _starts(self):
+        per_key = self.lengths.view(len(self.keys), -1).sum(1)
+        return torch.cat([per_key.new_zeros(1), per_key.cumsum(0)]).tolist()
+
+    def feature(self, key):
+        """(ids, lengths [B], weights or None) of one feature."""
+        k = self.keys.index(key)
+        starts = self._starts()
+        ids = self.values[starts[k]:starts[k + 1]]
+        w = None if self.weights is None else self.weights[starts[k]:starts[k + 1]]
+        return ids, self.lengths.view(len(self.keys), -1)[k], w
+
+    def samples(self, begin, end):
+        """The batch of samples [begin, end) (a rank's share of a global batch)."""
+        values, lengths, weights = [], [], []
+        for key in self.keys:
+            ids, lens, w = self.feature(key)
+            offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+            values.append(ids[offsets[begin]:offsets[end]])
+            lengths.append(lens[begin:end])
+            if w is not None:
+                weights.append(w[offsets[begin]:offsets[end]])
+        return JaggedBatch(self.keys, torch.cat(values), torch.cat(lengths),
+                           torch.cat(weights) if self.weights is not None else None)
+
+    def __repr__(self):
+        return f"JaggedBatch(keys={self.keys}, batch_size={self.batch_size}, ids={self.values.numel()})"
+
+
+@dataclass
+class EmbeddingBagConfig:
+    """One table: ``rows`` x ``dim``, looked up by ``features`` (default: a feature named like
+    the table); ``pooling`` sum or mean; ``pooling_factor``: mean ids per sample per feature
+    (for the planner)."""
+    name: str
+    rows: int
+    dim: int
+    features: List[str] = field(default_factory=list)
+    pooling: str = "sum"
+    pooling_factor: float = 1.0
+
+    def __post_init__(self):
+        if not self.features:
+            self.features = [self.name]
+        if self.pooling not in ("sum", "mean"):
+            raise ValueError(f"table '{self.name}': pooling must be 'sum' or 'mean', got '{self.pooling}'")
+        if self.rows <= 0 or self.dim <= 0:
+            raise ValueError(f"table '{self.name}': rows and dim must be > 0 (got {self.rows} x {self.dim})")
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Tables as ``nn.EmbeddingBag`` modules on one process: the unsharded model (and the
+    reference sharded runs are checked against). Output: [B, sum of each feature's dim], the
+    features in table order, each table's features in its config's order."""
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], device=None):
+        super().__init__()
+        self.configs = list(tables)
+        names = [t.name for t in self.configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EmbeddingBagCollection: two tables share a name in {names}")
+        features = [f for t in self.configs for f in t.features]
+        if len(set(features)) != len(features):
+            raise ValueError("EmbeddingBagCollection: a feature looks up two tables; each feature names one")
+        self.tables = nn.ModuleDict({t.name: nn.EmbeddingBag(t.rows, t.dim, mode=t.pooling, device=device)
+                                     for t in self.configs})
+
+    @property
+    def output_keys(self):
+        return [f for t in self.configs for f in t.features]
+
+    def forward(self, batch: JaggedBatch):
+        outs = []
+        for t in self.configs:
+            bag = self.tables[t.name]
+            for f in t.features:
+                if f not in batch.keys:
+                    raise ValueError(f"JaggedBatch lacks feature '{f}'")
+                ids, lens, w = batch.feature(f)
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
+                    bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                    raise ValueError(f"feature '{f}': id {bad} is out of range for table '{t.name}' ({t.rows} rows)")
+                offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)[:-1]])
+                outs.append(bag(ids, offsets, per_sample_weights=w))
+        return torch.cat(outs, dim=1)
+
+    def planner_tables(self, dtype="fp32"):
+        return [_planner.embedding_table(t.name, t.rows, t.dim, features=t.features, pooling_factor=t.pooling_factor,
+                                         pooling=t.pooling, dtype=dtype) for t in self.configs]
+
+
+def rowwise_adagrad_(weight, grad, state, lr, eps=1e-8):
+    """FBGEMM's row-wise Adagrad on whole tensors (the reference for the fused sparse path):
+    one accumulator per row, the mean squared gradient; rows with no gradient do not move."""
+    with torch.no_grad():
+        state.add_(grad.pow(2).mean(1))
+        weight.add_(-lr * grad / (state.sqrt() + eps).unsqueeze(1))
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """An EmbeddingBagCollection sharded as an EmbeddingPlan says, run by the C++ engine. Its
+    tables are not ``nn.Parameter``s: the optimizer (``sgd``, ``rowwise_adagrad``, ``adam``) runs
+    fused inside backward, on the rows the batch touched, so pass only the dense model's
+    parameters to ``torch.optim``. ``state_dict()`` holds whole tables (collective)."""
+
+    def __init__(self, configs, plan, group, optimizer, lr, **optimizer_options):
+        super().__init__()
+        from . import _runtime
+        self.configs = list(configs)
+        self.plan = plan
+        self._engine = _runtime.ShardedEmbeddingTables(plan, group, optimizer, lr, **optimizer_options)
+
+    @property
+    def output_keys(self):
+        return list(self._engine.output_keys)
+
+    def forward(self, batch: JaggedBatch):
+        return self._engine.forward(batch.keys, batch.values, batch.lengths, batch.weights)
+
+    def full_table(self, name):
+        return self._engine.full_table(name)
+
+    def local_shards(self):
+        return dict(self._engine.local_shards())
+
+    @property
+    def local_bytes(self):
+        return self._engine.local_bytes
+
+    def state_dict(self, *args, **kwargs):
+        out = {}
+        for t in self.configs:
+            out[f"tables.{t.name}.weight"] = self._engine.full_table(t.name)
+        return out
+
+    def load_state_dict(self, state_dict, strict=True):
+        names = {f"tables.{t.name}.weight": t.name for t in self.configs}
+        missing = [k for k in names if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in names]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"ShardedEmbeddingCollection.load_state_dict: missing {missing}, unexpected {unexpected}")
+        for key, name in names.items():
+            if key in state_dict:
+                self._engine.load_table(name, state_dict[key].detach().to(torch.float32))
+
+
+def shard_embeddings(collection: EmbeddingBagCollection, *, batch_per_rank: int, optimizer: str = "sgd",
+                     lr: float = 0.01, plan=None, cluster=None, pins=None, memory_budget_bytes=0.0,
+                     world=None, init_bound: Optional[float] = None, seed: int = 0, **optimizer_options):
+    """Plans (unless ``plan``, an EmbeddingPlan, is given) and shards `collection` over every rank
+    of the job. Tables with real weights are copied shard by shard; tables on the meta device
+    are never built whole: each rank fills only its shards, U(-b, b) with b = ``init_bound`` or
+    1/sqrt(rows) of each table (values then depend on the sharding). Collective: every rank calls it."""
+    from . import distributed
+    world = world or distributed.init()
+    if plan is None:
+        if cluster is None:
+            from .cluster import detect
+            cluster = detect(world.size)
+        plan = _planner.plan_embeddings(collection.planner_tables(), cluster, world_size=world.size,
+                                        batch_per_rank=batch_per_rank, optimizer=optimizer, pins=pins,
+                                        memory_budget_bytes=memory_budget_bytes)
+    if plan.world_size != world.size:
+        raise ValueError(f"embeddings.world_size: the plan is for {plan.world_size} ranks, the job has {world.size}")
+    mesh = distributed.device_mesh(dp=world.size, world=world)
+    sharded = ShardedEmbeddingCollection(collection.configs, plan, mesh.group("dp"), optimizer, lr,
+                                         **optimizer_options)
+    sharded._mesh = mesh  # keeps the group alive
+    meta = any(p.is_meta for p in collection.parameters())
+    if meta:
+        sharded._engine.init_uniform(init_bound if init_bound is not None else 0.0, seed)
+    else:
+        for t in collection.configs:
+            sharded._engine.load_table(t.name, collection.tables[t.name].weight.detach().to(torch.float32))
+    return sharded
