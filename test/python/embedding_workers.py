@@ -1,6 +1,12 @@
 """Ranks of the sharded-embedding tests (started through the launcher by test_embeddings.py).
 
     embedding_workers.py parity:<optimizer>:<layout>[,<layout>...]
+    embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
+    embedding_workers.py errors      bad input on every rank: the messages
+    embedding_workers.py reshard     whole-table state dict from one sharding into another
+    embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
+    embedding_workers.py errors      bad input on every rank: the messages
+    embedding_workers.py reshard     whole-table state dict from one sharding into another
 
 layout: one sharding for every table (data_parallel, table_wise, row_wise, column_wise,
 table_row_wise) or "mix" (two tables pinned, the third the planner's choice). Each layout
@@ -59,16 +65,104 @@ def run(optimizer, layout, world, mesh):
             else {k: v.detach().clone() for k, v in head.state_dict().items()}}
 
 
+def vm(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def meta(world):
+    """2M x 64 fp32 = 512 MiB: built on meta, sharded row-wise, trained; every rank's peak
+    resident memory grows by far less than the table."""
+    from torch_monarch.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, JaggedBatch
+    rows, dim = 2_000_000, 64
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = vm("VmRSS")
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig("huge", rows, dim, features=["id"], pooling_factor=4)],
+                                 device="meta")
+    sharded = shard_embeddings(ebc, batch_per_rank=16, optimizer="rowwise_adagrad", lr=0.1,
+                               cluster=planner.cluster("a100-80gb", world.size), pins={"huge": "row_wise"}, world=world)
+    g = torch.Generator().manual_seed(world.rank)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, rows, (16 * 4,), generator=g)
+        x = JaggedBatch(["id"], ids, torch.full((16,), 4, dtype=torch.long))
+        loss = sharded(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    shards = sharded.local_shards()
+    return {"losses": losses, "peak_growth": vm("VmHWM") - base, "table_bytes": rows * dim * 4,
+            "local_rows": sum(v.shape[0] for v in shards.values()), "local_bytes": sharded.local_bytes}
+
+
+def errors(world):
+    """Each bad input on every rank (so no rank waits for another): the message."""
+    from torch_monarch.embeddings import JaggedBatch
+    ebc = make_collection()
+    sharded = shard_embeddings(ebc, batch_per_rank=2, optimizer="sgd", lr=LR, world=world,
+                               cluster=planner.cluster("a100-80gb", world.size), pins={"small": "row_wise"})
+    out = {}
+    good = {"a": [[1], [2]], "b": [[3], []], "c": [[4], [5]], "d": [[6], [7]]}
+    for name, features in (("id", dict(good, d=[[6], [97]])), ("negative", dict(good, a=[[-1], [2]])),
+                           ("missing", {k: v for k, v in good.items() if k != "c"}),
+                           ("unknown", dict(good, z=[[1], [1]]))):
+        try:
+            sharded(JaggedBatch.from_lists(features))
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is tested
+            out[name] = str(e)
+    x = JaggedBatch.from_lists(good)
+    try:
+        JaggedBatch(x.keys, x.values[:-1], x.lengths)
+        out["lengths"] = None
+    except ValueError as e:
+        out["lengths"] = str(e)
+    return out
+
+
+def reshard(world):
+    """Train two steps row-wise, save the whole-table state dict, load it into a table-wise and a
+    column-wise copy: all three give the same pooled output."""
+    state = None
+    outputs = {}
+    local = GLOBAL_BATCH // world.size
+    for layout in ("row_wise", "table_wise", "column_wise"):
+        ebc = make_collection(seed=7 if state is not None else 0)
+        sharded = shard_embeddings(ebc, batch_per_rank=local, optimizer="sgd", lr=LR,
+                                   cluster=planner.cluster("a100-80gb", world.size),
+                                   pins={t.name: layout for t in TABLES}, world=world)
+        if state is None:
+            for step in range(2):
+                x, _ = batch(step)
+                sharded(x.samples(world.rank * local, (world.rank + 1) * local)).sum().backward()
+            state = sharded.state_dict()
+        else:
+            sharded.load_state_dict(state)
+        x, _ = batch(5)
+        outputs[layout] = sharded(x.samples(world.rank * local, (world.rank + 1) * local)).detach()
+    return {"outputs": outputs, "state": state}
+
+
 def main():
-    scenario, optimizer, layouts = sys.argv[1].split(":")
-    layouts = layouts.split(",")
-    assert scenario == "parity", scenario
+    parts = sys.argv[1].split(":")
     torch.set_num_threads(1)
     world = torch_monarch.init(timeout=120)
     mesh = torch_monarch.device_mesh(dp=world.size, world=world)
-    results = {layout: run(optimizer, layout, world, mesh) for layout in layouts}
-    if world.rank == 0:
-        torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], "rank0.pt"))
+    if parts[0] == "parity":
+        optimizer, layouts = parts[1], parts[2].split(",")
+        results = {layout: run(optimizer, layout, world, mesh) for layout in layouts}
+    elif parts[0] == "meta":
+        results = meta(world)
+    elif parts[0] == "errors":
+        results = errors(world)
+    elif parts[0] == "reshard":
+        results = reshard(world)
+    else:
+        raise SystemExit(f"unknown scenario {sys.argv[1]}")
+    torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{world.rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -66,3 +66,47 @@ def test_every_sharding_trains_like_one_process(ranks, optimizer):
             torch.testing.assert_close(got["tables"][name] - start, table - start, rtol=1e-3, atol=1e-7,
                                        msg=f"{layout}: update of {name}")
     assert {"table_wise", "row_wise"} <= set(results["mix"]["shardings"].values())
+
+
+def test_a_table_larger_than_a_rank_is_built_on_meta_and_trains_row_wise():
+    r = launch(4, "meta", worker="embedding_workers.py", timeout=300)
+    assert r.ok, r.describe()
+    for rank in range(4):
+        got = torch.load(r.result_path(rank))
+        assert got["local_rows"] == 500_000  # a quarter of the rows, never the whole table
+        # Peak resident growth: the shard (128 MiB) and its state, nowhere near the 512 MiB table.
+        assert got["peak_growth"] < 0.5 * got["table_bytes"], got
+        assert all(l == l and l > 0 for l in got["losses"])
+
+
+def test_bad_input_is_refused_with_the_feature_and_id():
+    r = launch(2, "errors", worker="embedding_workers.py", timeout=200)
+    assert r.ok, r.describe()
+    got = torch.load(r.result_path(0))
+    assert "feature 'd': id 97 is out of range for table 'odd' (97 rows)" in got["id"]
+    assert "feature 'a': id -1 is out of range for table 'small' (50 rows)" in got["negative"]
+    assert "lacks feature 'c'" in got["missing"]
+    assert "feature 'z' is not looked up by any table" in got["unknown"]
+    assert "lengths sum to" in got["lengths"]
+
+
+def test_pinning_a_table_to_a_sharding_it_cannot_take_names_it():
+    tables = [planner.embedding_table("big", 400_000_000, 64)]
+    with pytest.raises(planner.ValidationError, match="embeddings.tables.big.sharding") as info:
+        planner.plan_embeddings(tables, planner.cluster("a100-80gb", 4), world_size=4, batch_per_rank=8,
+                                pins={"big": "table_wise"})
+    assert "table_wise needs the whole table" in str(info.value)
+
+
+def test_whole_table_state_dict_loads_into_another_sharding():
+    r = launch(2, "reshard", worker="embedding_workers.py", timeout=200)
+    assert r.ok, r.describe()
+    for rank in range(2):
+        got = torch.load(r.result_path(rank))
+        ref = got["outputs"]["row_wise"]
+        for layout in ("table_wise", "column_wise"):
+            # Row-wise adds partial sums in another order: equal up to float rounding.
+            torch.testing.assert_close(got["outputs"][layout], ref, rtol=1e-6, atol=1e-6)
+    # The state dict is whole tables, loadable into the unsharded collection.
+    ebc = EmbeddingBagCollection(TABLES)
+    ebc.load_state_dict(got["state"])
