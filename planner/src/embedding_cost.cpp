@@ -84,12 +84,14 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
   switch (p.sharding) {
     case EmbeddingSharding::data_parallel: {
       // Dense gradient all-reduce of the whole table (TorchRec's data-parallel tables).
-      const double grad = total_rows * static_cast<double>(t.dim) * e;
+      // Plus which rows any rank touched (one fp32 flag per row, a max all-reduce), so the
+      // lazy optimizers update the same rows everywhere.
+      const double grad = total_rows * static_cast<double>(t.dim) * e + total_rows * 4;
       const double bytes = ring_bytes_per_rank(Collective::all_reduce, grad, W);
       for (auto& r : out) {
         r.sent += bytes;
         r.received += bytes;
-        r.latency_s += W > 1 ? 2 * static_cast<double>(W - 1) * link.latency_s : 0.0;
+        r.latency_s += W > 1 ? 4 * static_cast<double>(W - 1) * link.latency_s : 0.0;
       }
       break;
     }

@@ -399,7 +399,15 @@ EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& c
     for (int64_t r = 0; r < o.world_size; ++r) load[r] += b[r];
   }
   const double fixed = fixed_latency(cluster, placements, o.world_size);
+  // Before the ids, every rank tells every other its batch size, id count and whether it
+  // has weights (three int64).
+  const bool sharded = std::any_of(placements.begin(), placements.end(), [](const EmbeddingPlacement& p) {
+    return p.sharding != EmbeddingSharding::data_parallel;
+  });
+  const double counts = sharded ? 24.0 * static_cast<double>(o.world_size - 1) : 0.0;
   for (int64_t r = 0; r < o.world_size; ++r) {
+    load[r].sent += counts;
+    load[r].received += counts;
     auto& out = plan.ranks[r];
     out.storage_bytes = load[r].storage;
     out.lookup_s = load[r].lookup_bytes / cluster.hbm_bytes_per_s;

@@ -4,9 +4,11 @@
     embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
+    embedding_workers.py dlrm        the example DLRM, planned and sharded, SGD
     embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
+    embedding_workers.py dlrm        the example DLRM, planned and sharded, SGD
 
 layout: one sharding for every table (data_parallel, table_wise, row_wise, column_wise,
 table_row_wise) or "mix" (two tables pinned, the third the planner's choice). Each layout
@@ -146,6 +148,37 @@ def reshard(world):
     return {"outputs": outputs, "state": state}
 
 
+def dlrm(world):
+    """The example DLRM, tables planned by the planner (no pins) and sharded, dense part
+    data-parallel, SGD everywhere: losses and final tables and dense weights."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
+    import dlrm as example
+    configs = example.tables(scale=0.002)
+    torch.manual_seed(0)
+    model = example.DLRM(configs)
+    local = DLRM_BATCH // world.size
+    model.embeddings = shard_embeddings(model.embeddings, batch_per_rank=local, optimizer="sgd", lr=LR, world=world,
+                                        cluster=planner.cluster("a100-80gb", world.size))
+    dp = torch_monarch.DataParallel(model)
+    opt = torch.optim.SGD(dp.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        dense, sparse, clicks = example.make_batch(step, DLRM_BATCH, configs)
+        b = world.rank * local
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            dp(dense[b:b + local], sparse.samples(b, b + local)), clicks[b:b + local])
+        loss.backward()
+        opt.step()
+        losses.append(global_mean(dp.group, loss.item()))
+    return {"losses": losses, "tables": model.embeddings.state_dict(),
+            "dense": {k: v.detach().clone() for k, v in model.state_dict().items() if not k.startswith("embeddings")},
+            "shardings": {p.table: str(p.sharding) for p in model.embeddings.plan.placements}}
+
+
+DLRM_BATCH = 16
+
+
 def main():
     parts = sys.argv[1].split(":")
     torch.set_num_threads(1)
@@ -160,6 +193,8 @@ def main():
         results = errors(world)
     elif parts[0] == "reshard":
         results = reshard(world)
+    elif parts[0] == "dlrm":
+        results = dlrm(world)
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]}")
     torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{world.rank}.pt"))

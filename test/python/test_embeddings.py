@@ -110,3 +110,34 @@ def test_whole_table_state_dict_loads_into_another_sharding():
     # The state dict is whole tables, loadable into the unsharded collection.
     ebc = EmbeddingBagCollection(TABLES)
     ebc.load_state_dict(got["state"])
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_dlrm_planned_and_sharded_trains_like_one_process(ranks):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
+    import dlrm as example
+    from embedding_model import LR, STEPS
+    from embedding_workers import DLRM_BATCH
+    configs = example.tables(scale=0.002)
+    torch.manual_seed(0)
+    model = example.DLRM(configs)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        dense, sparse, clicks = example.make_batch(step, DLRM_BATCH, configs)
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), clicks)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    r = launch(ranks, "dlrm", worker="embedding_workers.py", timeout=300)
+    assert r.ok, r.describe()
+    got = torch.load(r.result_path(0))
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in model.state_dict().items():
+        if name.startswith("embeddings."):
+            torch.testing.assert_close(got["tables"][name[len("embeddings."):]], value, rtol=1e-5, atol=1e-6)
+        else:
+            torch.testing.assert_close(got["dense"][name], value, rtol=1e-5, atol=1e-6)
