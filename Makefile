@@ -59,6 +59,7 @@ bench: build python
 	$(VENV)/bin/python bench/fuzz.py --out bench/results/fuzz.json
 	$(VENV)/bin/python bench/zero_bubble.py --out bench/results/zero_bubble.json
 	$(VENV)/bin/python bench/layouts.py --out bench/results/layouts.json
+	$(VENV)/bin/python bench/dlrm.py --out bench/results/dlrm.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

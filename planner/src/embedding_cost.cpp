@@ -76,8 +76,13 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
     // Forward: read each id's row, write pooled rows. Backward: read output gradients,
     // read-modify-write each touched row and its optimizer state (a fused sparse update;
     // duplicates combined first, which only lowers this).
-    r.lookup_bytes += ids * cols * e + outputs * cols * e       // forward
-                      + outputs * cols * 4 + ids * (2 * cols * e + 2 * state);  // backward
+    // Column chunks under row-wise Adagrad handle whole rows of gradient (see below).
+    const double grad_cols = p.sharding == EmbeddingSharding::column_wise &&
+                                     o.optimizer == EmbeddingOptimizer::rowwise_adagrad
+                                 ? static_cast<double>(t.dim)
+                                 : cols;
+    r.lookup_bytes += ids * cols * e + outputs * cols * e                                     // forward
+                      + outputs * grad_cols * 4 + ids * (2 * grad_cols * 4 + 2 * cols * e + 2 * state);  // backward
   }
 
   const Link link = all_to_all_link(cluster, W);
@@ -89,6 +94,9 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
       const double grad = total_rows * static_cast<double>(t.dim) * e + total_rows * 4;
       const double bytes = ring_bytes_per_rank(Collective::all_reduce, grad, W);
       for (auto& r : out) {
+        // The dense gradient is zeroed, reduced and read once per step: three passes over the
+        // table, and the flags.
+        r.lookup_bytes += 3 * total_rows * static_cast<double>(t.dim) * 4 + 3 * total_rows * 4;
         r.sent += bytes;
         r.received += bytes;
         r.latency_s += W > 1 ? 4 * static_cast<double>(W - 1) * link.latency_s : 0.0;
@@ -103,16 +111,23 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
       // accumulator is a mean over every column).
       const bool whole_rows = p.sharding == EmbeddingSharding::column_wise &&
                               o.optimizer == EmbeddingOptimizer::rowwise_adagrad;
+      // What every rank but a shard's owner sends and receives is added once for all ranks,
+      // and taken back from the owner: O(shards + ranks).
+      double all_sent = 0, all_received = 0;
       for (const EmbeddingShard& s : p.shards) {
         const double back = B * out_rows_per_sample * static_cast<double>(s.cols) * e;
         const double grads = whole_rows ? B * out_rows_per_sample * static_cast<double>(t.dim) * e : back;
-        for (int64_t q = 0; q < W; ++q) {
-          if (q == s.rank) continue;
-          out[q].sent += input_per_rank + grads;     // ids forward, gradients backward
-          out[q].received += back;                   // rows forward
-          out[s.rank].received += input_per_rank + grads;
-          out[s.rank].sent += back;
-        }
+        all_sent += input_per_rank + grads;  // ids forward, gradients backward
+        all_received += back;                // rows forward
+        out[s.rank].sent -= input_per_rank + grads;
+        out[s.rank].received -= back;
+        const double others = static_cast<double>(W - 1);
+        out[s.rank].received += others * (input_per_rank + grads);
+        out[s.rank].sent += others * back;
+      }
+      for (auto& r : out) {
+        r.sent += all_sent;
+        r.received += all_received;
       }
       break;
     }
@@ -124,18 +139,21 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
       // (Mudigere et al. 2022, Sec. 4): each owner sends each rank its samples' partial rows.
       // Table-row-wise does the same from the ranks of one node (the runtime has no
       // intra-node pre-reduction yet; docs/cost_model.md).
+      double all_sent = 0, all_received = 0;
+      const double others = static_cast<double>(W - 1);
       for (const EmbeddingShard& s : p.shards) {
         const double share = total_rows > 0 ? static_cast<double>(s.rows) / total_rows : 0.0;
         const double cols = static_cast<double>(s.cols);
-        for (int64_t q = 0; q < W; ++q) {
-          if (q == s.rank) continue;
-          const double in = ids_per_rank * share * kIdBytes + B * F * kLengthBytes;
-          const double rows_back = pooled ? B * F * cols * e : ids_per_rank * share * cols * e;
-          out[q].sent += in + rows_back;
-          out[q].received += rows_back;
-          out[s.rank].received += in + rows_back;
-          out[s.rank].sent += rows_back;
-        }
+        const double in = ids_per_rank * share * kIdBytes + B * F * kLengthBytes;
+        const double rows_back = pooled ? B * F * cols * e : ids_per_rank * share * cols * e;
+        all_sent += in + rows_back;
+        all_received += rows_back;
+        out[s.rank].sent += others * rows_back - (in + rows_back);
+        out[s.rank].received += others * (in + rows_back) - rows_back;
+      }
+      for (auto& r : out) {
+        r.sent += all_sent;
+        r.received += all_received;
       }
       break;
     }

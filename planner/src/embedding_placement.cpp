@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <memory>
+#include <tuple>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -209,6 +212,16 @@ struct State {
   std::vector<RankBytes> bytes_of(size_t t, const EmbeddingPlacement& p) const {
     return embedding_detail::embedding_rank_bytes(tables[t], p, cluster, options);
   }
+  // Spread placements (data-parallel, row-wise, table-row-wise on a node) do not depend on the
+  // load: their bytes are computed once per table, kind and first rank.
+  std::shared_ptr<std::map<std::tuple<size_t, int, int64_t>, std::vector<RankBytes>>> spread =
+      std::make_shared<std::map<std::tuple<size_t, int, int64_t>, std::vector<RankBytes>>>();
+  const std::vector<RankBytes>& spread_bytes_of(size_t t, const EmbeddingPlacement& p) const {
+    const auto key = std::make_tuple(t, static_cast<int>(p.sharding), p.shards.empty() ? int64_t{0} : p.shards[0].rank);
+    auto it = spread->find(key);
+    if (it == spread->end()) it = spread->emplace(key, bytes_of(t, p)).first;
+    return it->second;
+  }
   void add(size_t t, EmbeddingPlacement p, std::vector<RankBytes> bytes) {
     contribution[t] = std::move(bytes);
     for (size_t r = 0; r < load.size(); ++r) load[r] += contribution[t][r];
@@ -261,9 +274,11 @@ std::optional<Scored> best_placement(const State& st, size_t t, EmbeddingShardin
   Scored out;
   out.placement.table = table.name;
   out.placement.sharding = s;
+  const bool spread = s == EmbeddingSharding::data_parallel || s == EmbeddingSharding::row_wise ||
+                      s == EmbeddingSharding::table_row_wise;
   auto finish_with = [&](std::vector<EmbeddingShard> shards) -> std::optional<Scored> {
     out.placement.shards = std::move(shards);
-    out.bytes = st.bytes_of(t, out.placement);
+    out.bytes = spread ? st.spread_bytes_of(t, out.placement) : st.bytes_of(t, out.placement);
     if (!st.fits(out.bytes)) return std::nullopt;
     out.max_s = st.max_with(out.bytes);
     return out;
@@ -423,6 +438,77 @@ EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& c
 
 double budget_of(const Cluster& c, double budget) { return budget > 0 ? budget : c.usable_memory_bytes(); }
 
+// Places the tables in `order` (largest first: longest-processing-time first, Graham 1969),
+// each with the sharding (`uniform` where the table can take it) and place that keep the
+// most loaded rank lowest. False, with the reason, when a table fits nowhere.
+bool propose(State& st, const std::vector<size_t>& order,
+             const std::vector<std::vector<EmbeddingSharding>>& options_of,
+             std::optional<EmbeddingSharding> uniform, std::string* why) {
+  for (size_t t : order) {
+    std::vector<EmbeddingSharding> kinds = options_of[t];
+    if (uniform && std::find(kinds.begin(), kinds.end(), *uniform) != kinds.end()) kinds = {*uniform};
+    std::optional<Scored> chosen;
+    for (auto k : kinds) {
+      auto p = best_placement(st, t, k);
+      if (p && (!chosen || p->max_s < chosen->max_s * (1 - 1e-12))) chosen = std::move(p);
+    }
+    if (!chosen) {
+      *why = table_field(st.tables[t]) + ": no rank has memory left for it after placing the larger tables";
+      return false;
+    }
+    st.add(t, std::move(chosen->placement), std::move(chosen->bytes));
+  }
+  return true;
+}
+
+// Local search: take a table off the most loaded rank and put it back where (and as) it
+// lowers the maximum; stop when no move helps. Tables spread over every rank are tried too
+// (as another sharding); bounded so planning time stays near linear.
+void improve(State& st, const std::vector<std::vector<EmbeddingSharding>>& options_of) {
+  const int64_t W = st.options.world_size;
+  const size_t n = st.tables.size();
+  const int rounds = std::min<int>(4 * static_cast<int>(n) + 8, 512);
+  for (int round = 0; round < rounds; ++round) {
+    const double current = st.max_time();
+    int64_t hot = 0;
+    for (int64_t r = 1; r < W; ++r) {
+      if (st.rank_time(st.load[r]) > st.rank_time(st.load[hot])) hot = r;
+    }
+    // Candidates: the tables loading the hot rank most, at most 16 a round.
+    std::vector<std::pair<double, size_t>> loads;
+    for (size_t t = 0; t < n; ++t) {
+      const auto& c = st.contribution[t][hot];
+      const double v = c.lookup_bytes + c.sent + c.received;
+      if (v > 0 && options_of[t].size() + (st.placements[t].sharding == EmbeddingSharding::table_wise ||
+                                           st.placements[t].sharding == EmbeddingSharding::column_wise ||
+                                           st.placements[t].sharding == EmbeddingSharding::table_row_wise) > 1) {
+        loads.push_back({v, t});
+      }
+    }
+    const size_t k = std::min<size_t>(loads.size(), 16);
+    std::partial_sort(loads.begin(), loads.begin() + k, loads.end(), std::greater<>());
+    bool improved = false;
+    for (size_t i = 0; i < k && !improved; ++i) {
+      const size_t t = loads[i].second;
+      EmbeddingPlacement before = st.placements[t];
+      std::vector<RankBytes> before_bytes = st.contribution[t];
+      st.remove(t);
+      std::optional<Scored> better;
+      for (auto kind : options_of[t]) {
+        auto p = best_placement(st, t, kind);
+        if (p && p->max_s < current * (1 - 1e-9) && (!better || p->max_s < better->max_s)) better = std::move(p);
+      }
+      if (better) {
+        st.add(t, std::move(better->placement), std::move(better->bytes));
+        improved = true;
+      } else {
+        st.add(t, std::move(before), std::move(before_bytes));
+      }
+    }
+    if (!improved) break;
+  }
+}
+
 }  // namespace
 
 EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const Cluster& cluster,
@@ -479,62 +565,42 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
   }
   const double lower_bound = std::max(bound_sum / static_cast<double>(W), bound_max);
 
-  // Propose and partition: largest tables first, each with the sharding and placement that
-  // keep the most loaded rank lowest (longest-processing-time first, Graham 1969).
   std::vector<size_t> order(tables.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cheapest[a] > cheapest[b]; });
-  for (size_t t : order) {
-    std::optional<Scored> chosen;
-    for (auto k : options_of[t]) {
-      auto p = best_placement(st, t, k);
-      if (p && (!chosen || p->max_s < chosen->max_s * (1 - 1e-12))) chosen = std::move(p);
-    }
-    if (!chosen) {
-      throw InfeasibleError(table_field(tables[t]) + ": no rank has memory left for it after placing the larger tables "
-                            "(budget per rank " + std::to_string(budget / (1024.0 * 1024 * 1024)) + " GiB)");
-    }
-    st.add(t, std::move(chosen->placement), std::move(chosen->bytes));
-  }
 
-  // Local search: take a table off the most loaded rank and put it back where (and as) it
-  // lowers the maximum; stop when no move helps.
-  // Only tables with a shard on the hot rank that could sit elsewhere are moved (spread
-  // shardings load every rank alike); bounded so planning time stays linear.
-  const int rounds = std::min<int>(4 * static_cast<int>(tables.size()) + 8, 512);
-  for (int round = 0; round < rounds; ++round) {
-    const double current = st.max_time();
-    int64_t hot = 0;
-    for (int64_t r = 1; r < W; ++r) {
-      if (st.rank_time(st.load[r]) > st.rank_time(st.load[hot])) hot = r;
+  // Propose several starting points and keep the best after local search: the free greedy
+  // (each table the sharding and place that keep the maximum lowest) and, for each sharding
+  // kind, every table that can take it taking it. Single moves cannot leave a balanced
+  // all-row-wise layout for a cheaper all-table-wise one (the first table moved makes its
+  // owner the maximum), so the uniform proposals are not redundant.
+  std::optional<State> best;
+  std::string why;
+  const std::vector<std::optional<EmbeddingSharding>> proposals = {
+      std::nullopt, EmbeddingSharding::table_wise, EmbeddingSharding::row_wise, EmbeddingSharding::column_wise,
+      EmbeddingSharding::table_row_wise, EmbeddingSharding::data_parallel};
+  for (const auto& uniform : proposals) {
+    State trial{tables, cluster, options, budget, std::vector<RankBytes>(W), std::vector<EmbeddingPlacement>(tables.size()),
+                std::vector<std::vector<RankBytes>>(tables.size(), std::vector<RankBytes>(W)), st.spread};
+    if (uniform) {
+      bool applies = false;
+      for (size_t t = 0; t < tables.size() && !applies; ++t) {
+        applies = options_of[t].size() > 1 &&
+                  std::find(options_of[t].begin(), options_of[t].end(), *uniform) != options_of[t].end();
+      }
+      if (!applies) continue;  // the free greedy covers it
     }
-    bool improved = false;
-    for (size_t t = 0; t < tables.size() && !improved; ++t) {
-      const auto& shards = st.placements[t].shards;
-      const bool movable = st.placements[t].sharding == EmbeddingSharding::table_wise ||
-                           st.placements[t].sharding == EmbeddingSharding::column_wise ||
-                           st.placements[t].sharding == EmbeddingSharding::table_row_wise;
-      if (!movable || std::none_of(shards.begin(), shards.end(), [&](const EmbeddingShard& x) { return x.rank == hot; })) {
-        continue;
-      }
-      EmbeddingPlacement before = st.placements[t];
-      std::vector<RankBytes> before_bytes = st.contribution[t];
-      st.remove(t);
-      std::optional<Scored> better;
-      for (auto k : options_of[t]) {
-        auto p = best_placement(st, t, k);
-        if (p && p->max_s < current * (1 - 1e-9) && (!better || p->max_s < better->max_s)) better = std::move(p);
-      }
-      if (better) {
-        st.add(t, std::move(better->placement), std::move(better->bytes));
-        improved = true;
-      } else {
-        st.add(t, std::move(before), std::move(before_bytes));
-      }
+    if (!propose(trial, order, options_of, uniform, &why)) continue;
+    improve(trial, options_of);
+    if (!best || trial.max_time() < best->max_time() * (1 - 1e-12)) {
+      best.reset();
+      best.emplace(std::move(trial));
     }
-    if (!improved) break;
   }
-  return finish(tables, cluster, options, st.placements, lower_bound);
+  if (!best) {
+    throw InfeasibleError(why + " (budget per rank " + std::to_string(budget / (1024.0 * 1024 * 1024)) + " GiB)");
+  }
+  return finish(tables, cluster, options, best->placements, lower_bound);
 }
 
 EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, double memory_budget_bytes) {
