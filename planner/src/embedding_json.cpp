@@ -121,6 +121,47 @@ std::string embeddings_to_json(const EmbeddingPlan& plan, int indent) {
   return json_detail::embeddings_to_json_value(plan).dump(indent);
 }
 
+std::vector<EmbeddingTable> embedding_tables_from_json(const std::string& text) {
+  json_detail::Json root;
+  try {
+    root = json_detail::Json::parse(text);
+  } catch (const json_detail::Json::parse_error& e) {
+    throw FormatError(std::string("tables JSON: ") + e.what());
+  }
+  if (root.is_object() && root.contains("tables")) root = root["tables"];
+  const auto& list = json_detail::as_array(root, "tables");
+  std::vector<EmbeddingTable> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const json_detail::Fields x(list[i], json_detail::element("tables", i),
+                                {"name", "rows", "dim", "bytes_per_element", "dtype", "features", "pooling_factor",
+                                 "pooling"});
+    EmbeddingTable t;
+    t.name = x.string("name");
+    t.rows = x.integer("rows");
+    t.dim = x.integer("dim");
+    if (x.has("bytes_per_element")) t.bytes_per_element = x.number("bytes_per_element");
+    if (x.has("dtype")) {  // fp32, fp16, bf16, int8
+      const std::string d = x.string("dtype");
+      if (d == "fp32") t.bytes_per_element = 4;
+      else if (d == "fp16" || d == "bf16") t.bytes_per_element = 2;
+      else if (d == "int8") t.bytes_per_element = 1;
+      else throw ValidationError(x.path("dtype"), "unknown '" + d + "' (fp32, fp16, bf16, int8)");
+    }
+    if (x.has("features")) {
+      const auto& features = x.array("features");
+      for (size_t k = 0; k < features.size(); ++k) {
+        t.features.push_back(json_detail::as_string(features[k], json_detail::element(x.path("features"), k)));
+      }
+    } else {
+      t.features = {t.name};
+    }
+    if (x.has("pooling_factor")) t.pooling_factor = x.number("pooling_factor");
+    if (x.has("pooling")) t.pooling = embedding_pooling_from_string(x.string("pooling"), x.path("pooling"));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 EmbeddingPlan embeddings_from_json(const std::string& text) {
   json_detail::Json root;
   try {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "monarch/planner/cluster.h"
+#include "monarch/planner/embeddings.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/plan.h"
@@ -36,6 +37,11 @@ const char* kUsage = R"(usage:
   monarch-plan validate plan.json   check a plan; exit 0 if valid
   monarch-plan schedule --schedule 1f1b --pp P --micro-batches M [--virtual-stages V]
       print each pipeline rank's action list
+  monarch-plan embeddings tables.json --gpus N --batch-per-rank B [--cluster a100-80gb]
+                           [--optimizer sgd|rowwise_adagrad|adam] [--table NAME=SHARDING ...]
+                           [--memory-budget-gib G] [-o embeddings.json] [--json]
+      Shards embedding tables (data_parallel, table_wise, row_wise, column_wise,
+      table_row_wise) over N ranks; --table pins one table (repeatable).
   monarch-plan presets              list cluster presets
 )";
 
@@ -220,6 +226,58 @@ int cmd_schedule(int argc, char** argv) {
   return 0;
 }
 
+int cmd_embeddings(int argc, char** argv) {
+  // --table may repeat: collected first, the rest parsed as usual.
+  std::map<std::string, mp::EmbeddingSharding> pins;
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--table") {
+      if (i + 1 >= argc) throw UsageError("--table: missing value");
+      const std::string pin = argv[++i];
+      const auto eq = pin.find('=');
+      if (eq == std::string::npos || eq == 0) throw UsageError("--table: expected NAME=SHARDING, got '" + pin + "'");
+      pins[pin.substr(0, eq)] = mp::embedding_sharding_from_string(pin.substr(eq + 1), "--table " + pin.substr(0, eq));
+      continue;
+    }
+    rest.push_back(argv[i]);
+  }
+  const Args args(static_cast<int>(rest.size()), rest.data(), 2,
+                  {"--gpus", "--batch-per-rank", "--cluster", "--optimizer", "--memory-budget-gib", "--output"},
+                  {"--json"});
+  if (args.positional().size() != 1) throw UsageError("embeddings needs exactly one tables file");
+  std::ifstream in(args.positional()[0]);
+  if (!in) throw UsageError("cannot read '" + args.positional()[0] + "'");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto tables = mp::embedding_tables_from_json(text);
+  const int64_t gpus = args.required("--gpus");
+  const mp::Cluster cluster = mp::cluster_preset(args.str("--cluster", "a100-80gb"), gpus);
+  mp::EmbeddingOptions options;
+  options.world_size = gpus;
+  options.batch_per_rank = args.required("--batch-per-rank");
+  options.optimizer = mp::embedding_optimizer_from_string(args.str("--optimizer", "sgd"), "--optimizer");
+  if (args.has("--memory-budget-gib")) {
+    try {
+      options.memory_budget_bytes = std::stod(args.str("--memory-budget-gib")) * 1024.0 * 1024 * 1024;
+    } catch (const std::exception&) {
+      throw UsageError("--memory-budget-gib: expected a number, got '" + args.str("--memory-budget-gib") + "'");
+    }
+  }
+  options.pins = pins;
+  const mp::EmbeddingPlan plan = mp::plan_embeddings(tables, cluster, options);
+  if (args.has("--json")) {
+    std::cout << mp::embeddings_to_json(plan) << "\n";
+  } else {
+    std::cout << mp::format_embedding_report(plan);
+  }
+  if (args.has("--output")) {
+    std::ofstream out(args.str("--output"));
+    if (!out) throw std::runtime_error("cannot write '" + args.str("--output") + "'");
+    out << mp::embeddings_to_json(plan) << "\n";
+    if (!args.has("--json")) std::cout << "\nwrote " << args.str("--output") << "\n";
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2) throw UsageError("missing command");
   const std::string cmd = argv[1];
@@ -231,6 +289,7 @@ int run(int argc, char** argv) {
   if (cmd == "show") return cmd_show(argc, argv);
   if (cmd == "validate") return cmd_validate(argc, argv);
   if (cmd == "schedule") return cmd_schedule(argc, argv);
+  if (cmd == "embeddings") return cmd_embeddings(argc, argv);
   if (cmd == "presets") {
     for (const auto& n : mp::cluster_preset_names()) std::cout << n << "\n";
     return 0;

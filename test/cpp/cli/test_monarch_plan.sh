@@ -105,5 +105,26 @@ expect_error "interleaving without a pipeline" "virtual_stages=2 needs pp > 1" \
 "$MP" transformer --layers 1 --hidden 1024 --heads 8 --seq 16 --vocab 400000 --tied-embeddings \
   --global-batch 1 --gpus 1 --cluster cpu >"$TMP/out" 2>"$TMP/err" && ok || bad "tied embedding: $(cat "$TMP/err")"
 
+# 6. Embedding tables: planned with a pin, written, and impossible pins refused in one line.
+cat >"$TMP/tables.json" <<'JSON'
+[{"name": "user", "rows": 400000000, "dim": 128},
+ {"name": "item", "rows": 5000000, "dim": 64, "features": ["item", "clicked"], "pooling_factor": 20},
+ {"name": "country", "rows": 250, "dim": 16}]
+JSON
+if "$MP" embeddings "$TMP/tables.json" --gpus 16 --batch-per-rank 512 --optimizer rowwise_adagrad \
+    --table country=data_parallel --table item=row_wise -o "$TMP/emb.json" >"$TMP/out" 2>"$TMP/err"; then
+  grep -q "country (250 x 16): data_parallel" "$TMP/out" && grep -q "item (5000000 x 64): row_wise" "$TMP/out" &&
+    grep -q "lower bound" "$TMP/out" && grep -q '"sharding": "row_wise"' "$TMP/emb.json" && ok ||
+    bad "embeddings: $(cat "$TMP/out")"
+else
+  bad "embeddings failed: $(cat "$TMP/err")"
+fi
+expect_error "table too large for a rank" "embeddings.tables.user.sharding: pinned to table_wise" \
+  "$MP" embeddings "$TMP/tables.json" --gpus 16 --batch-per-rank 512 --table user=table_wise
+expect_error "unknown sharding" "unknown sharding 'diagonal'" \
+  "$MP" embeddings "$TMP/tables.json" --gpus 16 --batch-per-rank 512 --table user=diagonal
+expect_error "pin of no table" "embeddings.pins.nope: no table has this name" \
+  "$MP" embeddings "$TMP/tables.json" --gpus 16 --batch-per-rank 512 --table nope=row_wise
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -121,5 +121,9 @@ std::string format_embedding_report(const EmbeddingPlan& plan);
 // FormatError for unparsable text, ValidationError naming the field path for a bad value.
 std::string embeddings_to_json(const EmbeddingPlan& plan, int indent = 2);
 EmbeddingPlan embeddings_from_json(const std::string& text);
+// A table list as users write it: [{"name", "rows", "dim", optional "features" (default
+// [name]), "pooling_factor" (1), "pooling" (sum), "dtype" (fp32) or "bytes_per_element"}], or
+// an object with such a "tables" array (an embeddings section).
+std::vector<EmbeddingTable> embedding_tables_from_json(const std::string& text);
 
 }  // namespace monarch::planner
