@@ -9,13 +9,18 @@
 #include "parallel_models.h"
 #include "training.h"
 
+namespace monarch::testing {
+int run_embedding_worker(const std::string& scenario, const std::string& out);  // test_embeddings.cpp
+}
+
 int main(int argc, char** argv) {
   const std::string scenario = monarch::testing::worker_scenario();
   if (!scenario.empty()) {
     try {
       const char* rank = std::getenv("RANK");
       const std::string out = monarch::testing::worker_output_dir() + "/rank" + (rank ? rank : "0") + ".pt";
-      const int rc = monarch::testing::run_parallel_worker(scenario, out);
+      int rc = monarch::testing::run_parallel_worker(scenario, out);
+      if (rc == -1) rc = monarch::testing::run_embedding_worker(scenario, out);
       return rc != -1 ? rc : monarch::testing::run_worker(scenario);
     } catch (const c10::Error& e) {
       std::cerr << "worker error: " << e.what_without_backtrace() << "\n";
