@@ -100,6 +100,11 @@ ShardedEmbeddingTables::ShardedEmbeddingTables(planner::EmbeddingPlan plan, Comm
     const auto& table = plan_.tables[t];
     TORCH_CHECK(plan_.placements[t].table == table.name, "monarch: embedding placement ", t, " is for '",
                 plan_.placements[t].table, "', table ", t, " is '", table.name, "'");
+    // What the plan may say and this runtime does not do is refused, naming the table.
+    TORCH_CHECK(table.pooling != EmbeddingPooling::none, "monarch: table '", table.name,
+                "' has sequence features (pooling none): the runtime pools bags (sum, mean) only");
+    TORCH_CHECK(table.bytes_per_element == 4, "monarch: table '", table.name, "' is planned with ",
+                table.bytes_per_element, "-byte elements; the runtime stores fp32 tables only");
     for (const auto& f : table.features) {
       TORCH_CHECK(seen.insert(f).second, "monarch: feature '", f, "' looks up two tables; each feature names one");
       feature_table_.push_back(static_cast<int64_t>(t));

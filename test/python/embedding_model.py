@@ -54,6 +54,7 @@ def reference(optimizer, steps=STEPS):
     dense = torch.optim.SGD(head.parameters(), lr=LR)
     tables = torch.optim.SGD(ebc.parameters(), lr=LR) if optimizer == "sgd" else None
     state = {t.name: torch.zeros(t.rows) for t in TABLES}
+    moments = {t.name: (torch.zeros(t.rows, t.dim), torch.zeros(t.rows, t.dim)) for t in TABLES}
     losses = []
     for step in range(steps):
         x, y = batch(step)
@@ -64,9 +65,20 @@ def reference(optimizer, steps=STEPS):
         dense.step()
         if tables is not None:
             tables.step()
-        else:
+        elif optimizer == "rowwise_adagrad":
             for t in TABLES:
                 w = ebc.tables[t.name].weight
                 rowwise_adagrad_(w, w.grad, state[t.name], LR)
+        else:  # lazy Adam: only the rows the batch looked up move; bias correction by step
+            for t in TABLES:
+                w = ebc.tables[t.name].weight
+                rows = torch.unique(torch.cat([x.feature(f)[0] for f in t.features]))
+                m, v = moments[t.name]
+                g = w.grad[rows]
+                m[rows] = 0.9 * m[rows] + 0.1 * g
+                v[rows] = 0.999 * v[rows] + 0.001 * g * g
+                c1, c2 = 1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1)
+                with torch.no_grad():
+                    w[rows] -= LR * (m[rows] / c1) / ((v[rows] / c2).sqrt() + 1e-8)
         losses.append(loss.item())
     return losses, {t.name: ebc.tables[t.name].weight.detach().clone() for t in TABLES}, head

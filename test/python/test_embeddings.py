@@ -47,7 +47,7 @@ def test_collection_matches_embedding_bags_and_names_bad_ids():
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_every_sharding_trains_like_one_process(ranks, optimizer):
     ref_losses, ref_tables, ref_head = reference(optimizer)
     init = make_collection()
