@@ -248,3 +248,48 @@ def shard_embeddings(collection: EmbeddingBagCollection, *, batch_per_rank: int,
         for t in collection.configs:
             sharded._engine.load_table(t.name, collection.tables[t.name].weight.detach().to(torch.float32))
     return sharded
+
+
+def _set_submodule(model, name, module):
+    parent = model
+    parts = name.split(".")
+    for part in parts[:-1]:
+        parent = getattr(parent, part)
+    setattr(parent, parts[-1], module)
+
+
+def parallelize_recommendation(model: nn.Module, *, global_batch: int, cluster=None, plan=None, optimizer="sgd",
+                               lr=0.01, pins=None, memory_budget_bytes=0.0, world=None, bucket_cap_mb=25.0,
+                               **optimizer_options):
+    """``parallelize`` for a model holding an EmbeddingBagCollection (what TorchRec's
+    DistributedModelParallel does): the tables planned and sharded over every rank
+    (``shard_embeddings``), the rest of the model data-parallel (``DataParallel``) over the
+    same ranks. A dense part built on meta is materialized here (``reset_parameters``).
+    Returns the DataParallel-wrapped model; ``.plan`` is the tables' EmbeddingPlan."""
+    from . import distributed
+    from .data_parallel import DataParallel
+    world = world or distributed.init()
+    if global_batch is None or global_batch % world.size:
+        raise ValueError(f"parallelize: global_batch={global_batch} must be a multiple of the {world.size} ranks "
+                         "(each rank brings global_batch / ranks samples)")
+    collections = [(n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
+    if len(collections) != 1:
+        raise ValueError(f"parallelize: found {len(collections)} EmbeddingBagCollections "
+                         f"({[n for n, _ in collections]}); one per model is supported (put every table in it)")
+    name, ebc = collections[0]
+    sharded = shard_embeddings(ebc, batch_per_rank=global_batch // world.size, optimizer=optimizer, lr=lr, plan=plan,
+                               cluster=cluster, pins=pins, memory_budget_bytes=memory_budget_bytes, world=world,
+                               **optimizer_options)
+    if name:
+        _set_submodule(model, name, sharded)
+    else:
+        raise ValueError("parallelize: the model is itself an EmbeddingBagCollection: use shard_embeddings()")
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if m is not sharded and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    wrapped = DataParallel(model, mesh=distributed.device_mesh(dp=world.size, world=world),
+                           bucket_cap_mb=bucket_cap_mb)
+    wrapped.plan = sharded.plan
+    return wrapped

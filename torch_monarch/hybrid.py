@@ -369,7 +369,8 @@ def _split(x, m, what):
 def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, global_batch=None, cluster=None,
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
-                zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None) -> ParallelModel:
+                zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
+                embeddings=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
@@ -399,6 +400,12 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
     ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
+    A model holding an ``EmbeddingBagCollection`` (recommendation models) has its tables
+    planned and sharded over every rank and the rest run data-parallel
+    (``torch_monarch.embeddings.parallelize_recommendation``); ``embeddings`` passes the
+    tables' options (``optimizer``, ``lr``, ``pins``, ``plan``, ...). ``.plan`` is then the
+    tables' EmbeddingPlan.
+
     Every rank must call it, with the same model architecture; initial weights may differ:
     replicas start from one rank's (dp replicas from dp rank 0's, parameters tp does not
     split from tp rank 0's, weights tied between the pipeline's ends from the first
@@ -407,6 +414,21 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     """
     from .api import check_plan, plan_for_job
     from .distributed import init
+    from .embeddings import EmbeddingBagCollection, parallelize_recommendation
+    if any(isinstance(m, EmbeddingBagCollection) for m in model.modules()):
+        ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
+                                         micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
+                                         virtual_stages=virtual_stages, unit_stage=unit_stage, units=units,
+                                         tp_plan=tp_plan, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                                         init_fn=init_fn, recompute=recompute).items() if v is not None}
+        if plan is not None or ignored:
+            raise ValueError("parallelize: a model with embedding tables runs its dense part data-parallel over every "
+                             f"rank; {sorted(ignored) + (['plan'] if plan is not None else [])} cannot be honoured "
+                             "(pass the tables' plan as embeddings=dict(plan=...))")
+        return parallelize_recommendation(model, global_batch=global_batch, cluster=cluster,
+                                          bucket_cap_mb=bucket_cap_mb or 25.0, **(embeddings or {}))
+    if embeddings is not None:
+        raise ValueError("parallelize: embeddings= given, but the model holds no EmbeddingBagCollection")
     info = None
     if plan is None and example_input is not None:
         if global_batch is None:

@@ -97,16 +97,15 @@ def main():
     rank = 0
     if world_size > 1:
         import torch_monarch
-        from torch_monarch.embeddings import shard_embeddings
         world = torch_monarch.init()
         rank = world.rank
         local = args.batch // world_size
-        model.embeddings = shard_embeddings(model.embeddings, batch_per_rank=local, optimizer=args.optimizer,
-                                            lr=args.lr, world=world)
+        # Tables planned and sharded over every rank, the rest data-parallel.
+        model = torch_monarch.parallelize(model, global_batch=args.batch,
+                                          embeddings=dict(optimizer=args.optimizer, lr=args.lr))
         if rank == 0:
             from torch_monarch import planner
-            print(planner.format_embedding_report(model.embeddings.plan))
-        model = torch_monarch.DataParallel(model)
+            print(planner.format_embedding_report(model.plan))
     else:
         local = args.batch
     dense_opt = torch.optim.Adagrad([p for p in model.parameters()], lr=args.lr)

@@ -5,10 +5,12 @@
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
     embedding_workers.py dlrm        the example DLRM, planned and sharded, SGD
+    embedding_workers.py dlrm_parallelize   the same through torch_monarch.parallelize
     embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
     embedding_workers.py dlrm        the example DLRM, planned and sharded, SGD
+    embedding_workers.py dlrm_parallelize   the same through torch_monarch.parallelize
 
 layout: one sharding for every table (data_parallel, table_wise, row_wise, column_wise,
 table_row_wise) or "mix" (two tables pinned, the third the planner's choice). Each layout
@@ -148,7 +150,7 @@ def reshard(world):
     return {"outputs": outputs, "state": state}
 
 
-def dlrm(world):
+def dlrm(world, via_parallelize=False):
     """The example DLRM, tables planned by the planner (no pins) and sharded, dense part
     data-parallel, SGD everywhere: losses and final tables and dense weights."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
@@ -157,9 +159,14 @@ def dlrm(world):
     torch.manual_seed(0)
     model = example.DLRM(configs)
     local = DLRM_BATCH // world.size
-    model.embeddings = shard_embeddings(model.embeddings, batch_per_rank=local, optimizer="sgd", lr=LR, world=world,
-                                        cluster=planner.cluster("a100-80gb", world.size))
-    dp = torch_monarch.DataParallel(model)
+    if via_parallelize:  # what users call
+        dp = torch_monarch.parallelize(model, global_batch=DLRM_BATCH, cluster=planner.cluster("a100-80gb", world.size),
+                                       embeddings=dict(optimizer="sgd", lr=LR))
+        assert dp.plan.world_size == world.size
+    else:
+        model.embeddings = shard_embeddings(model.embeddings, batch_per_rank=local, optimizer="sgd", lr=LR,
+                                            world=world, cluster=planner.cluster("a100-80gb", world.size))
+        dp = torch_monarch.DataParallel(model)
     opt = torch.optim.SGD(dp.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -195,6 +202,8 @@ def main():
         results = reshard(world)
     elif parts[0] == "dlrm":
         results = dlrm(world)
+    elif parts[0] == "dlrm_parallelize":
+        results = dlrm(world, via_parallelize=True)
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]}")
     torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{world.rank}.pt"))

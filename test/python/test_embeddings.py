@@ -112,8 +112,8 @@ def test_whole_table_state_dict_loads_into_another_sharding():
     ebc.load_state_dict(got["state"])
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_dlrm_planned_and_sharded_trains_like_one_process(ranks):
+@pytest.mark.parametrize("ranks,scenario", [(2, "dlrm"), (4, "dlrm"), (2, "dlrm_parallelize")])
+def test_dlrm_planned_and_sharded_trains_like_one_process(ranks, scenario):
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python"))
@@ -132,7 +132,7 @@ def test_dlrm_planned_and_sharded_trains_like_one_process(ranks):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    r = launch(ranks, "dlrm", worker="embedding_workers.py", timeout=300)
+    r = launch(ranks, scenario, worker="embedding_workers.py", timeout=300)
     assert r.ok, r.describe()
     got = torch.load(r.result_path(0))
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
