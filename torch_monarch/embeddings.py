@@ -175,8 +175,11 @@ def rowwise_adagrad_(weight, grad, state, lr, eps=1e-8):
 class ShardedEmbeddingCollection(nn.Module):
     """An EmbeddingBagCollection sharded as an EmbeddingPlan says, run by the C++ engine. Its
     tables are not ``nn.Parameter``s: the optimizer (``sgd``, ``rowwise_adagrad``, ``adam``) runs
-    fused inside backward, on the rows the batch touched, so pass only the dense model's
-    parameters to ``torch.optim``. ``state_dict()`` holds whole tables (collective)."""
+    fused inside backward, once per lookup, on the rows the batch touched, so pass only the
+    dense model's parameters to ``torch.optim``, and run backward after each lookup (no
+    gradient accumulation over several lookups). ``state_dict()`` holds whole tables under the
+    unsharded collection's keys, also inside a parent model's state dict (collective: every
+    rank calls it)."""
 
     def __init__(self, configs, plan, group, optimizer, lr, **optimizer_options):
         super().__init__()
@@ -202,42 +205,78 @@ class ShardedEmbeddingCollection(nn.Module):
     def local_bytes(self):
         return self._engine.local_bytes
 
-    def state_dict(self, *args, **kwargs):
-        out = {}
+    # Whole tables under the unsharded collection's keys ("tables.<name>.weight"), through
+    # nn.Module's own state_dict machinery so a model holding this module saves and loads
+    # them too. Collective: every rank calls state_dict() / load_state_dict().
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
         for t in self.configs:
-            out[f"tables.{t.name}.weight"] = self._engine.full_table(t.name)
-        return out
+            destination[f"{prefix}tables.{t.name}.weight"] = self._engine.full_table(t.name)
 
-    def load_state_dict(self, state_dict, strict=True):
-        names = {f"tables.{t.name}.weight": t.name for t in self.configs}
-        missing = [k for k in names if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in names]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"ShardedEmbeddingCollection.load_state_dict: missing {missing}, unexpected {unexpected}")
-        for key, name in names.items():
-            if key in state_dict:
-                self._engine.load_table(name, state_dict[key].detach().to(torch.float32))
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for t in self.configs:
+            key = f"{prefix}tables.{t.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != (t.rows, t.dim):
+                error_msgs.append(f"{key}: table '{t.name}' is {t.rows} x {t.dim}, the state dict holds "
+                                  f"{tuple(value.shape)}")
+                continue
+            self._engine.load_table(t.name, value.detach().to(torch.float32))
+        if strict:
+            ours = {f"{prefix}tables.{t.name}.weight" for t in self.configs}
+            for key in state_dict:
+                if key.startswith(prefix + "tables.") and key not in ours:
+                    unexpected_keys.append(key)
+
+
+def _broadcast_text(group, text, rank):
+    """`text` from rank 0 of `group` to every rank (a plan planned once, so every rank lays the
+    tables out alike even where their detected machines differ)."""
+    data = torch.tensor(bytearray(text.encode()) if rank == 0 else bytearray(), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    group.broadcast(size, 0).wait()
+    buffer = data if rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast(buffer, 0).wait()
+    return bytes(buffer.tolist()).decode()
 
 
 def shard_embeddings(collection: EmbeddingBagCollection, *, batch_per_rank: int, optimizer: str = "sgd",
                      lr: float = 0.01, plan=None, cluster=None, pins=None, memory_budget_bytes=0.0,
                      world=None, init_bound: Optional[float] = None, seed: int = 0, **optimizer_options):
-    """Plans (unless ``plan``, an EmbeddingPlan, is given) and shards `collection` over every rank
-    of the job. Tables with real weights are copied shard by shard; tables on the meta device
+    """Plans (unless ``plan``, an EmbeddingPlan, is given: rank 0 plans and sends the plan to every
+    rank) and shards `collection` over every rank of the job. Tables with real weights start
+    from rank 0's values, each rank keeping its shards; tables on the meta device
     are never built whole: each rank fills only its shards, U(-b, b) with b = ``init_bound`` or
     1/sqrt(rows) of each table (values then depend on the sharding). Collective: every rank calls it."""
     from . import distributed
     world = world or distributed.init()
+    mesh = distributed.device_mesh(dp=world.size, world=world)
+    group = mesh.group("dp")
     if plan is None:
-        if cluster is None:
-            from .cluster import detect
-            cluster = detect(world.size)
-        plan = _planner.plan_embeddings(collection.planner_tables(), cluster, world_size=world.size,
-                                        batch_per_rank=batch_per_rank, optimizer=optimizer, pins=pins,
-                                        memory_budget_bytes=memory_budget_bytes)
+        # Rank 0 plans, every rank gets its plan (an error there is every rank's error).
+        text = ""
+        if world.rank == 0:
+            try:
+                if cluster is None:
+                    from .cluster import detect
+                    cluster = detect(world.size)
+                text = _planner.plan_embeddings(collection.planner_tables(), cluster, world_size=world.size,
+                                                batch_per_rank=batch_per_rank, optimizer=optimizer, pins=pins,
+                                                memory_budget_bytes=memory_budget_bytes).to_json()
+            except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here
+                text = "error:" + type(e).__name__ + ":" + str(e)
+                _broadcast_text(group, text, world.rank)
+                raise
+        text = _broadcast_text(group, text, world.rank)
+        if text.startswith("error:"):
+            _, kind, message = text.split(":", 2)
+            raise ValueError(f"planning the embedding tables failed on rank 0: {kind}: {message}")
+        plan = _planner.EmbeddingPlan.from_json(text)
     if plan.world_size != world.size:
         raise ValueError(f"embeddings.world_size: the plan is for {plan.world_size} ranks, the job has {world.size}")
-    mesh = distributed.device_mesh(dp=world.size, world=world)
     sharded = ShardedEmbeddingCollection(collection.configs, plan, mesh.group("dp"), optimizer, lr,
                                          **optimizer_options)
     sharded._mesh = mesh  # keeps the group alive
@@ -245,8 +284,12 @@ def shard_embeddings(collection: EmbeddingBagCollection, *, batch_per_rank: int,
     if meta:
         sharded._engine.init_uniform(init_bound if init_bound is not None else 0.0, seed)
     else:
+        # Every table starts from rank 0's values, as replicas do (data-parallel copies would
+        # otherwise differ forever: only their gradients are averaged).
         for t in collection.configs:
-            sharded._engine.load_table(t.name, collection.tables[t.name].weight.detach().to(torch.float32))
+            full = collection.tables[t.name].weight.detach().to(torch.float32).contiguous().clone()
+            group.broadcast(full, 0).wait()
+            sharded._engine.load_table(t.name, full)
     return sharded
 
 

@@ -37,6 +37,14 @@ struct ShardedEmbeddingTables::Step : torch::CustomClassHolder {
   std::vector<at::Tensor> lengths;  // per output feature, this rank's [B] lengths (mean pooling)
   bool weighted = false;
   bool done = false;
+  std::shared_ptr<int> pending;  // the engine's count of lookups awaiting backward
+  void finish() {
+    if (pending && !done) --*pending;
+    done = true;
+  }
+  ~Step() override {
+    if (pending && !done) --*pending;  // the output was dropped without a backward
+  }
 };
 
 namespace {
@@ -53,7 +61,7 @@ struct LookupFunction : torch::autograd::Function<LookupFunction> {
     TORCH_CHECK(!step->done,
                 "monarch: backward through the same embedding lookup twice: the tables were already updated "
                 "(their optimizer runs inside backward); run forward again");
-    step->done = true;
+    step->finish();
     step->owner->backward(*step, grads[0].contiguous());
     return {at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -89,6 +97,7 @@ ShardedEmbeddingTables::ShardedEmbeddingTables(planner::EmbeddingPlan plan, Comm
     : plan_(std::move(plan)), group_(group), optimizer_(optimizer) {
   rank_ = group_.group_rank();
   world_ = group_.size();
+  planner::check_embedding_placements(plan_);  // shapes the routing below relies on
   TORCH_CHECK(plan_.world_size == world_, "monarch: the embedding plan is for ", plan_.world_size,
               " ranks, the group '", group_.name(), "' has ", world_);
   TORCH_CHECK(plan_.placements.size() == plan_.tables.size(), "monarch: the embedding plan has ",
@@ -190,38 +199,70 @@ void ShardedEmbeddingTables::check_batch(const JaggedBatch& batch) const {
 }
 
 at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
-  check_batch(batch);
-  const int64_t B = batch.batch_size();
+  const bool training = at::GradMode::is_enabled();
+  // The fused optimizer runs in each lookup's backward: a second lookup whose backward would
+  // come before the first one's would update the rows twice (gradient accumulation is not
+  // the sum of the gradients under row-wise Adagrad or Adam). Checked before any collective,
+  // the same way on every rank.
+  TORCH_CHECK(!training || *pending_ == 0,
+              "monarch: embedding lookup while the previous lookup's backward has not run: the tables' optimizer "
+              "runs inside backward, once per lookup, so gradient accumulation over several lookups is not "
+              "supported. Run backward (or drop the previous output) first; look up without training under "
+              "torch.no_grad()");
+  // This rank's batch, checked. A refused batch is not thrown at once: every rank first learns
+  // of it in the counts exchange, so all of them stop at the same place instead of the others
+  // waiting in the next collective until the timeout.
+  std::string refused;
+  int64_t B = 0;
   const int64_t F = static_cast<int64_t>(output_keys_.size());
+  std::vector<at::Tensor> ids(F), lens(F), samples(F), wts(F);
+  try {
+    check_batch(batch);
+    B = batch.batch_size();
+    const auto lengths = batch.lengths.view({static_cast<int64_t>(batch.keys.size()), B});
+    const auto per_key = lengths.sum(1);
+    const auto starts = to_vector(exclusive_offsets(per_key));
+    const auto totals = to_vector(per_key);
+    const auto arange = at::arange(B, at::kLong);
+    for (int64_t o = 0; o < F; ++o) {
+      const int64_t k = std::find(batch.keys.begin(), batch.keys.end(), output_keys_[o]) - batch.keys.begin();
+      ids[o] = batch.values.slice(0, starts[k], starts[k] + totals[k]);
+      lens[o] = lengths[k].contiguous();
+      samples[o] = at::repeat_interleave(arange, lens[o]);
+      const auto& table = plan_.tables[feature_table_[o]];
+      if (batch.weights.defined()) {
+        TORCH_CHECK(table.pooling != EmbeddingPooling::mean, "monarch: feature '", output_keys_[o],
+                    "' has per-id weights but its table '", table.name, "' is mean-pooled (weights need sum pooling, "
+                    "as nn.EmbeddingBag)");
+        wts[o] = batch.weights.slice(0, starts[k], starts[k] + totals[k]).to(at::kFloat);
+      }
+      if (ids[o].numel() > 0) {
+        const int64_t lo = ids[o].min().item<int64_t>(), hi = ids[o].max().item<int64_t>();
+        TORCH_CHECK(lo >= 0 && hi < table.rows, "monarch: feature '", output_keys_[o], "': id ", lo < 0 ? lo : hi,
+                    " is out of range for table '", table.name, "' (", table.rows, " rows)");
+      }
+    }
+  } catch (const c10::Error& e) {
+    refused = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    refused = e.what();
+  }
+  if (!refused.empty()) {
+    auto flags = at::zeros({world_, 4}, at::kLong);
+    flags.select(1, 3).fill_(1);
+    auto got = at::empty_like(flags);
+    group_.all_to_all(got.view({-1}), flags.view({-1})).wait();
+    TORCH_CHECK(false, refused);
+  }
   auto step = c10::make_intrusive<Step>();
   step->owner = this;
   step->batch_size = B;
-
-  // This rank's ids per output feature, with the sample each belongs to.
-  const auto lengths = batch.lengths.view({static_cast<int64_t>(batch.keys.size()), B});
-  const auto per_key = lengths.sum(1);
-  const auto starts = to_vector(exclusive_offsets(per_key));
-  const auto totals = to_vector(per_key);
-  std::vector<at::Tensor> ids(F), lens(F), samples(F), wts(F);
-  const auto arange = at::arange(B, at::kLong);
-  for (int64_t o = 0; o < F; ++o) {
-    const int64_t k = std::find(batch.keys.begin(), batch.keys.end(), output_keys_[o]) - batch.keys.begin();
-    ids[o] = batch.values.slice(0, starts[k], starts[k] + totals[k]);
-    lens[o] = lengths[k].contiguous();
-    samples[o] = at::repeat_interleave(arange, lens[o]);
-    if (batch.weights.defined()) wts[o] = batch.weights.slice(0, starts[k], starts[k] + totals[k]).to(at::kFloat);
-    const auto& table = plan_.tables[feature_table_[o]];
-    if (ids[o].numel() > 0) {
-      const int64_t lo = ids[o].min().item<int64_t>(), hi = ids[o].max().item<int64_t>();
-      TORCH_CHECK(lo >= 0 && hi < table.rows, "monarch: feature '", output_keys_[o], "': id ", lo < 0 ? lo : hi,
-                  " is out of range for table '", table.name, "' (", table.rows, " rows)");
-    }
-  }
   step->lengths = lens;
+  const auto arange = at::arange(B, at::kLong);
 
   // Counts first: batch size, ids to each rank, whether this rank has weights.
   std::vector<at::Tensor> send_lens(world_), send_ids(world_), send_w(world_);
-  auto counts = at::zeros({world_, 3}, at::kLong);
+  auto counts = at::zeros({world_, 4}, at::kLong);  // batch size, ids to it, weights?, refused?
   for (int64_t d = 0; d < world_; ++d) {
     std::vector<at::Tensor> l, i, w;
     for (const auto& seg : segments_[d]) {
@@ -249,6 +290,10 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
   group_.all_to_all(got.view({-1}), counts.view({-1})).wait();
   std::vector<int64_t> in_ids(world_), out_ids(world_), in_lens(world_), out_lens(world_);
   const int64_t mine = static_cast<int64_t>(segments_[rank_].size());
+  for (int64_t q = 0; q < world_; ++q) {
+    TORCH_CHECK(got[q][3].item<int64_t>() == 0, "monarch: rank ", group_.ranks()[q],
+                " refused its batch (its own error says why); every rank stops this lookup");
+  }
   for (int64_t q = 0; q < world_; ++q) {
     const int64_t their_batch = got[q][0].item<int64_t>();
     TORCH_CHECK(their_batch == B, "monarch: rank ", group_.ranks()[q], " brought a batch of ", their_batch,
@@ -342,6 +387,9 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
     out.slice(1, feature_offset_[o], feature_offset_[o] + table.dim)
         .div_(lens[o].clamp_min(1).to(at::kFloat).unsqueeze(1));
   }
+  if (!training) return out;  // nothing to update: no autograd node, nothing kept
+  step->pending = pending_;
+  ++*pending_;
   return LookupFunction::apply(anchor_, out, step);
 }
 

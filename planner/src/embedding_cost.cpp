@@ -97,6 +97,7 @@ std::vector<RankBytes> embedding_detail::embedding_rank_bytes(const EmbeddingTab
         // The dense gradient is zeroed, reduced and read once per step: three passes over the
         // table, and the flags.
         r.lookup_bytes += 3 * total_rows * static_cast<double>(t.dim) * 4 + 3 * total_rows * 4;
+        r.storage += total_rows * (static_cast<double>(t.dim) * 4 + 4);  // the dense gradient and flags
         r.sent += bytes;
         r.received += bytes;
         r.latency_s += W > 1 ? 4 * static_cast<double>(W - 1) * link.latency_s : 0.0;

@@ -169,8 +169,11 @@ std::vector<EmbeddingSharding> allowed(const EmbeddingTable& t, const Cluster& c
     s << b / (1024.0 * 1024 * 1024) << " GiB";
     return s.str();
   };
-  consider(EmbeddingSharding::data_parallel, whole <= budget,
-           "data_parallel needs the whole table (" + gib(whole) + ") on every rank; the budget is " + gib(budget));
+  // Data-parallel also holds the table's dense fp32 gradient and row flags during backward.
+  const double replicated = whole + static_cast<double>(t.rows) * (static_cast<double>(t.dim) * 4 + 4);
+  consider(EmbeddingSharding::data_parallel, replicated <= budget,
+           "data_parallel needs the whole table and its dense gradient (" + gib(replicated) +
+               ") on every rank; the budget is " + gib(budget));
   consider(EmbeddingSharding::table_wise, whole <= budget,
            "table_wise needs the whole table (" + gib(whole) + ") on one rank; the budget is " + gib(budget));
   const double chunk_bytes = static_cast<double>(t.rows) *
@@ -392,12 +395,11 @@ std::pair<double, double> table_bounds(const State& st, size_t t, EmbeddingShard
   return {total, most};
 }
 
-double fixed_latency(const Cluster& c, const std::vector<EmbeddingPlacement>& placements, int64_t W) {
-  // Ids, lengths, pooled rows forward and their gradients backward: four all-to-alls per
-  // step for all the sharded tables together, each W - 1 messages per rank.
-  bool any = false;
-  for (const auto& p : placements) any = any || p.sharding != EmbeddingSharding::data_parallel;
-  return any && W > 1 ? 4 * static_cast<double>(W - 1) * embedding_detail::all_to_all_link(c, W).latency_s : 0.0;
+double fixed_latency(const Cluster& c, int64_t W) {
+  // Every step: counts, lengths, ids and pooled rows forward, their gradients backward: five
+  // all-to-alls for all tables together (the runtime makes them even when every table is
+  // data-parallel), each W - 1 messages per rank. The same for every placement.
+  return W > 1 ? 5 * static_cast<double>(W - 1) * embedding_detail::all_to_all_link(c, W).latency_s : 0.0;
 }
 
 EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& cluster, const EmbeddingOptions& o,
@@ -413,13 +415,10 @@ EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& c
     const auto b = embedding_detail::embedding_rank_bytes(tables[t], placements[t], cluster, o);
     for (int64_t r = 0; r < o.world_size; ++r) load[r] += b[r];
   }
-  const double fixed = fixed_latency(cluster, placements, o.world_size);
-  // Before the ids, every rank tells every other its batch size, id count and whether it
-  // has weights (three int64).
-  const bool sharded = std::any_of(placements.begin(), placements.end(), [](const EmbeddingPlacement& p) {
-    return p.sharding != EmbeddingSharding::data_parallel;
-  });
-  const double counts = sharded ? 24.0 * static_cast<double>(o.world_size - 1) : 0.0;
+  const double fixed = fixed_latency(cluster, o.world_size);
+  // Before the ids, every rank tells every other its batch size, id count, whether it has
+  // weights and whether its batch was refused (four int64).
+  const double counts = 32.0 * static_cast<double>(o.world_size - 1);
   for (int64_t r = 0; r < o.world_size; ++r) {
     load[r].sent += counts;
     load[r].received += counts;
@@ -564,6 +563,7 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
     bound_sum += cheapest[t];
   }
   const double lower_bound = std::max(bound_sum / static_cast<double>(W), bound_max);
+  // (finish adds the placement-independent all-to-all latency to both the plan and the bound.)
 
   std::vector<size_t> order(tables.size());
   std::iota(order.begin(), order.end(), 0);
@@ -603,8 +603,7 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
   return finish(tables, cluster, options, best->placements, lower_bound);
 }
 
-EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, double memory_budget_bytes) {
-  validate(cluster);
+void check_embedding_placements(const EmbeddingPlan& plan) {
   EmbeddingOptions o;
   o.world_size = plan.world_size;
   o.batch_per_rank = plan.batch_per_rank;
@@ -614,14 +613,20 @@ EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, do
     throw ValidationError("embeddings.placements", std::to_string(plan.placements.size()) + " placements for " +
                                                        std::to_string(plan.tables.size()) + " tables");
   }
+  std::set<std::string> names, features;
   for (size_t t = 0; t < plan.tables.size(); ++t) {
     const EmbeddingTable& table = plan.tables[t];
     validate_table(table);
+    if (!names.insert(table.name).second) throw ValidationError(table_field(table), "two tables have this name");
+    for (const auto& f : table.features) {
+      if (!features.insert(f).second) {
+        throw ValidationError(table_field(table) + ".features", "feature '" + f + "' looks up two tables");
+      }
+    }
     const EmbeddingPlacement& p = plan.placements[t];
     const std::string f = "embeddings.placements." + table.name;
     if (p.table != table.name) throw ValidationError(f, "placement " + std::to_string(t) + " is for '" + p.table + "'");
-    // Every (row, column) held exactly once (data-parallel: exactly once per rank).
-    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> boxes;
+    if (p.shards.empty()) throw ValidationError(f + ".shards", "no shards");
     std::set<int64_t> ranks;
     for (const auto& s : p.shards) {
       if (s.rank < 0 || s.rank >= plan.world_size) {
@@ -633,15 +638,35 @@ EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, do
         throw ValidationError(f + ".shards", "a shard on rank " + std::to_string(s.rank) + " is outside the " +
                                                  std::to_string(table.rows) + " x " + std::to_string(table.dim) + " table");
       }
+      // Each kind's shape, as the runtime routes ids by it: whole rows for table- and
+      // column-wise (ids go to every shard), whole columns for row splits (ids go to the
+      // shard holding their row).
+      const bool whole_rows = s.row_offset == 0 && s.rows == table.rows;
+      const bool whole_cols = s.col_offset == 0 && s.cols == table.dim;
+      const std::string kind = to_string(p.sharding);
+      switch (p.sharding) {
+        case EmbeddingSharding::data_parallel:
+        case EmbeddingSharding::table_wise:
+          if (!whole_rows || !whole_cols) throw ValidationError(f + ".shards", kind + " shards hold the whole table");
+          break;
+        case EmbeddingSharding::column_wise:
+          if (!whole_rows) throw ValidationError(f + ".shards", "column_wise shards hold every row");
+          break;
+        case EmbeddingSharding::row_wise:
+        case EmbeddingSharding::table_row_wise:
+          if (!whole_cols) throw ValidationError(f + ".shards", kind + " shards hold every column");
+          break;
+      }
       ranks.insert(s.rank);
+    }
+    if (p.sharding == EmbeddingSharding::table_wise && p.shards.size() != 1) {
+      throw ValidationError(f + ".shards", "table_wise puts the table on one rank, not " + std::to_string(p.shards.size()));
     }
     double area = 0;
     for (const auto& s : p.shards) area += static_cast<double>(s.rows) * static_cast<double>(s.cols);
     const double whole = static_cast<double>(table.rows) * static_cast<double>(table.dim);
-    const bool dp = p.sharding == EmbeddingSharding::data_parallel;
-    if (dp) {
-      if (static_cast<int64_t>(p.shards.size()) != plan.world_size || static_cast<int64_t>(ranks.size()) != plan.world_size ||
-          area != whole * static_cast<double>(plan.world_size)) {
+    if (p.sharding == EmbeddingSharding::data_parallel) {
+      if (static_cast<int64_t>(p.shards.size()) != plan.world_size || static_cast<int64_t>(ranks.size()) != plan.world_size) {
         throw ValidationError(f + ".shards", "data_parallel needs the whole table on every rank");
       }
       continue;
@@ -657,6 +682,15 @@ EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, do
     }
     if (area != whole) throw ValidationError(f + ".shards", "the shards do not cover the table");
   }
+}
+
+EmbeddingPlan evaluate_embeddings(EmbeddingPlan plan, const Cluster& cluster, double memory_budget_bytes) {
+  validate(cluster);
+  check_embedding_placements(plan);
+  EmbeddingOptions o;
+  o.world_size = plan.world_size;
+  o.batch_per_rank = plan.batch_per_rank;
+  o.optimizer = plan.optimizer;
   const double budget = budget_of(cluster, memory_budget_bytes);
   EmbeddingPlan out = finish(plan.tables, cluster, o, plan.placements, 0);
   for (int64_t r = 0; r < plan.world_size; ++r) {

@@ -19,6 +19,7 @@ and each table's sharding."""
 
 import os
 import sys
+import time
 
 import torch
 
@@ -124,6 +125,30 @@ def errors(world):
         out["lengths"] = None
     except ValueError as e:
         out["lengths"] = str(e)
+    # Only rank 1's batch is bad: every rank fails the same lookup, at once, and the next
+    # lookup works on every rank.
+    bad_on_one = dict(good, d=[[6], [97]]) if world.rank == 1 else good
+    t0 = time.monotonic()
+    try:
+        sharded(JaggedBatch.from_lists(bad_on_one))
+        out["one_rank"] = None
+    except Exception as e:  # noqa: BLE001
+        out["one_rank"] = str(e)
+    out["one_rank_seconds"] = time.monotonic() - t0
+    out["after"] = sharded(x).shape[0]
+    # Two lookups before one backward: refused (the fused update runs once per lookup).
+    y = sharded(x)
+    try:
+        sharded(x)
+        out["twice"] = None
+    except Exception as e:  # noqa: BLE001
+        out["twice"] = str(e)
+    y.sum().backward()
+    with torch.no_grad():  # evaluation lookups keep nothing and need no backward
+        sharded(x)
+        sharded(x)
+    sharded(x).sum().backward()
+    out["after_backward"] = True
     return out
 
 
@@ -138,13 +163,15 @@ def reshard(world):
         sharded = shard_embeddings(ebc, batch_per_rank=local, optimizer="sgd", lr=LR,
                                    cluster=planner.cluster("a100-80gb", world.size),
                                    pins={t.name: layout for t in TABLES}, world=world)
+        holder = torch.nn.Module()  # the tables inside a model: its state dict holds them
+        holder.emb = sharded
         if state is None:
             for step in range(2):
                 x, _ = batch(step)
                 sharded(x.samples(world.rank * local, (world.rank + 1) * local)).sum().backward()
-            state = sharded.state_dict()
+            state = holder.state_dict()
         else:
-            sharded.load_state_dict(state)
+            holder.load_state_dict(state)
         x, _ = batch(5)
         outputs[layout] = sharded(x.samples(world.rank * local, (world.rank + 1) * local)).detach()
     return {"outputs": outputs, "state": state}

@@ -88,6 +88,12 @@ def test_bad_input_is_refused_with_the_feature_and_id():
     assert "lacks feature 'c'" in got["missing"]
     assert "feature 'z' is not looked up by any table" in got["unknown"]
     assert "lengths sum to" in got["lengths"]
+    # Only rank 1's batch was bad: rank 1 names the id, rank 0 names rank 1, both at once.
+    assert "id 97 is out of range" in torch.load(r.result_path(1))["one_rank"]
+    assert "rank 1 refused its batch" in got["one_rank"]
+    assert got["one_rank_seconds"] < 10
+    assert got["after"] == 2 and got["after_backward"]
+    assert "gradient accumulation over several lookups is not supported" in got["twice"]
 
 
 def test_pinning_a_table_to_a_sharding_it_cannot_take_names_it():
@@ -107,9 +113,10 @@ def test_whole_table_state_dict_loads_into_another_sharding():
         for layout in ("table_wise", "column_wise"):
             # Row-wise adds partial sums in another order: equal up to float rounding.
             torch.testing.assert_close(got["outputs"][layout], ref, rtol=1e-6, atol=1e-6)
-    # The state dict is whole tables, loadable into the unsharded collection.
+    # The parent model's state dict holds whole tables under the unsharded collection's keys.
+    assert sorted(got["state"]) == sorted(f"emb.tables.{t.name}.weight" for t in TABLES)
     ebc = EmbeddingBagCollection(TABLES)
-    ebc.load_state_dict(got["state"])
+    ebc.load_state_dict({k[len("emb."):]: v for k, v in got["state"].items()})
 
 
 @pytest.mark.parametrize("ranks,scenario", [(2, "dlrm"), (4, "dlrm"), (2, "dlrm_parallelize")])

@@ -167,6 +167,19 @@ TEST_CASE("bad tables and placements name what is wrong", "[embeddings]") {
   overlap.placements[0].sharding = EmbeddingSharding::row_wise;
   overlap.placements[0].shards = {{0, 0, 6, 0, 8}, {1, 4, 6, 0, 8}};
   CHECK_THROWS_WITH(evaluate_embeddings(overlap, c), Catch::Contains("overlap"));
+  // Shapes the runtime would route wrongly are refused by kind.
+  EmbeddingPlan chunks_as_rows = p;
+  chunks_as_rows.placements[0].sharding = EmbeddingSharding::row_wise;
+  chunks_as_rows.placements[0].shards = {{0, 0, 10, 0, 4}, {1, 0, 10, 4, 4}};
+  CHECK_THROWS_WITH(evaluate_embeddings(chunks_as_rows, c), Catch::Contains("row_wise shards hold every column"));
+  EmbeddingPlan split_table = p;
+  split_table.placements[0].sharding = EmbeddingSharding::table_wise;
+  split_table.placements[0].shards = {{0, 0, 5, 0, 8}, {1, 5, 5, 0, 8}};
+  CHECK_THROWS_WITH(evaluate_embeddings(split_table, c), Catch::Contains("table_wise shards hold the whole table"));
+  EmbeddingPlan twice = plan_embeddings({table("t", 10, 8), table("u", 10, 8)}, c, opts(2, 4));
+  twice.tables[1].name = "t";
+  twice.placements[1].table = "t";
+  CHECK_THROWS_WITH(evaluate_embeddings(twice, c), Catch::Contains("two tables have this name"));
   EmbeddingPlan far = p;
   far.placements[0].shards = {{7, 0, 10, 0, 8}};
   CHECK_THROWS_WITH(evaluate_embeddings(far, c), Catch::Contains("rank 7 outside the world of 2"));

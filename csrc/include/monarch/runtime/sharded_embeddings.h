@@ -44,9 +44,11 @@ class ShardedEmbeddingTables {
   ShardedEmbeddingTables(planner::EmbeddingPlan plan, Communicator& group, EmbeddingOptimizerConfig optimizer);
 
   // Pooled embeddings of this rank's batch: [B, sum of the dims of output_keys()], each
-  // feature's columns in output_keys() order. The result is attached to autograd: its
-  // backward sends the gradients to the shards' owners and applies the optimizer there.
-  // Collective: every rank calls it with a batch of the same size.
+  // feature's columns in output_keys() order. With grad mode on, the result is attached to
+  // autograd: its backward sends the gradients to the shards' owners and applies the
+  // optimizer there, once per lookup (a second lookup before the first one's backward is
+  // refused). Collective: every rank calls it with a batch of the same size; a batch refused
+  // on one rank (bad ids, missing features) makes every rank throw.
   at::Tensor forward(const JaggedBatch& batch);
 
   const std::vector<std::string>& output_keys() const { return output_keys_; }
@@ -105,6 +107,7 @@ class ShardedEmbeddingTables {
   int64_t output_width_ = 0;
   std::vector<std::vector<Segment>> segments_;       // per destination rank
   at::Tensor anchor_;                                // requires grad: connects outputs to autograd
+  std::shared_ptr<int> pending_ = std::make_shared<int>(0);  // lookups whose backward has not run
 };
 
 }  // namespace monarch

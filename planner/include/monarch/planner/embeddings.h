@@ -64,7 +64,8 @@ struct EmbeddingPlacement {
 
 // Per rank, per training step.
 struct EmbeddingRankLoad {
-  double storage_bytes = 0;  // table shards and their optimizer state
+  double storage_bytes = 0;  // peak: table shards, their optimizer state, and a data-parallel
+                             // table's dense gradient during backward
   double lookup_s = 0;       // gathers, pooling, gradient scatter and sparse update
   double comm_s = 0;         // input and output all-to-alls, forward and backward; DP all-reduce
   double sent_bytes = 0;     // what the rank's communicator sends per step (its counters)
@@ -109,6 +110,12 @@ std::vector<EmbeddingRankLoad> embedding_placement_loads(const EmbeddingTable& t
 // not fit.
 EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const Cluster& cluster,
                               const EmbeddingOptions& options);
+
+// Structure only (no cluster): tables valid and uniquely named, a feature looking up one table,
+// each placement's shards in range, shaped as its sharding kind says (table- and data-
+// parallel: the whole table; column-wise: every row; row splits: every column), covering the
+// table exactly once (data-parallel: once per rank). Throws ValidationError naming the table.
+void check_embedding_placements(const EmbeddingPlan& plan);
 
 // Re-scores a plan (edited by hand or loaded): fills ranks, max_rank_s and lower_bound_s.
 // Throws ValidationError naming the table and field when a placement is inconsistent (rows
