@@ -73,6 +73,7 @@ def test_a_table_larger_than_a_rank_is_built_on_meta_and_trains_row_wise():
     assert r.ok, r.describe()
     for rank in range(4):
         got = torch.load(r.result_path(rank))
+        assert not got["whole_fits"]  # under the rank's allocation limit the whole table does not fit
         assert got["local_rows"] == 500_000  # a quarter of the rows, never the whole table
         # Peak resident growth: the shard (128 MiB) and its state, nowhere near the 512 MiB table.
         assert got["peak_growth"] < 0.5 * got["table_bytes"], got
