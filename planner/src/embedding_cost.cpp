@@ -34,8 +34,7 @@ Link all_to_all_link(const Cluster& cluster, int64_t world) {
 double comm_seconds(const RankBytes& r, const Cluster& cluster, int64_t world) {
   const Link link = all_to_all_link(cluster, world);
   // Links are full duplex: a rank's transfers take the larger of what it sends and receives.
-  return std::max(r.sent, r.received) / link.bytes_per_s + r.intra_bytes / cluster.intra_node_bytes_per_s +
-         r.latency_s;
+  return std::max(r.sent, r.received) / link.bytes_per_s + r.latency_s;
 }
 
 double rank_seconds(const RankBytes& r, const Cluster& cluster, int64_t world) {
@@ -172,8 +171,8 @@ std::vector<EmbeddingRankLoad> embedding_placement_loads(const EmbeddingTable& t
     out[r].storage_bytes = bytes[r].storage;
     out[r].lookup_s = bytes[r].lookup_bytes / cluster.hbm_bytes_per_s;
     out[r].comm_s = embedding_detail::comm_seconds(bytes[r], cluster, options.world_size);
-    out[r].sent_bytes = bytes[r].sent + bytes[r].intra_bytes / 2;
-    out[r].received_bytes = bytes[r].received + bytes[r].intra_bytes / 2;
+    out[r].sent_bytes = bytes[r].sent;
+    out[r].received_bytes = bytes[r].received;
   }
   return out;
 }

@@ -12,14 +12,12 @@ struct RankBytes {
   double storage = 0;       // table shard + optimizer state
   double lookup_bytes = 0;  // device-memory traffic of lookups and sparse updates
   double sent = 0, received = 0;  // over the all-to-all link
-  double intra_bytes = 0;   // sent (and received) inside the node (table-row-wise partial sums)
   double latency_s = 0;     // per-message latencies of collectives only this table needs
   RankBytes& operator+=(const RankBytes& o) {
     storage += o.storage;
     lookup_bytes += o.lookup_bytes;
     sent += o.sent;
     received += o.received;
-    intra_bytes += o.intra_bytes;
     latency_s += o.latency_s;
     return *this;
   }
@@ -28,7 +26,6 @@ struct RankBytes {
     lookup_bytes -= o.lookup_bytes;
     sent -= o.sent;
     received -= o.received;
-    intra_bytes -= o.intra_bytes;
     latency_s -= o.latency_s;
     return *this;
   }

@@ -388,8 +388,7 @@ std::pair<double, double> table_bounds(const State& st, size_t t, EmbeddingShard
   const Link link = embedding_detail::all_to_all_link(st.cluster, st.options.world_size);
   double total = 0, most = 0;
   for (const auto& r : bytes) {
-    total += r.lookup_bytes / st.cluster.hbm_bytes_per_s + (r.sent + r.received) / 2 / link.bytes_per_s +
-             r.intra_bytes / st.cluster.intra_node_bytes_per_s + r.latency_s;
+    total += r.lookup_bytes / st.cluster.hbm_bytes_per_s + (r.sent + r.received) / 2 / link.bytes_per_s + r.latency_s;
     most = std::max(most, st.rank_time(r));
   }
   return {total, most};
@@ -426,8 +425,8 @@ EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& c
     out.storage_bytes = load[r].storage;
     out.lookup_s = load[r].lookup_bytes / cluster.hbm_bytes_per_s;
     out.comm_s = embedding_detail::comm_seconds(load[r], cluster, o.world_size) + fixed;
-    out.sent_bytes = load[r].sent + load[r].intra_bytes / 2;
-    out.received_bytes = load[r].received + load[r].intra_bytes / 2;
+    out.sent_bytes = load[r].sent;
+    out.received_bytes = load[r].received;
     plan.max_rank_s = std::max(plan.max_rank_s, out.total_s());
   }
   plan.placements = std::move(placements);
