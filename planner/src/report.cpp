@@ -1,5 +1,7 @@
 #include "monarch/planner/report.h"
 
+#include "monarch/planner/embeddings.h"
+
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -122,6 +124,7 @@ std::string format_report(const Plan& plan) {
           << format_bytes(a.memory_bytes_per_device) << "  -- " << a.reason << "\n";
     }
   }
+  if (plan.embeddings) out << "\n" << format_embedding_report(*plan.embeddings);
   return out.str();
 }
 

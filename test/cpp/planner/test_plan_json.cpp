@@ -12,6 +12,7 @@
 
 #include "monarch/planner/errors.h"
 #include "monarch/planner/plan.h"
+#include "monarch/planner/report.h"
 
 using namespace monarch::planner;
 using Json = nlohmann::ordered_json;
@@ -522,6 +523,7 @@ TEST_CASE("plan JSON carries an embeddings section, checked against the mesh", "
   CHECK(back == p);
   CHECK(to_json(back) == text);
   validate(back);
+  CHECK_THAT(format_report(back), Contains("embedding tables: 1 on") && Contains("user_id (1000 x 16)"));
 
   Plan other = p;
   other.embeddings->world_size = 3;
