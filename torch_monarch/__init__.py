@@ -33,6 +33,8 @@ _RUNTIME = {
     "JaggedBatch": "embeddings",
     "EmbeddingBagConfig": "embeddings",
     "EmbeddingBagCollection": "embeddings",
+    "EmbeddingConfig": "embeddings",
+    "EmbeddingCollection": "embeddings",
     "shard_embeddings": "embeddings",
     "cluster": None,
     "graph": None,

@@ -114,13 +114,23 @@ class EmbeddingBagConfig:
     pooling: str = "sum"
     pooling_factor: float = 1.0
 
+    _poolings = ("sum", "mean")
+
     def __post_init__(self):
         if not self.features:
             self.features = [self.name]
-        if self.pooling not in ("sum", "mean"):
-            raise ValueError(f"table '{self.name}': pooling must be 'sum' or 'mean', got '{self.pooling}'")
+        if self.pooling not in self._poolings:
+            raise ValueError(f"table '{self.name}': pooling must be one of {self._poolings}, got '{self.pooling}'")
         if self.rows <= 0 or self.dim <= 0:
             raise ValueError(f"table '{self.name}': rows and dim must be > 0 (got {self.rows} x {self.dim})")
+
+
+@dataclass
+class EmbeddingConfig(EmbeddingBagConfig):
+    """A table of sequence features (``nn.Embedding``): every id gets its own row, no pooling;
+    ``pooling_factor``: mean ids per sample per feature (the sequence length)."""
+    pooling: str = "none"
+    _poolings = ("none",)
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -164,6 +174,48 @@ class EmbeddingBagCollection(nn.Module):
                                          pooling=t.pooling, dtype=dtype) for t in self.configs]
 
 
+class EmbeddingCollection(nn.Module):
+    """Sequence features on one process: one ``nn.Embedding`` per table (the unsharded model
+    and the reference). Output: {feature: [its ids in the batch, dim]} in table order."""
+
+    def __init__(self, tables: Sequence[EmbeddingConfig], device=None):
+        super().__init__()
+        self.configs = list(tables)
+        names = [t.name for t in self.configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EmbeddingCollection: two tables share a name in {names}")
+        features = [f for t in self.configs for f in t.features]
+        if len(set(features)) != len(features):
+            raise ValueError("EmbeddingCollection: a feature looks up two tables; each feature names one")
+        for t in self.configs:
+            if t.pooling != "none":
+                raise ValueError(f"EmbeddingCollection: table '{t.name}' pools ({t.pooling}); use EmbeddingConfig")
+        self.tables = nn.ModuleDict({t.name: nn.Embedding(t.rows, t.dim, device=device) for t in self.configs})
+
+    @property
+    def output_keys(self):
+        return [f for t in self.configs for f in t.features]
+
+    def forward(self, batch: JaggedBatch):
+        out = {}
+        for t in self.configs:
+            for f in t.features:
+                if f not in batch.keys:
+                    raise ValueError(f"JaggedBatch lacks feature '{f}'")
+                ids, _, w = batch.feature(f)
+                if w is not None:
+                    raise ValueError(f"feature '{f}' has weights but table '{t.name}' is a sequence table")
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
+                    bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                    raise ValueError(f"feature '{f}': id {bad} is out of range for table '{t.name}' ({t.rows} rows)")
+                out[f] = self.tables[t.name](ids)
+        return out
+
+    def planner_tables(self, dtype="fp32"):
+        return [_planner.embedding_table(t.name, t.rows, t.dim, features=t.features, pooling_factor=t.pooling_factor,
+                                         pooling="none", dtype=dtype) for t in self.configs]
+
+
 def rowwise_adagrad_(weight, grad, state, lr, eps=1e-8):
     """FBGEMM's row-wise Adagrad on whole tensors (the reference for the fused sparse path):
     one accumulator per row, the mean squared gradient; rows with no gradient do not move."""
@@ -193,7 +245,13 @@ class ShardedEmbeddingCollection(nn.Module):
         return list(self._engine.output_keys)
 
     def forward(self, batch: JaggedBatch):
-        return self._engine.forward(batch.keys, batch.values, batch.lengths, batch.weights)
+        """Pooled tables: [B, width]. Sequence tables: {feature: [ids, dim]}. Both: the pair."""
+        pooled, sequences = self._engine.forward_all(batch.keys, batch.values, batch.lengths, batch.weights)
+        sequence_keys = [f for t in self.configs if t.pooling == "none" for f in t.features]
+        if not sequence_keys:
+            return pooled
+        named = dict(zip(sequence_keys, sequences))
+        return named if len(sequence_keys) == len(self.output_keys) else (pooled, named)
 
     def full_table(self, name):
         return self._engine.full_table(name)
@@ -243,7 +301,7 @@ def _broadcast_text(group, text, rank):
     return bytes(buffer.tolist()).decode()
 
 
-def shard_embeddings(collection: EmbeddingBagCollection, *, batch_per_rank: int, optimizer: str = "sgd",
+def shard_embeddings(collection, *, batch_per_rank: int, optimizer: str = "sgd",
                      lr: float = 0.01, plan=None, cluster=None, pins=None, memory_budget_bytes=0.0,
                      world=None, init_bound: Optional[float] = None, seed: int = 0, **optimizer_options):
     """Plans (unless ``plan``, an EmbeddingPlan, is given: rank 0 plans and sends the plan to every
@@ -315,9 +373,10 @@ def parallelize_recommendation(model: nn.Module, *, global_batch: int, cluster=N
     if global_batch is None or global_batch % world.size:
         raise ValueError(f"parallelize: global_batch={global_batch} must be a multiple of the {world.size} ranks "
                          "(each rank brings global_batch / ranks samples)")
-    collections = [(n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
+    collections = [(n, m) for n, m in model.named_modules()
+                   if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if len(collections) != 1:
-        raise ValueError(f"parallelize: found {len(collections)} EmbeddingBagCollections "
+        raise ValueError(f"parallelize: found {len(collections)} embedding collections "
                          f"({[n for n, _ in collections]}); one per model is supported (put every table in it)")
     name, ebc = collections[0]
     sharded = shard_embeddings(ebc, batch_per_rank=global_batch // world.size, optimizer=optimizer, lr=lr, plan=plan,
@@ -326,7 +385,7 @@ def parallelize_recommendation(model: nn.Module, *, global_batch: int, cluster=N
     if name:
         _set_submodule(model, name, sharded)
     else:
-        raise ValueError("parallelize: the model is itself an EmbeddingBagCollection: use shard_embeddings()")
+        raise ValueError("parallelize: the model is itself an embedding collection: use shard_embeddings()")
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu")
         for m in model.modules():

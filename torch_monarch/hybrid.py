@@ -414,8 +414,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     """
     from .api import check_plan, plan_for_job
     from .distributed import init
-    from .embeddings import EmbeddingBagCollection, parallelize_recommendation
-    if any(isinstance(m, EmbeddingBagCollection) for m in model.modules()):
+    from .embeddings import EmbeddingBagCollection, EmbeddingCollection, parallelize_recommendation
+    if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
                                          virtual_stages=virtual_stages, unit_stage=unit_stage, units=units,
@@ -428,7 +428,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         return parallelize_recommendation(model, global_batch=global_batch, cluster=cluster,
                                           bucket_cap_mb=bucket_cap_mb or 25.0, **(embeddings or {}))
     if embeddings is not None:
-        raise ValueError("parallelize: embeddings= given, but the model holds no EmbeddingBagCollection")
+        raise ValueError("parallelize: embeddings= given, but the model holds no embedding collection")
     info = None
     if plan is None and example_input is not None:
         if global_batch is None:

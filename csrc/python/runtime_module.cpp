@@ -332,6 +332,20 @@ void bind_embeddings(py::module_& m) {
             return self.forward(batch);
           },
           py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("weights") = py::none())
+      .def(
+          "forward_all",
+          [](ShardedEmbeddingTables& self, std::vector<std::string> keys, at::Tensor values, at::Tensor lengths,
+             std::optional<at::Tensor> weights) {
+            JaggedBatch batch{std::move(keys), std::move(values), std::move(lengths), weights ? *weights : at::Tensor()};
+            EmbeddingLookup out;
+            {
+              py::gil_scoped_release release;
+              out = self.forward_all(batch);
+            }
+            return py::make_tuple(out.pooled, out.sequences);
+          },
+          py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("weights") = py::none(),
+          "(pooled [B, width], [rows of each sequence feature])")
       .def_property_readonly("output_keys", &ShardedEmbeddingTables::output_keys)
       .def_property_readonly("output_dims", &ShardedEmbeddingTables::output_dims)
       .def("load_table", &ShardedEmbeddingTables::load_table, py::arg("table"), py::arg("full"))

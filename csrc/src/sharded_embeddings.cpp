@@ -35,6 +35,14 @@ struct ShardedEmbeddingTables::Step : torch::CustomClassHolder {
   // Data-parallel tables, per output feature (undefined when the feature's table is sharded).
   std::vector<at::Tensor> dp_rows, dp_samples, dp_weights;
   std::vector<at::Tensor> lengths;  // per output feature, this rank's [B] lengths (mean pooling)
+  // Requester side, per destination, per segment of segments_[d]: rows it sends back (B for a
+  // pooled feature, the ids sent for a sequence feature) and, for a sequence feature split by
+  // rows, which of the feature's ids went there.
+  std::vector<std::vector<int64_t>> sent_rows;
+  std::vector<std::vector<at::Tensor>> positions;
+  // Owner side, per source, per segment of segments_[rank_]: rows it sent back.
+  std::vector<std::vector<int64_t>> served_rows;
+  std::vector<int64_t> sequence_ids;  // per output feature: this rank's ids (sequence features)
   bool weighted = false;
   bool done = false;
   std::shared_ptr<int> pending;  // the engine's count of lookups awaiting backward
@@ -50,10 +58,12 @@ struct ShardedEmbeddingTables::Step : torch::CustomClassHolder {
 namespace {
 
 struct LookupFunction : torch::autograd::Function<LookupFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& anchor,
-                            at::Tensor result, c10::intrusive_ptr<ShardedEmbeddingTables::Step> step) {
+  // Outputs: the pooled features [B, pooled width] and every sequence feature's rows, flat.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& anchor,
+                                                at::Tensor pooled, at::Tensor sequences,
+                                                c10::intrusive_ptr<ShardedEmbeddingTables::Step> step) {
     ctx->saved_data["step"] = c10::IValue::make_capsule(step);
-    return result;
+    return {pooled, sequences};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -62,8 +72,9 @@ struct LookupFunction : torch::autograd::Function<LookupFunction> {
                 "monarch: backward through the same embedding lookup twice: the tables were already updated "
                 "(their optimizer runs inside backward); run forward again");
     step->finish();
-    step->owner->backward(*step, grads[0].contiguous());
-    return {at::Tensor(), at::Tensor(), at::Tensor()};
+    step->owner->backward(*step, grads[0].defined() ? grads[0].contiguous() : grads[0],
+                          grads[1].defined() ? grads[1].contiguous() : grads[1]);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -110,16 +121,16 @@ ShardedEmbeddingTables::ShardedEmbeddingTables(planner::EmbeddingPlan plan, Comm
     TORCH_CHECK(plan_.placements[t].table == table.name, "monarch: embedding placement ", t, " is for '",
                 plan_.placements[t].table, "', table ", t, " is '", table.name, "'");
     // What the plan may say and this runtime does not do is refused, naming the table.
-    TORCH_CHECK(table.pooling != EmbeddingPooling::none, "monarch: table '", table.name,
-                "' has sequence features (pooling none): the runtime pools bags (sum, mean) only");
     TORCH_CHECK(table.bytes_per_element == 4, "monarch: table '", table.name, "' is planned with ",
                 table.bytes_per_element, "-byte elements; the runtime stores fp32 tables only");
     for (const auto& f : table.features) {
       TORCH_CHECK(seen.insert(f).second, "monarch: feature '", f, "' looks up two tables; each feature names one");
       feature_table_.push_back(static_cast<int64_t>(t));
-      feature_offset_.push_back(output_width_);
+      const bool sequence = table.pooling == EmbeddingPooling::none;
+      sequence_.push_back(sequence);
+      feature_offset_.push_back(sequence ? -1 : output_width_);
       output_keys_.push_back(f);
-      output_width_ += table.dim;
+      if (!sequence) output_width_ += table.dim;
     }
     const auto& shards = plan_.placements[t].shards;
     for (size_t s = 0; s < shards.size(); ++s) {
@@ -199,6 +210,12 @@ void ShardedEmbeddingTables::check_batch(const JaggedBatch& batch) const {
 }
 
 at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
+  TORCH_CHECK(std::none_of(sequence_.begin(), sequence_.end(), [](bool v) { return v; }),
+              "monarch: these tables have sequence features (pooling none): use forward_all");
+  return forward_all(batch).pooled;
+}
+
+EmbeddingLookup ShardedEmbeddingTables::forward_all(const JaggedBatch& batch) {
   const bool training = at::GradMode::is_enabled();
   // The fused optimizer runs in each lookup's backward: a second lookup whose backward would
   // come before the first one's would update the rows twice (gradient accumulation is not
@@ -231,6 +248,8 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
       samples[o] = at::repeat_interleave(arange, lens[o]);
       const auto& table = plan_.tables[feature_table_[o]];
       if (batch.weights.defined()) {
+        TORCH_CHECK(!sequence_[o], "monarch: feature '", output_keys_[o], "' has per-id weights but its table '",
+                    table.name, "' is a sequence table (pooling none: nn.Embedding takes no weights)");
         TORCH_CHECK(table.pooling != EmbeddingPooling::mean, "monarch: feature '", output_keys_[o],
                     "' has per-id weights but its table '", table.name, "' is mean-pooled (weights need sum pooling, "
                     "as nn.EmbeddingBag)");
@@ -263,21 +282,27 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
   // Counts first: batch size, ids to each rank, whether this rank has weights.
   std::vector<at::Tensor> send_lens(world_), send_ids(world_), send_w(world_);
   auto counts = at::zeros({world_, 4}, at::kLong);  // batch size, ids to it, weights?, refused?
+  step->sent_rows.assign(world_, {});
+  step->positions.assign(world_, {});
   for (int64_t d = 0; d < world_; ++d) {
     std::vector<at::Tensor> l, i, w;
     for (const auto& seg : segments_[d]) {
       const auto& where = plan_.placements[seg.table].shards[seg.shard];
+      at::Tensor at_positions;
       if (row_split(plan_.placements[seg.table].sharding)) {
         const auto mask = ids[seg.feature].ge(where.row_offset).logical_and(ids[seg.feature].lt(where.row_offset + where.rows));
         i.push_back(ids[seg.feature].masked_select(mask) - where.row_offset);
         l.push_back(at::bincount(samples[seg.feature].masked_select(mask), {}, B));
         w.push_back(wts[seg.feature].defined() ? wts[seg.feature].masked_select(mask)
                                                : at::ones({i.back().numel()}, at::kFloat));
+        if (sequence_[seg.feature]) at_positions = mask.nonzero().view({-1});
       } else {
         i.push_back(ids[seg.feature]);
         l.push_back(lens[seg.feature]);
         w.push_back(wts[seg.feature].defined() ? wts[seg.feature] : at::ones({ids[seg.feature].numel()}, at::kFloat));
       }
+      step->sent_rows[d].push_back(sequence_[seg.feature] ? i.back().numel() : B);
+      step->positions[d].push_back(at_positions);
     }
     send_lens[d] = l.empty() ? at::zeros({0}, at::kLong) : at::cat(l).to(at::kLong);
     send_ids[d] = i.empty() ? at::zeros({0}, at::kLong) : at::cat(i);
@@ -324,6 +349,7 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
   step->rows.assign(world_, {});
   step->samples.assign(world_, {});
   step->weights.assign(world_, {});
+  step->served_rows.assign(world_, {});
   int64_t lens_at = 0, ids_at = 0;
   for (int64_t q = 0; q < world_; ++q) {
     std::vector<at::Tensor> pieces;
@@ -338,15 +364,26 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
       ids_at += n;
       TORCH_CHECK(n == 0 || (r.min().item<int64_t>() >= 0 && r.max().item<int64_t>() < shard->where.rows),
                   "monarch: internal: a received id is outside the local shard of '", plan_.tables[seg.table].name, "'");
-      pieces.push_back(pool(shard->weight, r, l, w).reshape({-1}));
+      if (sequence_[seg.feature]) {
+        // A sequence feature: every id is its own row back, no pooling.
+        pieces.push_back(shard->weight.index_select(0, r).reshape({-1}));
+        step->samples[q].push_back(at::arange(n, at::kLong));
+        step->served_rows[q].push_back(n);
+      } else {
+        pieces.push_back(pool(shard->weight, r, l, w).reshape({-1}));
+        step->samples[q].push_back(at::repeat_interleave(arange, l));
+        step->served_rows[q].push_back(B);
+      }
       step->rows[q].push_back(r);
-      step->samples[q].push_back(at::repeat_interleave(arange, l));
       step->weights[q].push_back(w);
     }
     pooled_to[q] = pieces.empty() ? at::zeros({0}, at::kFloat) : at::cat(pieces);
     out_rows[q] = pooled_to[q].numel();
     int64_t expect = 0;
-    for (const auto& seg : segments_[q]) expect += B * plan_.placements[seg.table].shards[seg.shard].cols;
+    for (size_t j = 0; j < segments_[q].size(); ++j) {
+      const auto& seg = segments_[q][j];
+      expect += step->sent_rows[q][j] * plan_.placements[seg.table].shards[seg.shard].cols;
+    }
     in_rows[q] = expect;
   }
   auto recv_pooled = at::empty({std::accumulate(in_rows.begin(), in_rows.end(), int64_t{0})}, at::kFloat);
@@ -354,13 +391,28 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
 
   // Assemble: column-wise chunks side by side, row-wise partial sums added.
   auto out = at::zeros({B, output_width_}, at::kFloat);
+  std::vector<at::Tensor> seq(F);
+  for (int64_t o = 0; o < F; ++o) {
+    if (sequence_[o]) seq[o] = at::zeros({ids[o].numel(), plan_.tables[feature_table_[o]].dim}, at::kFloat);
+  }
   int64_t at_ = 0;
   for (int64_t d = 0; d < world_; ++d) {
-    for (const auto& seg : segments_[d]) {
+    for (size_t j = 0; j < segments_[d].size(); ++j) {
+      const auto& seg = segments_[d][j];
       const auto& where = plan_.placements[seg.table].shards[seg.shard];
-      const auto piece = recv_pooled.slice(0, at_, at_ + B * where.cols).view({B, where.cols});
-      at_ += B * where.cols;
-      const int64_t c0 = feature_offset_[seg.feature] + (row_split(plan_.placements[seg.table].sharding) ? 0 : where.col_offset);
+      const int64_t rows = step->sent_rows[d][j];
+      const auto piece = recv_pooled.slice(0, at_, at_ + rows * where.cols).view({rows, where.cols});
+      at_ += rows * where.cols;
+      const bool by_rows = row_split(plan_.placements[seg.table].sharding);
+      if (sequence_[seg.feature]) {
+        if (by_rows) {
+          seq[seg.feature].index_copy_(0, step->positions[d][j], piece);
+        } else {
+          seq[seg.feature].slice(1, where.col_offset, where.col_offset + where.cols).copy_(piece);
+        }
+        continue;
+      }
+      const int64_t c0 = feature_offset_[seg.feature] + (by_rows ? 0 : where.col_offset);
       out.slice(1, c0, c0 + where.cols).add_(piece);
     }
   }
@@ -376,10 +428,15 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
       if (s.table == t) shard = &s;
     }
     TORCH_CHECK(shard, "monarch: data-parallel table '", plan_.tables[t].name, "' has no copy on rank ", rank_);
-    out.slice(1, feature_offset_[o], feature_offset_[o] + plan_.tables[t].dim).copy_(pool(shard->weight, ids[o], lens[o], wts[o]));
     step->dp_rows[o] = ids[o];
-    step->dp_samples[o] = samples[o];
     step->dp_weights[o] = wts[o];
+    if (sequence_[o]) {
+      seq[o] = shard->weight.index_select(0, ids[o]);
+      step->dp_samples[o] = at::arange(ids[o].numel(), at::kLong);
+      continue;
+    }
+    out.slice(1, feature_offset_[o], feature_offset_[o] + plan_.tables[t].dim).copy_(pool(shard->weight, ids[o], lens[o], wts[o]));
+    step->dp_samples[o] = samples[o];
   }
   for (int64_t o = 0; o < F; ++o) {
     const auto& table = plan_.tables[feature_table_[o]];
@@ -387,38 +444,82 @@ at::Tensor ShardedEmbeddingTables::forward(const JaggedBatch& batch) {
     out.slice(1, feature_offset_[o], feature_offset_[o] + table.dim)
         .div_(lens[o].clamp_min(1).to(at::kFloat).unsqueeze(1));
   }
-  if (!training) return out;  // nothing to update: no autograd node, nothing kept
-  step->pending = pending_;
-  ++*pending_;
-  return LookupFunction::apply(anchor_, out, step);
+  // Every sequence feature's rows, flat, in output_keys() order.
+  std::vector<at::Tensor> flat;
+  step->sequence_ids.assign(F, 0);
+  for (int64_t o = 0; o < F; ++o) {
+    if (!sequence_[o]) continue;
+    flat.push_back(seq[o].view({-1}));
+    step->sequence_ids[o] = ids[o].numel();
+  }
+  at::Tensor sequences = flat.empty() ? at::zeros({0}, at::kFloat) : at::cat(flat);
+  if (training) {
+    step->pending = pending_;
+    ++*pending_;
+    auto outs = LookupFunction::apply(anchor_, out, sequences, step);
+    out = outs[0];
+    sequences = outs[1];
+  }  // else nothing to update: no autograd node, nothing kept
+  EmbeddingLookup result;
+  result.pooled = out;
+  int64_t at_seq = 0;
+  for (int64_t o = 0; o < F; ++o) {
+    if (!sequence_[o]) continue;
+    const int64_t n = ids[o].numel(), dim = plan_.tables[feature_table_[o]].dim;
+    result.sequences.push_back(sequences.slice(0, at_seq, at_seq + n * dim).view({n, dim}));
+    at_seq += n * dim;
+  }
+  return result;
 }
 
-void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& grad_in) {
+void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& pooled_grad, const at::Tensor& sequence_grad) {
   const int64_t B = step.batch_size;
   const int64_t F = static_cast<int64_t>(output_keys_.size());
   // Gradients are divided by the world size, as data-parallel gradients are averaged: the
   // tables then train as on one process with the global batch (TorchRec's gradient division).
-  auto grad = grad_in.to(at::kFloat).clone();
+  auto grad = pooled_grad.defined() ? pooled_grad.to(at::kFloat).clone() : at::zeros({B, output_width_}, at::kFloat);
   for (int64_t o = 0; o < F; ++o) {
     const auto& table = plan_.tables[feature_table_[o]];
     if (table.pooling != EmbeddingPooling::mean) continue;
     grad.slice(1, feature_offset_[o], feature_offset_[o] + table.dim)
         .div_(step.lengths[o].clamp_min(1).to(at::kFloat).unsqueeze(1));
   }
-  // Back to the owners: the reverse of the pooled rows' path.
+  // Each sequence feature's row gradients [ids, dim].
+  std::vector<at::Tensor> seq_grad(F);
+  int64_t at_seq = 0;
+  for (int64_t o = 0; o < F; ++o) {
+    if (!sequence_[o]) continue;
+    const int64_t n = step.sequence_ids[o], dim = plan_.tables[feature_table_[o]].dim;
+    seq_grad[o] = sequence_grad.defined() ? sequence_grad.slice(0, at_seq, at_seq + n * dim).view({n, dim}).to(at::kFloat)
+                                          : at::zeros({n, dim}, at::kFloat);
+    at_seq += n * dim;
+  }
+  // Back to the owners: the reverse of the rows' path.
   std::vector<at::Tensor> to(world_);
   std::vector<int64_t> out_n(world_), in_n(world_);
   for (int64_t d = 0; d < world_; ++d) {
     std::vector<at::Tensor> pieces;
-    for (const auto& seg : segments_[d]) {
+    for (size_t j = 0; j < segments_[d].size(); ++j) {
+      const auto& seg = segments_[d][j];
       const auto [c0, width] = gradient_columns(seg);
-      pieces.push_back(grad.slice(1, c0, c0 + width).contiguous().view({-1}));
+      if (!sequence_[seg.feature]) {
+        const int64_t base = feature_offset_[seg.feature];
+        pieces.push_back(grad.slice(1, base + c0, base + c0 + width).contiguous().view({-1}));
+      } else if (step.positions[d][j].defined()) {
+        pieces.push_back(seq_grad[seg.feature].index_select(0, step.positions[d][j]).view({-1}));
+      } else {
+        pieces.push_back(seq_grad[seg.feature].slice(1, c0, c0 + width).contiguous().view({-1}));
+      }
     }
     to[d] = pieces.empty() ? at::zeros({0}, at::kFloat) : at::cat(pieces);
     out_n[d] = to[d].numel();
+  }
+  for (int64_t q = 0; q < world_; ++q) {
     int64_t expect = 0;
-    for (const auto& seg : segments_[rank_]) expect += B * gradient_columns(seg).second;
-    in_n[d] = expect;
+    for (size_t j = 0; j < segments_[rank_].size(); ++j) {
+      expect += step.served_rows[q][j] * gradient_columns(segments_[rank_][j]).second;
+    }
+    in_n[q] = expect;
   }
   auto recv = at::empty({std::accumulate(in_n.begin(), in_n.end(), int64_t{0})}, at::kFloat);
   group_.all_to_all_v(recv, at::cat(to), in_n, out_n).wait();
@@ -432,8 +533,9 @@ void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& grad_in) {
       const auto& seg = segments_[rank_][j];
       Shard* shard = local_shard(seg.table, seg.shard);
       const int64_t cols = gradient_columns(seg).second;
-      const auto g = recv.slice(0, at_, at_ + B * cols).view({B, cols});
-      at_ += B * cols;
+      const int64_t rows = step.served_rows[q][j];
+      const auto g = recv.slice(0, at_, at_ + rows * cols).view({rows, cols});
+      at_ += rows * cols;
       auto per_id = g.index_select(0, step.samples[q][j]);
       if (step.weights[q][j].defined()) per_id = per_id * step.weights[q][j].unsqueeze(1);
       touched[shard].first.push_back(step.rows[q][j]);
@@ -459,7 +561,9 @@ void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& grad_in) {
     auto hit = at::zeros({table.rows}, at::kFloat);
     for (int64_t o = 0; o < F; ++o) {
       if (feature_table_[o] != t || !step.dp_rows[o].defined()) continue;
-      auto per_id = grad.slice(1, feature_offset_[o], feature_offset_[o] + table.dim).index_select(0, step.dp_samples[o]);
+      auto per_id = sequence_[o] ? seq_grad[o]
+                                 : grad.slice(1, feature_offset_[o], feature_offset_[o] + table.dim)
+                                       .index_select(0, step.dp_samples[o]);
       if (step.dp_weights[o].defined()) per_id = per_id * step.dp_weights[o].unsqueeze(1);
       dense.index_add_(0, step.dp_rows[o], per_id);
       hit.index_fill_(0, step.dp_rows[o], 1.0);
@@ -477,14 +581,13 @@ void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& grad_in) {
 std::pair<int64_t, int64_t> ShardedEmbeddingTables::gradient_columns(const Segment& seg) const {
   const auto& p = plan_.placements[seg.table];
   const auto& where = p.shards[seg.shard];
-  const int64_t base = feature_offset_[seg.feature];
-  if (row_split(p.sharding)) return {base, where.cols};
+  if (row_split(p.sharding)) return {0, where.cols};
   // A column chunk under row-wise Adagrad gets the whole row's gradient: the row's
   // accumulator is the mean over all the table's columns, as on one process.
   if (p.sharding == EmbeddingSharding::column_wise && optimizer_.kind == EmbeddingOptimizer::rowwise_adagrad) {
-    return {base, plan_.tables[seg.table].dim};
+    return {0, plan_.tables[seg.table].dim};
   }
-  return {base + where.col_offset, where.cols};
+  return {where.col_offset, where.cols};
 }
 
 void ShardedEmbeddingTables::apply_optimizer(Shard& s, const at::Tensor& rows, const at::Tensor& g_in) {

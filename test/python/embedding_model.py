@@ -5,7 +5,8 @@ reference (test_embeddings.py) and the ranks (embedding_workers.py)."""
 import torch
 from torch import nn
 
-from torch_monarch.embeddings import EmbeddingBagCollection, EmbeddingBagConfig, JaggedBatch, rowwise_adagrad_
+from torch_monarch.embeddings import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
+                                      JaggedBatch, rowwise_adagrad_)
 
 GLOBAL_BATCH, STEPS, LR = 8, 4, 0.05
 TABLES = [
@@ -82,3 +83,54 @@ def reference(optimizer, steps=STEPS):
                     w[rows] -= LR * (m[rows] / c1) / ((v[rows] / c2).sqrt() + 1e-8)
         losses.append(loss.item())
     return losses, {t.name: ebc.tables[t.name].weight.detach().clone() for t in TABLES}, head
+
+
+# Sequence features (nn.Embedding): every id its own row.
+SEQUENCE_TABLES = [
+    EmbeddingConfig("history", 60, 8, features=["h1", "h2"], pooling_factor=3),
+    EmbeddingConfig("tags", 37, 8, features=["t"], pooling_factor=2),
+]
+
+
+def make_sequence_collection(seed=3):
+    torch.manual_seed(seed)
+    return EmbeddingCollection(SEQUENCE_TABLES)
+
+
+def sequence_batch(step, size=GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(2000 + step)
+    features = {}
+    for t in SEQUENCE_TABLES:
+        for f in t.features:
+            bags = []
+            for _ in range(size):
+                n = int(torch.randint(0, 5, (1,), generator=g))
+                bags.append([min(t.rows - 1, int(t.rows * x ** 2)) for x in torch.rand(n, generator=g).tolist()])
+            features[f] = bags
+    return JaggedBatch.from_lists(features)
+
+
+def sequence_loss(rows, batch_size):
+    """A nonlinear function of every looked-up row, summed, over the batch size: the same
+    total split over ranks (each rank's loss over its own batch size, averaged)."""
+    return sum((torch.tanh(r) * r).sum() for r in rows.values()) / batch_size
+
+
+def sequence_reference(optimizer, steps=STEPS):
+    ec = make_sequence_collection()
+    state = {t.name: torch.zeros(t.rows) for t in SEQUENCE_TABLES}
+    opt = torch.optim.SGD(ec.parameters(), lr=LR) if optimizer == "sgd" else None
+    losses = []
+    for step in range(steps):
+        x = sequence_batch(step)
+        ec.zero_grad()
+        loss = sequence_loss(ec(x), GLOBAL_BATCH)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        else:
+            for t in SEQUENCE_TABLES:
+                w = ec.tables[t.name].weight
+                rowwise_adagrad_(w, w.grad, state[t.name], LR)
+        losses.append(loss.item())
+    return losses, {t.name: ec.tables[t.name].weight.detach().clone() for t in SEQUENCE_TABLES}

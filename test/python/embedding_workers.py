@@ -1,11 +1,13 @@
 """Ranks of the sharded-embedding tests (started through the launcher by test_embeddings.py).
 
     embedding_workers.py parity:<optimizer>:<layout>[,<layout>...]
+    embedding_workers.py sequence:<optimizer>:<layout>[,...]   sequence tables (nn.Embedding)
     embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
     embedding_workers.py dlrm        the example DLRM, planned and sharded, SGD
     embedding_workers.py dlrm_parallelize   the same through torch_monarch.parallelize
+    embedding_workers.py sequence:<optimizer>:<layout>[,...]   sequence tables (nn.Embedding)
     embedding_workers.py meta        a 512 MiB table built on meta, row-wise, trained
     embedding_workers.py errors      bad input on every rank: the messages
     embedding_workers.py reshard     whole-table state dict from one sharding into another
@@ -68,6 +70,25 @@ def run(optimizer, layout, world, mesh):
     return {"losses": losses, "tables": tables, "shardings": shardings,
             "head": {k: v.detach().clone() for k, v in head.module.state_dict().items()} if hasattr(head, "module")
             else {k: v.detach().clone() for k, v in head.state_dict().items()}}
+
+
+def sequence(optimizer, layout, world, mesh):
+    """Sequence tables (nn.Embedding) in one sharding: losses and final tables."""
+    from embedding_model import SEQUENCE_TABLES, make_sequence_collection, sequence_batch, sequence_loss
+    dp = mesh.group("dp")
+    local = GLOBAL_BATCH // world.size
+    sharded = shard_embeddings(make_sequence_collection(), batch_per_rank=local, optimizer=optimizer, lr=LR,
+                               cluster=planner.cluster("a100-80gb", world.size),
+                               pins={t.name: layout for t in SEQUENCE_TABLES}, world=world)
+    losses = []
+    for step in range(STEPS):
+        x = sequence_batch(step).samples(world.rank * local, (world.rank + 1) * local)
+        rows = sharded(x)
+        assert sorted(rows) == ["h1", "h2", "t"], sorted(rows)
+        loss = sequence_loss(rows, local)
+        loss.backward()
+        losses.append(global_mean(dp, loss.item()))
+    return {"losses": losses, "tables": {t.name: sharded.full_table(t.name) for t in SEQUENCE_TABLES}}
 
 
 def vm(field):
@@ -236,6 +257,9 @@ def main():
         results = errors(world)
     elif parts[0] == "reshard":
         results = reshard(world)
+    elif parts[0] == "sequence":
+        optimizer, layouts = parts[1], parts[2].split(",")
+        results = {layout: sequence(optimizer, layout, world, mesh) for layout in layouts}
     elif parts[0] == "dlrm":
         results = dlrm(world)
     elif parts[0] == "dlrm_parallelize":

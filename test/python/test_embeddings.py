@@ -149,3 +149,19 @@ def test_dlrm_planned_and_sharded_trains_like_one_process(ranks, scenario):
             torch.testing.assert_close(got["tables"][name[len("embeddings."):]], value, rtol=1e-5, atol=1e-6)
         else:
             torch.testing.assert_close(got["dense"][name], value, rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_sequence_tables_train_like_one_process(optimizer):
+    from embedding_model import sequence_reference
+    ref_losses, ref_tables = sequence_reference(optimizer)
+    layouts = ["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"]
+    r = launch(2, f"sequence:{optimizer}:{','.join(layouts)}", worker="embedding_workers.py", timeout=300)
+    assert r.ok, r.describe()
+    results = torch.load(r.result_path(0))
+    for layout in layouts:
+        got = results[layout]
+        assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), layout
+        for name, table in ref_tables.items():
+            torch.testing.assert_close(got["tables"][name], table, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name}")

@@ -30,6 +30,13 @@ struct JaggedBatch {
   int64_t batch_size() const;
 };
 
+// What a lookup returns: the pooled features (sum / mean tables) side by side, and each
+// sequence feature's rows (pooling none: nn.Embedding), [its ids, dim], in output_keys() order.
+struct EmbeddingLookup {
+  at::Tensor pooled;                   // [B, sum of the pooled features' dims]
+  std::vector<at::Tensor> sequences;   // one per sequence feature
+};
+
 struct EmbeddingOptimizerConfig {
   planner::EmbeddingOptimizer kind = planner::EmbeddingOptimizer::sgd;
   double lr = 0.01;
@@ -43,13 +50,15 @@ class ShardedEmbeddingTables {
   // own shards, zero-initialized (load_table / init_uniform fill them).
   ShardedEmbeddingTables(planner::EmbeddingPlan plan, Communicator& group, EmbeddingOptimizerConfig optimizer);
 
-  // Pooled embeddings of this rank's batch: [B, sum of the dims of output_keys()], each
-  // feature's columns in output_keys() order. With grad mode on, the result is attached to
+  // Pooled embeddings of this rank's batch: [B, sum of the pooled features' dims], each
+  // feature's columns in output_keys() order (forward_all also returns the sequence features'
+  // rows). With grad mode on, the result is attached to
   // autograd: its backward sends the gradients to the shards' owners and applies the
   // optimizer there, once per lookup (a second lookup before the first one's backward is
   // refused). Collective: every rank calls it with a batch of the same size; a batch refused
   // on one rank (bad ids, missing features) makes every rank throw.
-  at::Tensor forward(const JaggedBatch& batch);
+  at::Tensor forward(const JaggedBatch& batch);  // tables without sequence features
+  EmbeddingLookup forward_all(const JaggedBatch& batch);
 
   const std::vector<std::string>& output_keys() const { return output_keys_; }
   std::vector<int64_t> output_dims() const;
@@ -71,7 +80,7 @@ class ShardedEmbeddingTables {
 
   // Implementation, used by the autograd node.
   struct Step;
-  void backward(Step& step, const at::Tensor& grad);
+  void backward(Step& step, const at::Tensor& pooled_grad, const at::Tensor& sequence_grad);
 
  private:
   struct Shard {
@@ -103,7 +112,8 @@ class ShardedEmbeddingTables {
   std::vector<Shard> shards_;                        // this rank's
   std::vector<std::string> output_keys_;             // features, table order
   std::vector<int64_t> feature_table_;               // output key -> table index
-  std::vector<int64_t> feature_offset_;              // output key -> first output column
+  std::vector<int64_t> feature_offset_;              // output key -> first pooled column (-1: sequence)
+  std::vector<bool> sequence_;                       // output key -> its table has pooling none
   int64_t output_width_ = 0;
   std::vector<std::vector<Segment>> segments_;       // per destination rank
   at::Tensor anchor_;                                // requires grad: connects outputs to autograd
