@@ -147,6 +147,10 @@ class EmbeddingBagCollection(nn.Module):
         features = [f for t in self.configs for f in t.features]
         if len(set(features)) != len(features):
             raise ValueError("EmbeddingBagCollection: a feature looks up two tables; each feature names one")
+        for t in self.configs:
+            if t.pooling not in ("sum", "mean"):
+                raise ValueError(f"EmbeddingBagCollection: table '{t.name}' has pooling '{t.pooling}'; sequence tables "
+                                 "(EmbeddingConfig) go in an EmbeddingCollection")
         self.tables = nn.ModuleDict({t.name: nn.EmbeddingBag(t.rows, t.dim, mode=t.pooling, device=device)
                                      for t in self.configs})
 
@@ -247,7 +251,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def forward(self, batch: JaggedBatch):
         """Pooled tables: [B, width]. Sequence tables: {feature: [ids, dim]}. Both: the pair."""
         pooled, sequences = self._engine.forward_all(batch.keys, batch.values, batch.lengths, batch.weights)
-        sequence_keys = [f for t in self.configs if t.pooling == "none" for f in t.features]
+        sequence_keys = list(self._engine.sequence_keys)  # the engine's order, which labels its output
         if not sequence_keys:
             return pooled
         named = dict(zip(sequence_keys, sequences))
@@ -301,6 +305,19 @@ def _broadcast_text(group, text, rank):
     return bytes(buffer.tolist()).decode()
 
 
+def _check_plan_tables(plan, collection):
+    """The plan's tables are the collection's, in its order: name, rows, dim, features, pooling
+    (a plan for another model is refused, listing every difference)."""
+    want = [(t.name, t.rows, t.dim, list(t.features), t.pooling) for t in collection.configs]
+    got = [(t.name, t.rows, t.dim, list(t.features), str(t.pooling)) for t in plan.tables]
+    if want != got:
+        problems = [f"table {i}: the plan has {g}, the model {w}" for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if len(got) != len(want):
+            problems.append(f"the plan has {len(got)} tables, the model {len(want)}")
+        raise ValueError("embeddings: the plan does not match the model's tables (name, rows, dim, features, "
+                         "pooling):\n  " + "\n  ".join(problems))
+
+
 def shard_embeddings(collection, *, batch_per_rank: int, optimizer: str = "sgd",
                      lr: float = 0.01, plan=None, cluster=None, pins=None, memory_budget_bytes=0.0,
                      world=None, init_bound: Optional[float] = None, seed: int = 0, **optimizer_options):
@@ -335,6 +352,7 @@ def shard_embeddings(collection, *, batch_per_rank: int, optimizer: str = "sgd",
         plan = _planner.EmbeddingPlan.from_json(text)
     if plan.world_size != world.size:
         raise ValueError(f"embeddings.world_size: the plan is for {plan.world_size} ranks, the job has {world.size}")
+    _check_plan_tables(plan, collection)
     sharded = ShardedEmbeddingCollection(collection.configs, plan, mesh.group("dp"), optimizer, lr,
                                          **optimizer_options)
     sharded._mesh = mesh  # keeps the group alive

@@ -348,6 +348,7 @@ void bind_embeddings(py::module_& m) {
           "(pooled [B, width], [rows of each sequence feature])")
       .def_property_readonly("output_keys", &ShardedEmbeddingTables::output_keys)
       .def_property_readonly("output_dims", &ShardedEmbeddingTables::output_dims)
+      .def_property_readonly("sequence_keys", &ShardedEmbeddingTables::sequence_keys)
       .def("load_table", &ShardedEmbeddingTables::load_table, py::arg("table"), py::arg("full"))
       .def("init_uniform", &ShardedEmbeddingTables::init_uniform, py::arg("bound"), py::arg("seed"))
       .def("full_table", &ShardedEmbeddingTables::full_table, py::arg("table"), py::call_guard<py::gil_scoped_release>())

@@ -152,6 +152,14 @@ ShardedEmbeddingTables::ShardedEmbeddingTables(planner::EmbeddingPlan plan, Comm
   anchor_ = at::empty({0}, at::kFloat).set_requires_grad(true);
 }
 
+std::vector<std::string> ShardedEmbeddingTables::sequence_keys() const {
+  std::vector<std::string> keys;
+  for (size_t o = 0; o < output_keys_.size(); ++o) {
+    if (sequence_[o]) keys.push_back(output_keys_[o]);
+  }
+  return keys;
+}
+
 std::vector<int64_t> ShardedEmbeddingTables::output_dims() const {
   std::vector<int64_t> dims;
   for (int64_t t : feature_table_) dims.push_back(plan_.tables[t].dim);
@@ -221,19 +229,24 @@ EmbeddingLookup ShardedEmbeddingTables::forward_all(const JaggedBatch& batch) {
   // come before the first one's would update the rows twice (gradient accumulation is not
   // the sum of the gradients under row-wise Adagrad or Adam). Checked before any collective,
   // the same way on every rank.
-  TORCH_CHECK(!training || *pending_ == 0,
-              "monarch: embedding lookup while the previous lookup's backward has not run: the tables' optimizer "
-              "runs inside backward, once per lookup, so gradient accumulation over several lookups is not "
-              "supported. Run backward (or drop the previous output) first; look up without training under "
-              "torch.no_grad()");
+  // Whether a previous output is still alive can differ by rank (one rank keeps it for
+  // logging): the refusal goes through the counts exchange like a bad batch.
+  std::string refused;
+  if (training && *pending_ > 0) {
+    refused =
+        "monarch: embedding lookup while the previous lookup's backward has not run: the tables' optimizer "
+        "runs inside backward, once per lookup, so gradient accumulation over several lookups is not "
+        "supported. Run backward (or drop the previous output) first; look up without training under "
+        "torch.no_grad()";
+  }
   // This rank's batch, checked. A refused batch is not thrown at once: every rank first learns
   // of it in the counts exchange, so all of them stop at the same place instead of the others
   // waiting in the next collective until the timeout.
-  std::string refused;
   int64_t B = 0;
   const int64_t F = static_cast<int64_t>(output_keys_.size());
   std::vector<at::Tensor> ids(F), lens(F), samples(F), wts(F);
   try {
+    TORCH_CHECK(refused.empty(), refused);
     check_batch(batch);
     B = batch.batch_size();
     const auto lengths = batch.lengths.view({static_cast<int64_t>(batch.keys.size()), B});
@@ -317,7 +330,7 @@ EmbeddingLookup ShardedEmbeddingTables::forward_all(const JaggedBatch& batch) {
   const int64_t mine = static_cast<int64_t>(segments_[rank_].size());
   for (int64_t q = 0; q < world_; ++q) {
     TORCH_CHECK(got[q][3].item<int64_t>() == 0, "monarch: rank ", group_.ranks()[q],
-                " refused its batch (its own error says why); every rank stops this lookup");
+                " refused its batch or this lookup (its own error says why); every rank stops this lookup");
   }
   for (int64_t q = 0; q < world_; ++q) {
     const int64_t their_batch = got[q][0].item<int64_t>();

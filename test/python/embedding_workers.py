@@ -174,6 +174,19 @@ def errors(world):
     except Exception as e:  # noqa: BLE001
         out["twice"] = str(e)
     y.sum().backward()
+    # Only rank 0 keeps an output without its backward (rank 1 drops its own): both ranks fail
+    # the next lookup together, and once rank 0 drops it too the group works again.
+    kept = sharded(x)
+    if world.rank == 1:
+        del kept
+        kept = None
+    try:
+        sharded(x)
+        out["kept_on_one"] = None
+    except Exception as e:  # noqa: BLE001
+        out["kept_on_one"] = str(e)
+    del kept
+    sharded(x).sum().backward()
     with torch.no_grad():  # evaluation lookups keep nothing and need no backward
         sharded(x)
         sharded(x)

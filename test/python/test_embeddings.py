@@ -95,6 +95,9 @@ def test_bad_input_is_refused_with_the_feature_and_id():
     assert got["one_rank_seconds"] < 10
     assert got["after"] == 2 and got["after_backward"]
     assert "gradient accumulation over several lookups is not supported" in got["twice"]
+    # Rank 0 alone kept an output: it names why, rank 1 names rank 0; nobody hangs.
+    assert "gradient accumulation over several lookups is not supported" in got["kept_on_one"]
+    assert "rank 0 refused its batch or this lookup" in torch.load(r.result_path(1))["kept_on_one"]
 
 
 def test_pinning_a_table_to_a_sharding_it_cannot_take_names_it():
@@ -165,3 +168,17 @@ def test_sequence_tables_train_like_one_process(optimizer):
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), layout
         for name, table in ref_tables.items():
             torch.testing.assert_close(got["tables"][name], table, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name}")
+
+
+
+def test_a_plan_for_other_tables_is_refused_before_sharding():
+    from torch_monarch.embeddings import EmbeddingConfig, EmbeddingCollection, _check_plan_tables
+    ec = EmbeddingCollection([EmbeddingConfig("a", 10, 4), EmbeddingConfig("b", 20, 4)])
+    swapped = EmbeddingCollection([EmbeddingConfig("b", 20, 4), EmbeddingConfig("a", 10, 4)])
+    plan = planner.plan_embeddings(swapped.planner_tables(), planner.cluster("a100-80gb", 2), world_size=2,
+                                   batch_per_rank=4)
+    with pytest.raises(ValueError, match="table 0: the plan has \\('b'"):
+        _check_plan_tables(plan, ec)
+    _check_plan_tables(plan, swapped)
+    with pytest.raises(ValueError, match="sequence tables"):
+        EmbeddingBagCollection([EmbeddingConfig("a", 10, 4)])

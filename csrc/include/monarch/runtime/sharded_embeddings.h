@@ -62,6 +62,8 @@ class ShardedEmbeddingTables {
 
   const std::vector<std::string>& output_keys() const { return output_keys_; }
   std::vector<int64_t> output_dims() const;
+  // The features of tables with pooling none, in output_keys() order: forward_all's sequences.
+  std::vector<std::string> sequence_keys() const;
 
   // Copies this rank's slice of the whole table `full` [rows, dim] into its shards (a whole
   // state dict loaded into any sharding). Local: no communication.
