@@ -133,6 +133,15 @@ class EmbeddingConfig(EmbeddingBagConfig):
     _poolings = ("none",)
 
 
+def _check_unique(configs, what):
+    names = [t.name for t in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: two tables share a name in {names}")
+    features = [f for t in configs for f in t.features]
+    if len(set(features)) != len(features):
+        raise ValueError(f"{what}: a feature looks up two tables; each feature names one")
+
+
 class EmbeddingBagCollection(nn.Module):
     """Tables as ``nn.EmbeddingBag`` modules on one process: the unsharded model (and the
     reference sharded runs are checked against). Output: [B, sum of each feature's dim], the
@@ -141,12 +150,7 @@ class EmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[EmbeddingBagConfig], device=None):
         super().__init__()
         self.configs = list(tables)
-        names = [t.name for t in self.configs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"EmbeddingBagCollection: two tables share a name in {names}")
-        features = [f for t in self.configs for f in t.features]
-        if len(set(features)) != len(features):
-            raise ValueError("EmbeddingBagCollection: a feature looks up two tables; each feature names one")
+        _check_unique(self.configs, "EmbeddingBagCollection")
         for t in self.configs:
             if t.pooling not in ("sum", "mean"):
                 raise ValueError(f"EmbeddingBagCollection: table '{t.name}' has pooling '{t.pooling}'; sequence tables "
@@ -185,12 +189,7 @@ class EmbeddingCollection(nn.Module):
     def __init__(self, tables: Sequence[EmbeddingConfig], device=None):
         super().__init__()
         self.configs = list(tables)
-        names = [t.name for t in self.configs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"EmbeddingCollection: two tables share a name in {names}")
-        features = [f for t in self.configs for f in t.features]
-        if len(set(features)) != len(features):
-            raise ValueError("EmbeddingCollection: a feature looks up two tables; each feature names one")
+        _check_unique(self.configs, "EmbeddingCollection")
         for t in self.configs:
             if t.pooling != "none":
                 raise ValueError(f"EmbeddingCollection: table '{t.name}' pools ({t.pooling}); use EmbeddingConfig")

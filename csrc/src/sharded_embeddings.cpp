@@ -27,7 +27,6 @@ int64_t JaggedBatch::batch_size() const {
 // What one forward call leaves for its backward.
 struct ShardedEmbeddingTables::Step : torch::CustomClassHolder {
   ShardedEmbeddingTables* owner = nullptr;
-  const JaggedBatch* batch = nullptr;  // during forward only
   int64_t batch_size = 0;
   // Owner side, per source rank, per segment of segments_[rank_]: local rows, the sample of
   // each id in the source's batch, the id's weight (undefined: 1).
@@ -192,12 +191,11 @@ ShardedEmbeddingTables::Shard* ShardedEmbeddingTables::local_shard(int64_t table
 }
 
 void ShardedEmbeddingTables::check_batch(const JaggedBatch& batch) const {
-  const int64_t B = batch.batch_size();
+  (void)batch.batch_size();  // checks the lengths fit the keys
   TORCH_CHECK(batch.values.defined() && batch.values.dim() == 1 && batch.values.scalar_type() == at::kLong,
               "monarch: JaggedBatch values must be a 1-D int64 tensor");
   TORCH_CHECK(batch.lengths.dim() == 1 && batch.lengths.scalar_type() == at::kLong,
               "monarch: JaggedBatch lengths must be a 1-D int64 tensor");
-  TORCH_CHECK(B > 0 || batch.lengths.numel() == 0, "monarch: empty batch");
   if (batch.lengths.numel() > 0) {
     TORCH_CHECK(batch.lengths.min().item<int64_t>() >= 0, "monarch: JaggedBatch has a negative length");
   }
