@@ -139,6 +139,7 @@ def worker(out_dir):
     import torch_monarch
     from torch_monarch import planner
     from torch_monarch.api import model_graph, runtime_training
+    from torch_monarch.profile import measure as measure_profile
     from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
     import torch.nn.functional as F
 
@@ -151,17 +152,33 @@ def worker(out_dir):
     info, graph = model_graph(meta, x0[:1], dtype="fp32")
     cluster = measure_cluster(world, everyone, graph)
     training = runtime_training(info, GLOBAL_BATCH, dtype="fp32")
-    pick = planner.plan(graph, cluster, training, alternatives=0)
-    layouts = list(LAYOUTS)
-    pick_pins = dict(dp=pick.mesh.dp, tp=pick.mesh.tp, pp=pick.mesh.pp, zero=pick.zero_stage,
-                     micro_batch=pick.micro_batch_size, schedule=str(pick.schedule).split(".")[-1],
-                     recompute=str(pick.recompute).split(".")[-1], sequence_parallel=pick.sequence_parallel)
-    same = next((n for n, p in LAYOUTS if {"recompute": "none", "sequence_parallel": False, **p} == pick_pins), None)
-    if same is None:
-        layouts.append(("planner's pick", pick_pins))
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    # The measured profile: every layer's forward and backward on the real model, all ranks at
+    # once, at the micro-batch sizes the layouts use.
+    torch.manual_seed(0)
+    model = make_model()
+    xs, ys = batch(0)
+    t0 = time.perf_counter()
+    prof = measure_profile(model, lambda b: (xs[:b], ys[:b]), layers=info.layer_modules, loss_fn=loss_fn,
+                           micro_batches=(1, 2, 4, 8, 16), repeats=3, world=world, links_from=cluster,
+                           source="bench/layouts.py: 4 ranks on this machine, measuring at once")
+    profile_s = time.perf_counter() - t0
+    del model
+    if world.rank == 0:
+        planner.save_profile(prof, os.path.join(out_dir, "profile.json"))
+    picks = {"analytic": planner.plan(graph, cluster, training, alternatives=0),
+             "profile": planner.plan(graph, cluster, training, alternatives=0, profile=prof)}
+    layouts = list(LAYOUTS)
+    for estimator, pick in picks.items():
+        pick_pins = dict(dp=pick.mesh.dp, tp=pick.mesh.tp, pp=pick.mesh.pp, zero=pick.zero_stage,
+                         micro_batch=pick.micro_batch_size, schedule=str(pick.schedule).split(".")[-1],
+                         recompute=str(pick.recompute).split(".")[-1], sequence_parallel=pick.sequence_parallel)
+        known = [{"recompute": "none", "sequence_parallel": False, **p} for _, p in layouts]
+        if pick_pins not in known:
+            layouts.append((f"pick ({estimator})", pick_pins))
 
     rows = []
     for name, pins in layouts:
@@ -170,6 +187,8 @@ def worker(out_dir):
         sp = pins.pop("sequence_parallel", False)
         plan = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
                                 allow_over_memory=True, **pins)
+        from_profile = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                        allow_over_memory=True, profile=prof, **pins)
         gc.collect()
         base = vm("VmRSS")
         pm = torch_monarch.parallelize(make_model(), plan=plan)
@@ -192,8 +211,10 @@ def worker(out_dir):
                 times.append(elapsed)
         peak = vm("VmHWM") - base
         rows.append({"layout": name, "plan": plan.summary(), "rank": world.rank,
-                     "pick": plan.summary() == pick.summary(),
+                     "pick": plan.summary() == picks["analytic"].summary(),
+                     "pick_profile": from_profile.summary() == picks["profile"].summary(),
                      "predicted_s": plan.prediction.step_time_s,
+                     "predicted_profile_s": from_profile.prediction.step_time_s,
                      "predicted_bytes": plan.prediction.memory_bytes_per_device,
                      "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
                                              ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble",
@@ -206,7 +227,10 @@ def worker(out_dir):
         json.dump({"cluster": {"flops": cluster.peak_flops_fp32, "hbm": cluster.hbm_bytes_per_s,
                                "efficiency": cluster.matmul_efficiency,
                                "backward_forward_ratio": cluster.backward_forward_ratio,
-                               "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s},
+                               "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s,
+                               "profile_seconds": profile_s},
+                   "picks": {k: v.summary() for k, v in picks.items()},
+                   "tie_breaks": {k: v.tie_break for k, v in picks.items()},
                    "rows": rows}, f)
 
 
@@ -252,13 +276,16 @@ def run(ranks, timeout=1500):
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [p["rows"][i] for p in per_rank]
         table.append({"layout": row["layout"], "plan": row["plan"], "pick": row["pick"],
-                      "predicted_s": row["predicted_s"],
+                      "pick_profile": row["pick_profile"],
+                      "predicted_s": row["predicted_s"], "predicted_profile_s": row["predicted_profile_s"],
+                      "profile_ratio": row["measured_s"] / row["predicted_profile_s"],
                       "measured_s": row["measured_s"], "ratio": row["measured_s"] / row["predicted_s"],
                       "predicted_bytes": row["predicted_bytes"],
                       "peak_bytes": max(r["peak_bytes"] for r in rows),
                       "peak_bytes_per_rank": [r["peak_bytes"] for r in rows],
                       "predicted_breakdown": row["predicted_breakdown"], "losses": row["losses"]})
-    return per_rank[0]["cluster"], table
+    extra = {"picks": per_rank[0]["picks"], "tie_breaks": per_rank[0]["tie_breaks"]}
+    return per_rank[0]["cluster"], table, extra
 
 
 def ordered_pairs(rows, margin):
@@ -274,17 +301,25 @@ def ordered_pairs(rows, margin):
     return pairs, agree
 
 
-def summarize(cluster, table):
-    pinned = [r for r in table if r["layout"] != "planner's pick"]
-    pick = next(r for r in table if r["pick"])
-    rho = spearman([r["predicted_s"] for r in pinned], [r["measured_s"] for r in pinned])
-    pairs, agree = ordered_pairs(pinned, 0.10)
+def summarize(cluster, table, extra):
+    """Per estimator (analytic, measured profile): rank correlation over the pinned layouts,
+    worst deviation, and where its pick finished among all measured layouts."""
+    pinned = [r for r in table if not r["layout"].startswith("pick (")]
     fastest = min(r["measured_s"] for r in table)
-    worst = max(abs(r["ratio"] - 1) for r in table)
-    return {"cluster": cluster, "spearman": rho, "pairs_apart_10pct": pairs, "pairs_ordered_right": agree,
-            "worst_time_deviation": worst,
-            "pick": pick["plan"], "pick_vs_fastest": pick["measured_s"] / fastest,
-            "fastest": min(table, key=lambda r: r["measured_s"])["plan"], "layouts": table}
+    out = {"cluster": cluster, "fastest": min(table, key=lambda r: r["measured_s"])["plan"],
+           "fastest_s": fastest}
+    for estimator, key, flag in (("analytic", "predicted_s", "pick"), ("profile", "predicted_profile_s", "pick_profile")):
+        shown = [dict(r, predicted_s=r[key]) for r in pinned]
+        pairs, agree = ordered_pairs(shown, 0.10)
+        pick = next(r for r in table if r[flag])
+        out[estimator] = {
+            "spearman": spearman([r[key] for r in pinned], [r["measured_s"] for r in pinned]),
+            "pairs_apart_10pct": pairs, "pairs_ordered_right": agree,
+            "worst_time_deviation": max(abs(r["measured_s"] / r[key] - 1) for r in table),
+            "pick": extra["picks"][estimator], "tie_break": extra["tie_breaks"][estimator],
+            "pick_measured_s": pick["measured_s"], "pick_vs_fastest": pick["measured_s"] / fastest}
+    out["layouts"] = table
+    return out
 
 
 def main():
@@ -296,24 +331,30 @@ def main():
     if args.worker:
         worker(args.worker)
         return 0
-    cluster, table = run(args.ranks)
-    s = summarize(cluster, table)
+    cluster, table, extra = run(args.ranks)
+    s = summarize(cluster, table, extra)
     print(f"GPT-2 style, {LAYERS} blocks, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, global batch "
           f"{GLOBAL_BATCH}, fp32, AdamW, {args.ranks} ranks on this machine")
     print(f"measured cluster: matmul {cluster['flops'] / 1e9:.1f} GFLOP/s per rank (a block reaches "
           f"{cluster['efficiency']:.2f} of it), backward/forward {cluster['backward_forward_ratio']:.2f}, memory "
           f"{cluster['hbm'] / 1e9:.1f} GB/s per rank, loopback {cluster['bandwidth'] / 1e9:.2f} GB/s, "
           f"latency {cluster['latency'] * 1e6:.0f} us")
-    print(f"{'layout':<20}{'plan':<52}{'pred s':>8}{'meas s':>8}{'meas/pred':>10}{'pred MiB':>10}{'peak MiB':>10}")
+    print(f"{'layout':<24}{'plan':<52}{'analytic s':>11}{'profile s':>10}{'meas s':>8}{'pred MiB':>10}{'peak MiB':>10}")
     for r in table:
-        print(f"{r['layout'] + (' *' if r['pick'] else ''):<20}{r['plan']:<52}{r['predicted_s']:>8.3f}{r['measured_s']:>8.3f}{r['ratio']:>10.2f}"
+        mark = ("*" if r["pick"] else "") + ("+" if r["pick_profile"] else "")
+        print(f"{r['layout'] + (' ' + mark if mark else ''):<24}{r['plan']:<52}{r['predicted_s']:>11.3f}"
+              f"{r['predicted_profile_s']:>10.3f}{r['measured_s']:>8.3f}"
               f"{r['predicted_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / 2**20:>10.0f}")
-    print("* the planner's pick for this job (search on the measured cluster)")
-    print(f"Spearman (pinned layouts, predicted vs measured time): {s['spearman']:.2f}; worst time deviation "
-          f"{s['worst_time_deviation'] * 100:.0f}%; the planner's pick ({s['pick']}) is "
-          f"{(s['pick_vs_fastest'] - 1) * 100:.1f}% behind the measured fastest ({s['fastest']})")
-    print(f"pairs of layouts predicted more than 10% apart: {s['pairs_apart_10pct']}, measured in the same order: "
-          f"{s['pairs_ordered_right']}")
+    print("* the planner's pick from the analytic model; + its pick from the measured profile "
+          f"(profiled in {cluster['profile_seconds']:.0f} s)")
+    for estimator in ("analytic", "profile"):
+        e = s[estimator]
+        print(f"{estimator:>8}: Spearman (pinned layouts, predicted vs measured) {e['spearman']:.2f}; worst deviation "
+              f"{e['worst_time_deviation'] * 100:.0f}%; pairs predicted >10% apart {e['pairs_apart_10pct']}, measured in "
+              f"the same order {e['pairs_ordered_right']}; pick {e['pick']} is {(e['pick_vs_fastest'] - 1) * 100:.1f}% "
+              f"behind the measured fastest ({s['fastest']})")
+        if e["tie_break"]:
+            print(f"          tie break: {e['tie_break']}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(s, f, indent=1)

@@ -69,18 +69,20 @@ def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
 
 
 def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,
-         alternatives=5, **pins):
+         alternatives=5, profile=None, **pins):
     """Plans ``model`` (any ``nn.Module``, on any device including ``meta``) for
     ``global_batch`` samples per step on ``cluster`` (a planner Cluster, e.g.
     ``torch_monarch.planner.cluster("a100-80gb", 1024)``; default: this job's machine,
-    ``cluster.detect()``). Returns a Plan."""
+    ``cluster.detect()``). ``profile``: per-layer times measured on the machine
+    (``torch_monarch.profile.measure``, a MeasuredProfile or its JSON path) instead of the
+    analytic model's. Returns a Plan."""
     pins = _pins(pins)
     info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
     if cluster is None:
         from .cluster import detect
         cluster = detect()
     training = runtime_training(info, global_batch, dtype, pins)
-    return _planner.plan(graph, cluster, training, alternatives=alternatives, **pins)
+    return _planner.plan(graph, cluster, training, alternatives=alternatives, profile=profile, **pins)
 
 
 def check_plan(plan, model, example_input=None, *, info=None, world_size=None, tp_plan=None):
@@ -234,7 +236,7 @@ def _broadcast_text(group, text, root=0):
 
 
 def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dtype=None, tp_plan=None,
-                 probe_links=True, **pins):
+                 probe_links=True, profile=None, **pins):
     """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective."""
     from . import _runtime
     from .cluster import detect, probe
@@ -266,7 +268,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
             training = runtime_training(info, global_batch, dtype, _pins(pins), deferred)
             if mixed:
                 training.allow_tensor_parallel = training.allow_pipeline_parallel = False
-            p = _planner.plan(graph, cluster, training, **_pins(pins))
+            p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
             text = _planner.dumps(p)
         except (ValueError, RuntimeError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"

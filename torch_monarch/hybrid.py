@@ -370,14 +370,16 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
-                embeddings=None) -> ParallelModel:
+                embeddings=None, profile=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
     model is read on the meta device, the machine detected and its links probed, rank 0 plans
     (``tp``, ``pp``, ``dp``, ``zero_stage``, ``micro_batch``, ``schedule``, ``virtual_stages``,
     ``sequence_parallel`` pin choices) and broadcasts the plan, so every rank lays the model
-    out alike. The plan is on the result as ``.plan``.
+    out alike. The plan is on the result as ``.plan``. ``profile``: per-layer times measured
+    on this machine (``torch_monarch.profile.measure``; a MeasuredProfile or its JSON path)
+    for the planner to use instead of its analytic model.
 
     A ``plan`` passed in (or loaded from edited JSON) is first checked against the model (with
     ``example_input``: layer by layer) and the world; every difference is listed in one
@@ -420,7 +422,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
                                          virtual_stages=virtual_stages, unit_stage=unit_stage, units=units,
                                          tp_plan=tp_plan, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                                         init_fn=init_fn, recompute=recompute).items() if v is not None}
+                                         init_fn=init_fn, recompute=recompute, profile=profile).items()
+                   if v is not None}
         if plan is not None or ignored:
             raise ValueError("parallelize: a model with embedding tables runs its dense part data-parallel over every "
                              f"rank; {sorted(ignored) + (['plan'] if plan is not None else [])} cannot be honoured "
@@ -430,6 +433,9 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     if embeddings is not None:
         raise ValueError("parallelize: embeddings= given, but the model holds no embedding collection")
     info = None
+    if profile is not None and (plan is not None or example_input is None):
+        raise ValueError("parallelize: profile= is what the planner plans from; it needs example_input= and "
+                         "global_batch= and no plan= (a given plan is already made)")
     if plan is None and example_input is not None:
         if global_batch is None:
             raise ValueError("parallelize: planning needs global_batch= (samples per optimizer step, all ranks together)")
@@ -438,7 +444,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                                          sequence_parallel=sequence_parallel, recompute=recompute).items()
                 if v is not None}
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
-                                  tp_plan=tp_plan, **pins)
+                                  tp_plan=tp_plan, profile=profile, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
     elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
         raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "

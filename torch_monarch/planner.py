@@ -65,6 +65,10 @@ EmbeddingPlacement = _P.EmbeddingPlacement
 EmbeddingRankLoad = _P.EmbeddingRankLoad
 EmbeddingOptions = _P.EmbeddingOptions
 EmbeddingPlan = _P.EmbeddingPlan
+ProfilePoint = _P.ProfilePoint
+LayerProfile = _P.LayerProfile
+LinkProfile = _P.LinkProfile
+MeasuredProfile = _P.MeasuredProfile
 
 PLAN_FORMAT_VERSION = _P.PLAN_FORMAT_VERSION
 
@@ -196,30 +200,67 @@ def _training(training_or_batch):
     return training_or_batch
 
 
+def _profile(profile):
+    if profile is None or isinstance(profile, MeasuredProfile):
+        return profile
+    if isinstance(profile, (str, os.PathLike)):
+        return load_profile(profile)
+    raise TypeError(f"profile: expected a MeasuredProfile or a path, got {type(profile).__name__}")
+
+
 def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micro_batch=None,
          schedule=None, recompute=None, sequence_parallel=None, virtual_stages=None,
-         alternatives=5):
+         alternatives=5, profile=None, tie_tolerance=None):
     """Searches for the fastest layout that fits memory; keywords pin choices.
 
-    `training` is a TrainingConfig or a global batch size. Raises ValidationError for an
-    impossible pin and InfeasibleError when nothing fits (both ValueErrors).
+    `training` is a TrainingConfig or a global batch size. ``profile``: a MeasuredProfile (or
+    the path of its JSON) whose measured per-layer times and links replace the analytic
+    model's (``torch_monarch.profile.measure``). ``tie_tolerance``: layouts predicted within
+    this fraction of the fastest count as tied and the one with the fewest moving parts wins
+    (default 0.05; 0 always takes the fastest). Raises ValidationError for an impossible pin
+    and InfeasibleError when nothing fits (both ValueErrors).
     """
     options = SearchOptions()
     options.pins = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch,
                         schedule=schedule, recompute=recompute,
                         sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
     options.alternatives = alternatives
+    if tie_tolerance is not None:
+        options.tie_tolerance = float(tie_tolerance)
+    profile = _profile(profile)
+    if profile is not None:
+        return _P.search_with_profile(graph, cluster, _training(training), options, profile)
     return search(graph, cluster, _training(training), options)
 
 
 def evaluate(graph, cluster, training, *, tp, pp, dp, zero, micro_batch, schedule,
              recompute=None, sequence_parallel=None, virtual_stages=None,
-             allow_over_memory=False):
-    """Scores one fully pinned layout (recompute / sequence parallel searched unless given)."""
+             allow_over_memory=False, profile=None):
+    """Scores one fully pinned layout (recompute / sequence parallel searched unless given),
+    with the analytic model or a measured ``profile``."""
     p = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, schedule=schedule,
              recompute=recompute, sequence_parallel=sequence_parallel,
              virtual_stages=virtual_stages)
+    profile = _profile(profile)
+    if profile is not None:
+        return _P.evaluate_layout_with_profile(graph, cluster, _training(training), p, allow_over_memory, profile)
     return evaluate_layout(graph, cluster, _training(training), p, allow_over_memory)
+
+
+def load_profile(path):
+    """Reads a measured profile's JSON (docs/plan_format.md, "Measured profiles")."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"profile file {path!r} does not exist")
+    return _P.load_profile(path)
+
+
+def save_profile(profile, path):
+    """Writes a measured profile as JSON (refused, nothing written, if it is invalid)."""
+    _P.validate_profile(profile)
+    text = _P.profile_to_json(profile)
+    with open(os.fspath(path), "w") as f:
+        f.write(text + "\n")
 
 
 def schedule(kind, ranks, micro_batches, virtual_stages=1):

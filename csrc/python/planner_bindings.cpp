@@ -450,6 +450,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("tflops_per_device", &Prediction::tflops_per_device)
       .def_readwrite("mfu", &Prediction::mfu)
       .def_readwrite("bubble_fraction", &Prediction::bubble_fraction)
+      .def_readwrite("estimator", &Prediction::estimator)
       .def(py::self == py::self)
       .def("__repr__", [](const Prediction& p) {
         return "<Prediction step=" + format_seconds(p.step_time_s) + ", " + num(p.tflops_per_device) +
@@ -494,6 +495,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("embeddings", &Plan::embeddings)
       .def_readwrite("prediction", &Plan::prediction)
       .def_readwrite("alternatives", &Plan::alternatives)
+      .def_readwrite("tie_break", &Plan::tie_break)
       .def("num_stages", &Plan::num_stages)
       .def("summary", &Plan::summary, "One line: mesh, zero, micro-batch size, schedule, recompute.")
       .def(
@@ -529,6 +531,7 @@ void bind_search(py::module_& m) {
   add_copy<SearchOptions>(options);
   options.def_readwrite("pins", &SearchOptions::pins)
       .def_readwrite("alternatives", &SearchOptions::alternatives)
+      .def_readwrite("tie_tolerance", &SearchOptions::tie_tolerance)
       .def("__repr__", [](const SearchOptions& o) {
         return "<SearchOptions alternatives=" + std::to_string(o.alternatives) + ">";
       });
@@ -537,7 +540,10 @@ void bind_search(py::module_& m) {
         py::arg("options") = SearchOptions{}, py::call_guard<py::gil_scoped_release>(),
         "The fastest layout that fits memory. InfeasibleError when nothing fits, "
         "ValidationError when a pin is impossible (both ValueErrors).");
-  m.def("evaluate_layout", &evaluate_layout, py::arg("graph"), py::arg("cluster"), py::arg("training"),
+  m.def("evaluate_layout",
+        [](const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training, const Pins& pins,
+           bool allow_over_memory) { return evaluate_layout(graph, cluster, training, pins, allow_over_memory); },
+        py::arg("graph"), py::arg("cluster"), py::arg("training"),
         py::arg("pins"), py::arg("allow_over_memory") = false, py::call_guard<py::gil_scoped_release>(),
         "Scores one fully pinned layout.");
   m.def(
@@ -654,6 +660,7 @@ void bind_schedule(py::module_& m) {
 }  // namespace
 
 void bind_embeddings(py::module_& m);  // embedding_bindings.cpp
+void bind_profiles(py::module_& m);    // profile_bindings.cpp
 
 void bind_planner(py::module_& m) {
   bind_exceptions(m);
@@ -664,6 +671,7 @@ void bind_planner(py::module_& m) {
   bind_search(m);
   bind_schedule(m);
   bind_embeddings(m);
+  bind_profiles(m);
 }
 
 }  // namespace monarch::python

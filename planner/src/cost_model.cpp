@@ -9,6 +9,7 @@
 
 #include "monarch/planner/collectives.h"
 #include "monarch/planner/errors.h"
+#include "monarch/planner/estimator.h"
 
 namespace monarch::planner {
 
@@ -410,18 +411,21 @@ struct RankLoad {
 
 }  // namespace
 
-Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache) {
-  return *predict_if_faster(graph, plan, cache, std::numeric_limits<double>::infinity());
+Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache,
+                   const Estimator* estimator) {
+  return *predict_if_faster(graph, plan, cache, std::numeric_limits<double>::infinity(), estimator);
 }
 
 std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan& plan,
-                                            SimulationCache* cache, double prune_above) {
+                                            SimulationCache* cache, double prune_above,
+                                            const Estimator* estimator) {
+  if (!estimator) estimator = &analytic_estimator();
   SimulationCache local;
   SimulationCache& sims = cache ? *cache : local;
   const Cluster& cluster = plan.cluster;
   const TrainingConfig& training = plan.training;
   const Layout layout = layout_of(plan);
-  const auto costs = layer_costs(graph, cluster, training, layout);
+  const auto costs = estimator->layer_costs(graph, cluster, training, layout);
   const int64_t stages = plan.num_stages();
 
   // Stage boundaries from the plan.
@@ -625,6 +629,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   p.step_time_s = t.total;
   p.memory_bytes_per_device = p.memory.total();
   p.bubble_fraction = sim.bubble_fraction;
+  p.estimator = estimator->name();
   const double devices = static_cast<double>(layout.pp * layout.dp * layout.tp);
   const double seq = static_cast<double>(std::max<int64_t>(graph.seq_len(), 1));
   p.tokens_per_s = training.global_batch * seq / t.total;

@@ -64,7 +64,7 @@ bool Prediction::operator==(const Prediction& o) const {
   return step_time_s == o.step_time_s && time == o.time && memory == o.memory &&
          memory_bytes_per_device == o.memory_bytes_per_device &&
          tokens_per_s == o.tokens_per_s && tflops_per_device == o.tflops_per_device &&
-         mfu == o.mfu && bubble_fraction == o.bubble_fraction;
+         mfu == o.mfu && bubble_fraction == o.bubble_fraction && estimator == o.estimator;
 }
 
 bool Alternative::operator==(const Alternative& o) const {
@@ -80,7 +80,7 @@ bool Plan::operator==(const Plan& o) const {
          virtual_stages == o.virtual_stages && recompute == o.recompute &&
          sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
          layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
-         alternatives == o.alternatives;
+         alternatives == o.alternatives && tie_break == o.tie_break;
 }
 
 // "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"

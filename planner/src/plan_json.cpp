@@ -138,6 +138,7 @@ Json prediction_to_json(const Prediction& p) {
   j["memory_bytes_per_device"] = p.memory_bytes_per_device;
   j["tokens_per_s"] = p.tokens_per_s;
   j["bubble_fraction"] = p.bubble_fraction;
+  j["estimator"] = p.estimator;
   Json mem;
   mem["params"] = p.memory.params;
   mem["grads"] = p.memory.grads;
@@ -190,6 +191,7 @@ Json plan_to_json_value(const Plan& p) {
   Json alternatives = Json::array();
   for (const auto& a : p.alternatives) alternatives.push_back(alternative_to_json(a));
   j["alternatives"] = alternatives;
+  if (!p.tie_break.empty()) j["tie_break"] = p.tie_break;
   return j;
 }
 
@@ -316,6 +318,7 @@ Prediction prediction_from_json(const Fields& f) {
   p.memory_bytes_per_device = f.number("memory_bytes_per_device");
   p.tokens_per_s = f.number("tokens_per_s");
   p.bubble_fraction = f.number("bubble_fraction");
+  if (f.has("estimator")) p.estimator = f.string("estimator");  // absent in plans before it existed
   const Fields mem =
       f.object("memory", {"params", "grads", "optimizer", "activations", "buffers"});
   p.memory.params = mem.number("params");
@@ -428,7 +431,7 @@ Plan plan_from_value(const Json& root) {
                  {"version", "model", "cluster", "training", "mesh", "zero_stage",
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
                   "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "embeddings",
-                  "prediction", "alternatives"});
+                  "prediction", "alternatives", "tie_break"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
@@ -462,13 +465,14 @@ Plan plan_from_value(const Json& root) {
   }
   p.prediction = prediction_from_json(f.object(
       "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",
-                     "tokens_per_s", "bubble_fraction", "memory", "time"}));
+                     "tokens_per_s", "bubble_fraction", "estimator", "memory", "time"}));
   const Json& alternatives = f.array("alternatives");
   for (size_t i = 0; i < alternatives.size(); ++i) {
     p.alternatives.push_back(alternative_from_json(
         Fields(alternatives[i], element("alternatives", i),
                {"summary", "step_time_s", "memory_bytes_per_device", "reason"})));
   }
+  if (f.has("tie_break")) p.tie_break = f.string("tie_break");
   return p;
 }
 

@@ -102,7 +102,9 @@ std::string format_report(const Plan& plan) {
   out << "  buffers      " << format_bytes(m.buffers) << "\n\n";
 
   const TimeBreakdown& t = p.time;
-  out << "step time   " << format_seconds(t.total) << "\n";
+  out << "step time   " << format_seconds(t.total);
+  if (p.estimator != "analytic") out << "  (layer times from the " << p.estimator << ")";
+  out << "\n";
   out << "  compute    " << format_seconds(t.compute) << "  " << percent(t.compute, t.total)
       << "  (recompute " << format_seconds(t.recompute) << ")\n";
   out << "  tp comm    " << format_seconds(t.tp_comm) << "  " << percent(t.tp_comm, t.total) << "\n";
@@ -116,6 +118,7 @@ std::string format_report(const Plan& plan) {
   out << "throughput  " << fmt("%.0f", p.tokens_per_s) << " tokens/s, "
       << fmt("%.1f", p.tflops_per_device) << " TFLOP/s per device, MFU "
       << fmt("%.1f%%", 100 * p.mfu) << "\n";
+  if (!plan.tie_break.empty()) out << "tie break   " << plan.tie_break << "\n";
 
   if (!plan.alternatives.empty()) {
     out << "\nalternatives\n";

@@ -8,10 +8,13 @@
 #include <sstream>
 #include <tuple>
 
+#include "monarch/planner/collectives.h"
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/errors.h"
+#include "monarch/planner/estimator.h"
 #include "monarch/planner/report.h"
 #include "monarch/planner/stage_partition.h"
+#include "monarch/planner/traffic.h"
 
 namespace monarch::planner {
 namespace {
@@ -173,6 +176,7 @@ std::string why_slower(const Prediction& loser, const Prediction& winner) {
     }
   }
   std::ostringstream out;
+  out << std::fixed;
   out.precision(3);
   out << loser.step_time_s / winner.step_time_s << "x slower: " << worst << " "
       << format_seconds(lose_v) << " vs " << format_seconds(win_v);
@@ -186,7 +190,9 @@ class Searcher {
  public:
   Searcher(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
            const SearchOptions& options, bool allow_over_memory)
-      : graph_(graph), cluster_(cluster), training_(training), pins_(options.pins),
+      : graph_(graph),
+        estimator_(options.estimator ? *options.estimator : analytic_estimator()),
+        cluster_(estimator_.cluster_for(cluster)), training_(training), pins_(options.pins),
         options_(options), allow_over_memory_(allow_over_memory) {}
 
   Plan run() {
@@ -194,6 +200,9 @@ class Searcher {
     validate(cluster_);
     validate(training_);
     require_peak_flops(cluster_, training_.compute_dtype);
+    if (!(options_.tie_tolerance >= 0 && options_.tie_tolerance < 1)) {
+      throw ValidationError("tie_tolerance", "must be in [0, 1), got " + std::to_string(options_.tie_tolerance));
+    }
     if (options_.alternatives < 0) {
       throw ValidationError("alternatives",
                             "must be >= 0, got " + std::to_string(options_.alternatives));
@@ -353,7 +362,7 @@ class Searcher {
     const auto key = std::make_tuple(l.tp, l.sequence_parallel, static_cast<int>(l.recompute),
                                      l.micro_batch_size);
     auto it = cost_cache_.find(key);
-    if (it == cost_cache_.end()) it = cost_cache_.emplace(key, layer_costs(graph_, cluster_, training_, l)).first;
+    if (it == cost_cache_.end()) it = cost_cache_.emplace(key, estimator_.layer_costs(graph_, cluster_, training_, l)).first;
     return it->second;
   }
 
@@ -449,7 +458,8 @@ class Searcher {
     }
     Candidate c;
     c.plan = make_plan(l, *partition);
-    const auto prediction = predict_if_faster(graph_, c.plan, &sims_, over ? kInf : prune_threshold(mesh));
+    const auto prediction =
+        predict_if_faster(graph_, c.plan, &sims_, over ? kInf : prune_threshold(mesh), &estimator_);
     if (!prediction) {
       ++stats_.pruned;
       return;
@@ -558,23 +568,131 @@ class Searcher {
     }
   }
 
+  // What makes a layout harder to run, for breaking ties (SearchOptions::tie_tolerance).
+  struct MovingParts {
+    double slow_link_bytes = 0;  // per step, on the busiest rank, over the slowest link it uses
+    bool slow_link_inter_node = false;
+    int dimensions = 0;          // parallel axes larger than 1
+    int extras = 0;              // virtual stages, zero-bubble split, ZeRO-3, recomputation
+  };
+
+  MovingParts moving_parts(const Plan& plan) const {
+    MovingParts m;
+    const int64_t pp = plan.mesh.pp, dp = plan.mesh.dp, tp = plan.mesh.tp;
+    m.dimensions = (pp > 1) + (dp > 1) + (tp > 1);
+    m.extras = (plan.virtual_stages > 1) + (plan.schedule == ScheduleKind::zero_bubble_h1) +
+               (plan.zero_stage == 3 && dp > 1) + (plan.recompute != Recompute::none);
+    const bool inter[] = {axis_link(cluster_, pp, dp, tp, Axis::pp).inter_node,
+                          axis_link(cluster_, pp, dp, tp, Axis::dp).inter_node,
+                          axis_link(cluster_, pp, dp, tp, Axis::tp).inter_node};
+    m.slow_link_inter_node = inter[0] || inter[1] || inter[2];
+    for (const AxisBytes& r : bytes_per_step(graph_, plan)) {
+      // The ends' all-reduce runs between the first and last pipeline rank: the pp link.
+      const double slow = m.slow_link_inter_node
+                              ? (inter[0] ? r.pp + r.ends : 0) + (inter[1] ? r.dp : 0) + (inter[2] ? r.tp : 0)
+                              : r.total();
+      m.slow_link_bytes = std::max(m.slow_link_bytes, slow);
+    }
+    return m;
+  }
+
+  // "" when `a` has no fewer moving parts than `b`; else why it has fewer. In order: less
+  // traffic over the network (when either crosses nodes), fewer parallel dimensions, fewer
+  // extra mechanisms, less traffic inside the node. Traffic within 10% counts as the same
+  // (the byte counts are exact, what they cost is not).
+  static std::string fewer_moving_parts(const MovingParts& a, const MovingParts& b) {
+    auto traffic = [](const MovingParts& x, const MovingParts& y) -> int {
+      if (x.slow_link_bytes < 0.9 * y.slow_link_bytes) return -1;
+      if (y.slow_link_bytes < 0.9 * x.slow_link_bytes) return 1;
+      return 0;
+    };
+    auto bytes_text = [](const MovingParts& x, const MovingParts& y, const char* link) {
+      return format_bytes(x.slow_link_bytes) + " vs " + format_bytes(y.slow_link_bytes) + " per step on the " +
+             link + " link";
+    };
+    if (a.slow_link_inter_node || b.slow_link_inter_node) {
+      // A layout that stays inside one node has no network traffic at all.
+      MovingParts x = a, y = b;
+      if (!x.slow_link_inter_node) x.slow_link_bytes = 0;
+      if (!y.slow_link_inter_node) y.slow_link_bytes = 0;
+      const int t = traffic(x, y);
+      if (t != 0) return t < 0 ? bytes_text(x, y, "inter-node") : "";
+    }
+    if (a.dimensions != b.dimensions) {
+      return a.dimensions < b.dimensions ? std::to_string(a.dimensions) + " parallel dimensions vs " +
+                                               std::to_string(b.dimensions)
+                                         : "";
+    }
+    if (a.extras != b.extras) {
+      return a.extras < b.extras ? std::to_string(a.extras) +
+                                       " extra mechanisms (virtual stages, zero-bubble, ZeRO-3, recompute) vs " +
+                                       std::to_string(b.extras)
+                                 : "";
+    }
+    if (!a.slow_link_inter_node && !b.slow_link_inter_node && traffic(a, b) < 0) {
+      return bytes_text(a, b, "intra-node");
+    }
+    return "";
+  }
+
+  static std::string percent(double fraction) {
+    std::ostringstream out;
+    out.precision(2);
+    out << std::fixed << 100.0 * fraction << "%";
+    return out.str();
+  }
+
   Plan finish() {
     if (options_.stats) *options_.stats = stats_;
     std::vector<const Candidate*> ranked;
     for (const auto& [_, c] : best_per_mesh_) ranked.push_back(&c);
     std::sort(ranked.begin(), ranked.end(), [](const Candidate* a, const Candidate* b) { return better(*a, *b); });
     if (ranked.empty()) throw InfeasibleError(explain_failure());
-    Plan best = ranked.front()->plan;
-    for (size_t i = 1; i < ranked.size() && static_cast<int64_t>(i) <= options_.alternatives; ++i) {
+    // Ties: among the layouts the model cannot tell from the fastest, the simplest.
+    size_t chosen = 0;
+    std::string tie_reason;
+    const double tolerance = options_.tie_tolerance;
+    if (tolerance > 0 && !ranked.front()->over_memory) {
+      const double fastest = ranked.front()->plan.prediction.step_time_s;
+      MovingParts chosen_parts = moving_parts(ranked.front()->plan);
+      for (size_t i = 1; i < ranked.size(); ++i) {
+        const Candidate& c = *ranked[i];
+        if (c.over_memory || c.plan.prediction.step_time_s > fastest * (1 + tolerance)) break;
+        const MovingParts parts = moving_parts(c.plan);
+        const std::string why = fewer_moving_parts(parts, chosen_parts);
+        if (!why.empty()) {
+          chosen = i;
+          chosen_parts = parts;
+          tie_reason = why;
+        }
+      }
+    }
+    Plan best = ranked[chosen]->plan;
+    if (chosen != 0) {
+      const Plan& fastest = ranked.front()->plan;
+      best.tie_break = "preferred over " + fastest.summary() + " (predicted " +
+                       percent(best.prediction.step_time_s / fastest.prediction.step_time_s - 1) +
+                       " faster, within the " + percent(tolerance) +
+                       " tie tolerance): fewer moving parts, " + tie_reason;
+    }
+    int64_t kept = 0;
+    for (size_t i = 0; i < ranked.size() && kept < options_.alternatives; ++i) {
+      if (i == chosen) continue;
       const Plan& alt = ranked[i]->plan;
       Alternative a;
       a.summary = alt.summary();
       a.step_time_s = alt.prediction.step_time_s;
       a.memory_bytes_per_device = alt.prediction.memory_bytes_per_device;
-      a.reason = ranked[i]->over_memory
-                     ? "needs " + format_bytes(a.memory_bytes_per_device) + " per device"
-                     : why_slower(alt.prediction, best.prediction);
+      if (ranked[i]->over_memory) {
+        a.reason = "needs " + format_bytes(a.memory_bytes_per_device) + " per device";
+      } else if (alt.prediction.step_time_s < best.prediction.step_time_s) {
+        a.reason = "predicted " + percent(best.prediction.step_time_s / alt.prediction.step_time_s - 1) +
+                   " faster, within the tie tolerance, with more moving parts";
+      } else {
+        a.reason = why_slower(alt.prediction, best.prediction);
+      }
       best.alternatives.push_back(a);
+      ++kept;
     }
     return best;
   }
@@ -601,7 +719,8 @@ class Searcher {
   }
 
   const ModelGraph& graph_;
-  const Cluster& cluster_;
+  const Estimator& estimator_;
+  const Cluster cluster_;  // the estimator's (a profile's measured links replace the given ones)
   const TrainingConfig& training_;
   const Pins pins_;
   const SearchOptions options_;
@@ -626,7 +745,8 @@ Plan search(const ModelGraph& graph, const Cluster& cluster, const TrainingConfi
 }
 
 Plan evaluate_layout(const ModelGraph& graph, const Cluster& cluster,
-                     const TrainingConfig& training, const Pins& pins, bool allow_over_memory) {
+                     const TrainingConfig& training, const Pins& pins, bool allow_over_memory,
+                     const Estimator* estimator) {
   if (!pins.all_layout_pinned()) {
     throw ValidationError("pins", "evaluate_layout needs tp, pp, dp, zero stage, micro-batch size "
                                   "and schedule all pinned");
@@ -634,6 +754,7 @@ Plan evaluate_layout(const ModelGraph& graph, const Cluster& cluster,
   SearchOptions options;
   options.pins = pins;
   options.alternatives = 0;
+  options.estimator = estimator;
   return Searcher(graph, cluster, training, options, allow_over_memory).run();
 }
 

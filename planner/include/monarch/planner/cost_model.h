@@ -14,6 +14,8 @@
 
 namespace monarch::planner {
 
+class Estimator;  // estimator.h
+
 // ---- Published closed forms --------------------------------------------------------------
 
 // Narayanan et al. 2021 (SC'21), Sec. 5.1: FLOPs per iteration of a GPT model with
@@ -129,13 +131,16 @@ class SimulationCache {
   std::map<std::pair<ScheduleKey, std::vector<double>>, SimulationResult> results_;
 };
 
-// Fills plan.prediction from the plan's layout and layer stages. The plan must be valid
-// for the graph (validate(plan, graph)).
-Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache = nullptr);
+// Fills plan.prediction from the plan's layout and layer stages, with the layer times of
+// `estimator` (default: the analytic model). The plan must be valid for the graph
+// (validate(plan, graph)).
+Prediction predict(const ModelGraph& graph, const Plan& plan, SimulationCache* cache = nullptr,
+                   const Estimator* estimator = nullptr);
 // Same, but returns nullopt without simulating the schedule when a lower bound on the step
 // time already reaches `prune_above` (the search's branch-and-bound).
 std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan& plan,
-                                            SimulationCache* cache, double prune_above);
+                                            SimulationCache* cache, double prune_above,
+                                            const Estimator* estimator = nullptr);
 
 // Bytes a stage whose last layer is `last` sends downstream per micro-batch: that layer's
 // output activation, at the training config's activation width; with sequence parallelism

@@ -64,6 +64,9 @@ struct Prediction {
   double tflops_per_device = 0;  // Narayanan et al. F (with recompute) / (step time * devices)
   double mfu = 0;                // model FLOPs (no recompute) / (step time * devices * peak)
   double bubble_fraction = 0;    // from simulating the schedule
+  // Where the per-layer times came from: "analytic" (FLOPs and peak rates) or
+  // "profile: <source>" (times measured on the machine; estimator.h).
+  std::string estimator = "analytic";
   bool operator==(const Prediction& o) const;
 };
 
@@ -101,6 +104,9 @@ struct Plan {
   // What the cost model expects.
   Prediction prediction;
   std::vector<Alternative> alternatives;
+  // Set when the search preferred this layout over one predicted faster by less than the
+  // cost model's stated error because it has fewer moving parts (search.h); empty otherwise.
+  std::string tie_break;
 
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
   std::string summary() const;  // one line: mesh, zero, mbs, schedule, recompute

@@ -16,10 +16,21 @@ struct SearchStats {
   int64_t scored = 0;       // fully predicted (schedule simulated)
 };
 
+class Estimator;  // estimator.h
+
 struct SearchOptions {
   Pins pins;
   int64_t alternatives = 5;        // how many runners-up to keep in Plan::alternatives
   SearchStats* stats = nullptr;    // filled in when set
+  // Per-layer times: the analytic model when null, or a measured profile (estimator.h). Not
+  // owned; must outlive the call.
+  const Estimator* estimator = nullptr;
+  // Layouts predicted within this fraction of the fastest count as tied: the cost model
+  // cannot tell them apart (its calibration error, docs/cost_model.md). Among tied layouts
+  // the one with the fewest moving parts wins (less traffic on the slowest link, then fewer
+  // parallel dimensions, then fewer extras: virtual stages, ZeRO-3, recomputation), and the
+  // plan's tie_break says so. 0: always the fastest.
+  double tie_tolerance = 0.05;
 };
 
 // Returns the fastest layout that fits memory. Throws InfeasibleError naming the failed
@@ -35,6 +46,6 @@ Plan search(const ModelGraph& graph, const Cluster& cluster, const TrainingConfi
 // when `allow_over_memory` is true.
 Plan evaluate_layout(const ModelGraph& graph, const Cluster& cluster,
                      const TrainingConfig& training, const Pins& pins,
-                     bool allow_over_memory = false);
+                     bool allow_over_memory = false, const Estimator* estimator = nullptr);
 
 }  // namespace monarch::planner
