@@ -11,6 +11,7 @@
 #include "monarch/planner/cluster.h"
 #include "monarch/planner/embeddings.h"
 #include "monarch/planner/errors.h"
+#include "monarch/planner/estimator.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/plan.h"
 #include "monarch/planner/report.h"
@@ -31,8 +32,12 @@ const char* kUsage = R"(usage:
                            [--recompute none|selective|full] [--sequence-parallel on|off]
                            [--attention flash|materialized]
                            [--alternatives N] [--json]
+                           [--profile profile.json] [--tie-tolerance T]
       Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
       scores exactly that layout) and prints a summary; -o writes the plan as JSON.
+      --profile: per-layer times measured on the machine (torch_monarch.profile) instead
+      of the analytic model's; --tie-tolerance: layouts within this fraction of the
+      fastest are tied and the simplest wins (default 0.05, 0 = always the fastest).
   monarch-plan show plan.json       print the summary of a saved plan
   monarch-plan validate plan.json   check a plan; exit 0 if valid
   monarch-plan schedule --schedule 1f1b --pp P --micro-batches M [--virtual-stages V]
@@ -116,7 +121,8 @@ int cmd_transformer(int argc, char** argv) {
                   {"--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--vocab",
                    "--dtype", "--name", "--global-batch", "--gpus", "--cluster", "--output",
                    "--tp", "--pp", "--dp", "--zero", "--micro-batch", "--schedule",
-                   "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives", "--attention"},
+                   "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives", "--attention",
+                   "--profile", "--tie-tolerance"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -152,16 +158,27 @@ int cmd_transformer(int argc, char** argv) {
     pins.sequence_parallel = on_off("--sequence-parallel", args.str("--sequence-parallel"));
   }
 
+  std::optional<mp::ProfileEstimator> profile;
+  if (args.has("--profile")) profile.emplace(mp::load_profile(args.str("--profile")));
+  const mp::Estimator* estimator = profile ? &*profile : nullptr;
+
   mp::Plan plan;
   mp::SearchStats stats;
   const bool scoring = pins.all_layout_pinned();
   if (scoring) {
-    plan = mp::evaluate_layout(graph, cluster, training, pins, /*allow_over_memory=*/true);
+    plan = mp::evaluate_layout(graph, cluster, training, pins, /*allow_over_memory=*/true, estimator);
   } else {
     mp::SearchOptions options;
     options.pins = pins;
     options.alternatives = args.integer("--alternatives").value_or(5);
     options.stats = &stats;
+    options.estimator = estimator;
+    if (args.has("--tie-tolerance")) {
+      const std::string text = args.str("--tie-tolerance");
+      char* end = nullptr;
+      options.tie_tolerance = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0') throw UsageError("--tie-tolerance: expected a number, got '" + text + "'");
+    }
     plan = mp::search(graph, cluster, training, options);
   }
   if (args.has("--json")) {

@@ -126,5 +126,28 @@ expect_error "unknown sharding" "unknown sharding 'diagonal'" \
 expect_error "pin of no table" "embeddings.pins.nope: no table has this name" \
   "$MP" embeddings "$TMP/tables.json" --gpus 16 --batch-per-rank 512 --table nope=row_wise
 
+# 7. A measured profile replaces the analytic layer times; one of another model is refused.
+python3 - "$TMP/profile.json" <<'PY'
+import json, sys
+layers = ["embedding", "blocks.0", "blocks.1", "final_norm", "lm_head"]
+points = lambda f: [{"micro_batch": 1, "forward_s": f, "backward_s": 2 * f}]
+json.dump({"format": "monarch-profile", "version": 1, "source": "cli test",
+           "layers": [{"name": n, "points": points(0.5 if n.startswith("blocks") else 0.01)} for n in layers],
+           "links": {"intra_node": {"latency_s": 1e-4, "bytes_per_s": 1e9}}}, open(sys.argv[1], "w"))
+PY
+if "$MP" transformer --layers 2 --hidden 64 --heads 4 --seq 32 --vocab 100 --global-batch 8 --gpus 2 --cluster cpu \
+    --profile "$TMP/profile.json" --tie-tolerance 0 >"$TMP/out" 2>"$TMP/err"; then
+  grep -q "layer times from the profile: cli test" "$TMP/out" && ! grep -q "tie break" "$TMP/out" && ok ||
+    bad "profile: $(cat "$TMP/out")"
+else
+  bad "profile failed: $(cat "$TMP/err")"
+fi
+expect_error "profile of another model" "profile.layers: no measurement for layer 'blocks.2'" \
+  "$MP" transformer --layers 3 --hidden 64 --heads 4 --seq 32 --vocab 100 --global-batch 8 --gpus 2 --cluster cpu \
+  --profile "$TMP/profile.json"
+expect_error "tie tolerance" "tie_tolerance: must be in [0, 1)" \
+  "$MP" transformer --layers 2 --hidden 64 --heads 4 --seq 32 --vocab 100 --global-batch 8 --gpus 2 --cluster cpu \
+  --tie-tolerance 2
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
