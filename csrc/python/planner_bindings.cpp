@@ -294,6 +294,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("backward_forward_ratio", &Cluster::backward_forward_ratio)
       .def_readwrite("overlap_contention", &Cluster::overlap_contention)
       .def_readwrite("cores_per_node", &Cluster::cores_per_node)
+      .def_readwrite("sm_count", &Cluster::sm_count)
       .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
       .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)
       .def_readwrite("intra_node_latency_s", &Cluster::intra_node_latency_s)

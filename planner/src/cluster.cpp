@@ -30,7 +30,8 @@ Cluster a100(double memory_bytes, double hbm_bytes_per_s) {
   c.peak_flops_tf32 = 156e12;
   c.peak_flops_bf16 = 312e12;
   c.peak_flops_fp8 = 0;  // no fp8 tensor cores
-  c.matmul_efficiency = 0.70;
+  c.matmul_efficiency = 0.72;
+  c.sm_count = 108;  // NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020)
   c.hbm_bytes_per_s = hbm_bytes_per_s;
   c.intra_node_bytes_per_s = 230e9;
   c.intra_node_latency_s = 5e-6;
@@ -50,6 +51,7 @@ Cluster hopper(double memory_bytes, double hbm_bytes_per_s) {
   c.peak_flops_bf16 = 989e12;
   c.peak_flops_fp8 = 1979e12;
   c.matmul_efficiency = 0.65;
+  c.sm_count = 132;  // H100 SXM5 (NVIDIA H100 Tensor Core GPU Architecture whitepaper); H200 the same die
   c.hbm_bytes_per_s = hbm_bytes_per_s;
   c.intra_node_bytes_per_s = 360e9;
   c.intra_node_latency_s = 5e-6;
@@ -161,6 +163,7 @@ void validate(const Cluster& c) {
   require(c.backward_forward_ratio > 0 && c.backward_forward_ratio <= 10, "backward_forward_ratio",
           "must be in (0, 10]");
   require(c.overlap_contention >= 0 && c.overlap_contention <= 4, "overlap_contention", "must be in [0, 4]");
+  require(c.sm_count >= 0 && c.sm_count <= 1000000, "sm_count", "must be in [0, 1e6] (0: no wave quantization)");
   require(c.cores_per_node >= 0, "cores_per_node", "must be >= 0 (0: devices do not share compute)");
   require(c.intra_node_bytes_per_s > 0, "intra_node_bytes_per_s", "must be > 0");
   require(c.inter_node_bytes_per_s > 0, "inter_node_bytes_per_s", "must be > 0");

@@ -144,6 +144,21 @@ double tp_bytes_per_step(const ModelGraph& graph, const TrainingConfig& training
   return bytes * static_cast<double>(layout.num_micro_batches);
 }
 
+double gemm_utilization(double m, double n, double k, int64_t sm_count) {
+  // NVIDIA, "Matrix Multiplication Background User's Guide" (Deep Learning Performance
+  // docs): a GEMM runs as output tiles, each on one SM; tiles are padded to the tile size
+  // (tile quantization) and run in waves of one tile per SM, the last wave partly idle
+  // (wave quantization). cuBLAS splits K when there are too few tiles to fill the SMs
+  // (split-K), which this counts as more tiles (at most one per 512 of K).
+  if (sm_count <= 0 || m <= 0 || n <= 0 || k <= 0) return 1.0;
+  constexpr double kTile = 128;
+  const double sms = static_cast<double>(sm_count);
+  const double tiles = std::ceil(m / kTile) * std::ceil(n / kTile);
+  const double split_k = std::max(1.0, std::min(std::floor(sms / tiles), std::ceil(k / 512.0)));
+  const double waves = std::ceil(tiles * split_k / sms);
+  return (m * n * split_k / (kTile * kTile)) / (waves * sms);
+}
+
 std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
                                    const TrainingConfig& training, const Layout& layout) {
   const double flops_per_s = cluster.peak_flops(training.compute_dtype) * cluster.matmul_efficiency;
@@ -160,8 +175,18 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     // written once and read once.
     const double stored = act_scale *
         layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none);
-    const double forward_compute =
-        layer.forward_flops_per_sample * b / t / flops_per_s + 2.0 * stored / cluster.hbm_bytes_per_s;
+    // The layer's GEMMs at their shape's utilization, the rest of its FLOPs at the
+    // large-GEMM rate. `effective` = the FLOPs one tp rank runs, each divided by its
+    // utilization.
+    double effective = layer.forward_flops_per_sample * b / t;
+    for (const Gemm& g : layer.gemms) {
+      const double m = g.m_per_sample * b;
+      const double n = g.split == GemmSplit::n && t > 1 ? g.n / t : g.n;
+      const double k = g.split == GemmSplit::k && t > 1 ? g.k / t : g.k;
+      const double flops = 2.0 * m * n * k;
+      effective += flops / gemm_utilization(m, n, k, cluster.sm_count) - flops;
+    }
+    const double forward_compute = effective / flops_per_s + 2.0 * stored / cluster.hbm_bytes_per_s;
     // Backward: twice the forward (gradients w.r.t. inputs and weights), Narayanan et al.;
     // or the cluster's measured ratio.
     const double backward_compute = cluster.backward_forward_ratio * forward_compute;

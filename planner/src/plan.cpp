@@ -20,6 +20,7 @@ bool Cluster::operator==(const Cluster& o) const {
          peak_flops_bf16 == o.peak_flops_bf16 && peak_flops_fp8 == o.peak_flops_fp8 &&
          matmul_efficiency == o.matmul_efficiency && hbm_bytes_per_s == o.hbm_bytes_per_s &&
          backward_forward_ratio == o.backward_forward_ratio && cores_per_node == o.cores_per_node &&
+         sm_count == o.sm_count &&
          overlap_contention == o.overlap_contention &&
          intra_node_bytes_per_s == o.intra_node_bytes_per_s &&
          intra_node_latency_s == o.intra_node_latency_s &&

@@ -72,6 +72,7 @@ Json cluster_to_json(const Cluster& c) {
   j["hbm_bytes_per_s"] = c.hbm_bytes_per_s;
   j["backward_forward_ratio"] = c.backward_forward_ratio;
   j["cores_per_node"] = c.cores_per_node;
+  j["sm_count"] = c.sm_count;
   j["overlap_contention"] = c.overlap_contention;
   j["intra_node_bytes_per_s"] = c.intra_node_bytes_per_s;
   j["intra_node_latency_s"] = c.intra_node_latency_s;
@@ -241,6 +242,7 @@ Cluster cluster_from_json(const Fields& f) {
   c.hbm_bytes_per_s = f.number("hbm_bytes_per_s");
   if (f.has("backward_forward_ratio")) c.backward_forward_ratio = f.number("backward_forward_ratio");  // optional: 2
   if (f.has("cores_per_node")) c.cores_per_node = f.number("cores_per_node");  // optional: 0
+  if (f.has("sm_count")) c.sm_count = f.integer("sm_count");  // optional: 0, no wave quantization
   if (f.has("overlap_contention")) c.overlap_contention = f.number("overlap_contention");  // optional: 0
   c.intra_node_bytes_per_s = f.number("intra_node_bytes_per_s");
   c.intra_node_latency_s = f.number("intra_node_latency_s");
@@ -437,7 +439,7 @@ Plan plan_from_value(const Json& root) {
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
                   "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
                   "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
-                  "backward_forward_ratio", "cores_per_node", "overlap_contention", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",

@@ -134,6 +134,13 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
   }
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = act * s * h;
+  // Weight GEMMs as Megatron runs them: fused q/k/v and (gated: fused gate/up) column-parallel,
+  // output and down projections row-parallel.
+  const int64_t kv = c.hidden / c.heads * c.kv_heads;
+  l.gemms = {{s, c.hidden + 2 * kv, c.hidden, GemmSplit::n},
+             {s, c.hidden, c.hidden, GemmSplit::k},
+             {s, (c.gated_mlp ? 2 : 1) * c.ffn, c.hidden, GemmSplit::n},
+             {s, c.hidden, c.ffn, GemmSplit::k}};
   l.tp = TpPattern::block;
   l.tp_dims.heads = c.heads;
   l.tp_dims.kv_heads = c.kv_heads;
@@ -161,6 +168,7 @@ Layer head_layer(const TransformerConfig& c, double act) {
   l.params = c.vocab * c.hidden;
   l.param_dtype = c.dtype;
   l.forward_flops_per_sample = 2 * s * h * v;
+  l.gemms = {{s, c.vocab, c.hidden, GemmSplit::n}};
   // Input (for the weight gradient), logits, and the fp32 softmax of the vocab-parallel
   // cross entropy; the last two are split over tp.
   l.activations.replicated = act * s * h;

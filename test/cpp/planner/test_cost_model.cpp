@@ -427,3 +427,42 @@ TEST_CASE("tensor-parallel bytes per step: Megatron's all-reduces as ring volume
   l.tp = 1;
   CHECK(tp_bytes_per_step(g, t, l) == 0.0);
 }
+
+TEST_CASE("GEMM utilization: tile and wave quantization, split-K for few tiles", "[cost_model][gemm]") {
+  CHECK(gemm_utilization(8192, 8192, 8192, 0) == 1.0);  // no SM count: no effect (CPUs)
+  // 64 x 64 = 4096 tiles in 38 waves of 108: the last wave nearly full.
+  CHECK(gemm_utilization(8192, 8192, 8192, 108) == Approx(4096.0 / (38 * 108)));
+  // GPT-3's 18B row at t = 8: q/k/v is 2048 x 6144 @ 6144 x 2304 per rank: 16 x 18 = 288
+  // tiles, 3 waves of 108.
+  CHECK(gemm_utilization(2048, 3 * 6144 / 8, 6144, 108) == Approx(288.0 / 324));
+  // A side that is not a tile multiple pays for the padded tile.
+  CHECK(gemm_utilization(2048, 8 * 108 * 128 + 64, 4096, 108) < gemm_utilization(2048, 8 * 108 * 128, 4096, 108));
+  // One tile, K = 4096: split 8 ways over K, still most SMs idle.
+  CHECK(gemm_utilization(128, 100, 4096, 108) == Approx((128.0 * 100 * 8 / (128 * 128)) / 108));
+}
+
+TEST_CASE("GEMM shapes: cutting a small model's GEMMs with tp costs more per FLOP", "[cost_model][gemm]") {
+  TransformerConfig c = transformer_config(2, 1024, 16, 512, 32000);
+  const ModelGraph g = build_transformer(c);
+  const Cluster a100 = cluster_preset("a100-80gb", 8);
+  TrainingConfig t;
+  t.global_batch = 8;
+  Layout l;
+  l.micro_batch_size = 1;
+  const double whole = layer_costs(g, a100, t, l)[1].forward_s;
+  l.tp = 8;
+  const LayerCost split = layer_costs(g, a100, t, l)[1];
+  // The block's GEMMs at tp 8 (N or K of 128 to 1536, M = 512) leave most of 108 SMs idle.
+  CHECK((split.forward_s - split.forward_tp_s) * 8 > 1.5 * whole);
+  // On a CPU cluster (no SM count) the split is exact for the GEMM FLOPs.
+  Cluster cpu = cluster_preset("cpu", 8);
+  l.tp = 1;
+  const LayerCost cpu_whole = layer_costs(g, cpu, t, l)[1];
+  CHECK(cpu.sm_count == 0);
+  CHECK(cpu_whole.forward_s > 0);
+  // Larger micro-batches fill more tiles: time per sample falls.
+  l.tp = 8;
+  l.micro_batch_size = 8;
+  const LayerCost bigger = layer_costs(g, a100, t, l)[1];
+  CHECK((bigger.forward_s - bigger.forward_tp_s) / 8 < split.forward_s - split.forward_tp_s);
+}

@@ -19,6 +19,11 @@ struct Cluster {
   double peak_flops_bf16 = 0;        // also used for fp16
   double peak_flops_fp8 = 0;
   double matmul_efficiency = 0.75;   // share of peak large GEMMs reach
+  // Streaming multiprocessors per device: GEMMs run as 128 x 128 output tiles, one wave of
+  // tiles per SM at a time, so a GEMM whose tiles leave SMs idle in its last wave (or whose
+  // sides are not tile multiples) reaches less than matmul_efficiency (cost_model.cpp,
+  // gemm_utilization). 0: no such effect (CPUs, or unknown).
+  int64_t sm_count = 0;
   double hbm_bytes_per_s = 0;        // device memory bandwidth (memory-bound kernels)
   // Backward compute time / forward compute time: 2 for matmul-bound layers (gradients for
   // inputs and weights, Narayanan et al. 2021); a measured profile may say otherwise (CPU

@@ -54,6 +54,11 @@ double model_flops_per_step(const ModelGraph& graph, int64_t global_batch);
 // same for every plan so plans compare fairly. Used for tflops_per_device.
 double narayanan_flops_per_step(const ModelGraph& graph, int64_t global_batch);
 
+// Share of the large-GEMM rate an (m x k) @ (k x n) GEMM reaches on a device with
+// `sm_count` SMs: tile and wave quantization (NVIDIA's Matrix Multiplication Background
+// User's Guide), with split-K for GEMMs of few tiles. 1 when sm_count is 0.
+double gemm_utilization(double m, double n, double k, int64_t sm_count);
+
 // Activation bytes one layer keeps for backward for one micro-batch on one tp rank.
 double layer_activation_bytes(const Layer& layer, int64_t micro_batch, int64_t tp,
                               bool sequence_parallel, Recompute recompute);

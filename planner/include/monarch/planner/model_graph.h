@@ -42,6 +42,17 @@ struct ActivationBytes {
   double total() const { return replicated + tp_sharded + attention_scores; }
 };
 
+// One matrix multiply of a layer's forward, for one sample: (m_per_sample x k) @ (k x n).
+// The cost model uses the shapes for GEMM efficiency (tile and wave quantization, on
+// devices with a known SM count); FLOPs stay in forward_flops_per_sample. `split` is the
+// dimension tensor parallelism divides: n (column-parallel), k (row-parallel) or neither.
+enum class GemmSplit { none, n, k };
+struct Gemm {
+  double m_per_sample = 0;  // rows per sample (tokens)
+  int64_t n = 0, k = 0;
+  GemmSplit split = GemmSplit::none;
+};
+
 struct Layer {
   std::string name;
   LayerKind kind = LayerKind::other;
@@ -54,6 +65,9 @@ struct Layer {
   TpPattern tp = TpPattern::replicated;
   TpDims tp_dims;
   bool recomputable = true;  // false for the loss head (Narayanan et al. do not recompute it)
+  // The forward's weight GEMMs (empty when unknown, e.g. a graph read from a module: every
+  // FLOP then runs at the cluster's large-GEMM efficiency).
+  std::vector<Gemm> gemms;
 };
 
 // Hyperparameters of a decoder-only transformer (GPT-3, Llama...).
