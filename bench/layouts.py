@@ -9,17 +9,21 @@ cores, so a rank's rate is what it gets while the others work too):
   * memory bandwidth per rank: a large add (2 reads, 1 write);
   * loopback links: all-reduce latency and bandwidth fitted at 4 sizes (cluster.probe).
 Then, per layout: planner.evaluate on that cluster (pinned), parallelize(model, plan=plan),
-one warm-up step, STEPS timed steps (forward, backward, AdamW step; the slowest rank's time
-per step), and the peak resident memory per rank over the timed steps (VmHWM, glibc told to
-return freed memory at once) minus the rank's memory before the model was built. The
-planner's own pick for this job (search on the same cluster, the runtime's options) is
+in each of ROUNDS rounds over all layouts one warm-up step and STEPS timed steps (forward,
+backward, AdamW step; the slowest rank's time per step; the median over all rounds), and the
+peak resident memory per rank over the first round's timed steps (VmHWM, glibc told to
+return freed memory at once) minus the rank's memory before the model was built. Before
+the layouts, every rank measures a profile of the model (torch_monarch.profile: each
+layer's forward and backward at micro-batch sizes 1 to 16, all ranks at once), and each
+layout is predicted twice: by the analytic model and from the profile. The planner's picks
+for this job (search on the same cluster, the runtime's options, with each estimator) are
 measured too.
 
     python3 bench/layouts.py [--out bench/results/layouts.json]
 
-Printed: per layout, predicted and measured step time, their ratio, peak memory (predicted
-on the most loaded rank, measured on the most loaded rank); Spearman's rank correlation of
-predicted and measured times; where the planner's pick finished.
+Printed: per layout, both predicted and the measured step time, peak memory (predicted on
+the most loaded rank, measured on the most loaded rank); per estimator, Spearman's rank
+correlation of predicted and measured times and where its pick finished.
 """
 
 import argparse
@@ -39,7 +43,8 @@ from procmem import reset_peak, vm
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-STEPS = 4
+STEPS = 2   # timed steps per layout and round
+ROUNDS = 3
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, GLOBAL_BATCH = 1024, 256, 8, 4, 128, 16
 # (name, pins): every kind of layout the runtime builds, on 4 ranks.
 LAYOUTS = [
@@ -180,49 +185,62 @@ def worker(out_dir):
         if pick_pins not in known:
             layouts.append((f"pick ({estimator})", pick_pins))
 
-    rows = []
-    for name, pins in layouts:
-        pins = dict(pins)
-        recompute = pins.pop("recompute", "none")
-        sp = pins.pop("sequence_parallel", False)
-        plan = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                allow_over_memory=True, **pins)
-        from_profile = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                        allow_over_memory=True, profile=prof, **pins)
-        gc.collect()
-        base = vm("VmRSS")
-        pm = torch_monarch.parallelize(make_model(), plan=plan)
-        mesh = pm.mesh
-        opt = torch.optim.AdamW([p for _, p in pm.named_parameters()], lr=1e-3)
-        loss = (lambda out, y, mesh=mesh: vocab_parallel_cross_entropy(out, y, mesh)) if pm.tp > 1 else loss_fn
-        times, losses = [], []
-        for step in range(STEPS + 1):
-            if step == 1:
-                gc.collect()
-                reset_peak()
-            x, y = batch(step)
-            _all_max(everyone, 0)  # every rank starts the step together
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            losses.append(pm.train_step(*pm.local_batch(x, y), loss))
-            opt.step()
-            elapsed = _all_max(everyone, time.perf_counter() - t0)  # the slowest rank's step
-            if step >= 1:
-                times.append(elapsed)
-        peak = vm("VmHWM") - base
-        rows.append({"layout": name, "plan": plan.summary(), "rank": world.rank,
-                     "pick": plan.summary() == picks["analytic"].summary(),
-                     "pick_profile": from_profile.summary() == picks["profile"].summary(),
-                     "predicted_s": plan.prediction.step_time_s,
-                     "predicted_profile_s": from_profile.prediction.step_time_s,
-                     "predicted_bytes": plan.prediction.memory_bytes_per_device,
-                     "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
-                                             ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble",
-                                              "optimizer")},
-                     "measured_s": statistics.median(times), "peak_bytes": peak,
-                     "losses": [float(v) for v in losses]})
-        del pm, opt
-        gc.collect()
+    # Rounds: every layout runs a warm-up and STEPS timed steps in each of ROUNDS rounds, the
+    # rounds one after another over all layouts, so a slow spell of this shared machine lands
+    # on several layouts instead of all of one; the measured time is the median of all its
+    # timed steps. Peak memory and losses come from the first round.
+    rows = {}
+    plans = {}
+    for rnd in range(ROUNDS):
+        for name, pins in layouts:
+            if name not in plans:
+                pins = dict(pins)
+                recompute = pins.pop("recompute", "none")
+                sp = pins.pop("sequence_parallel", False)
+                plans[name] = (
+                    planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                     allow_over_memory=True, **pins),
+                    planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                     allow_over_memory=True, profile=prof, **pins))
+            plan, from_profile = plans[name]
+            gc.collect()
+            base = vm("VmRSS")
+            pm = torch_monarch.parallelize(make_model(), plan=plan)
+            mesh = pm.mesh
+            opt = torch.optim.AdamW([p for _, p in pm.named_parameters()], lr=1e-3)
+            loss = (lambda out, y, mesh=mesh: vocab_parallel_cross_entropy(out, y, mesh)) if pm.tp > 1 else loss_fn
+            times, losses = [], []
+            for step in range(STEPS + 1):
+                if step == 1 and rnd == 0:
+                    gc.collect()
+                    reset_peak()
+                x, y = batch(step)
+                _all_max(everyone, 0)  # every rank starts the step together
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                losses.append(pm.train_step(*pm.local_batch(x, y), loss))
+                opt.step()
+                elapsed = _all_max(everyone, time.perf_counter() - t0)  # the slowest rank's step
+                if step >= 1:
+                    times.append(elapsed)
+            if rnd == 0:
+                rows[name] = {"layout": name, "plan": plan.summary(), "rank": world.rank,
+                              "pick": plan.summary() == picks["analytic"].summary(),
+                              "pick_profile": from_profile.summary() == picks["profile"].summary(),
+                              "predicted_s": plan.prediction.step_time_s,
+                              "predicted_profile_s": from_profile.prediction.step_time_s,
+                              "predicted_bytes": plan.prediction.memory_bytes_per_device,
+                              "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
+                                                      ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
+                                                       "bubble", "optimizer")},
+                              "times": [], "peak_bytes": vm("VmHWM") - base,
+                              "losses": [float(v) for v in losses]}
+            rows[name]["times"] += times
+            del pm, opt
+            gc.collect()
+    rows = list(rows.values())
+    for r in rows:
+        r["measured_s"] = statistics.median(r["times"])
     with open(os.path.join(out_dir, f"rank{world.rank}.json"), "w") as f:
         json.dump({"cluster": {"flops": cluster.peak_flops_fp32, "hbm": cluster.hbm_bytes_per_s,
                                "efficiency": cluster.matmul_efficiency,

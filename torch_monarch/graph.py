@@ -118,6 +118,7 @@ class _Recorder:
         self.saved_core = set()  # ids of saved tensors that are attention-core tensors
         self.weight_ids = set()
         self.blocks = set()  # the runtime recomputes inside blocks, one block at a time
+        self.gemms = []      # (module stack, M, N, K) of each weight GEMM (activation @ weight)
 
     def is_core(self, t):
         return self.core.get(id(t)) is t
@@ -162,6 +163,9 @@ def _make_mode(recorder):
                 flops, a, b = mm
                 if not recorder.is_param(a) and not recorder.is_param(b):
                     attention = flops  # activation x activation: attention scores / context
+                elif recorder.is_param(b) and not recorder.is_param(a) and out.dim() == 2:
+                    recorder.gemms.append((tuple(recorder.stack), int(out.shape[0]), int(out.shape[1]),
+                                           int(a.shape[-1])))
             elif name in ("convolution", "_convolution"):
                 flops = _conv_flops(args, out)
             elif name in _ATTENTION_KERNELS:
@@ -517,8 +521,23 @@ def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, 
     layer.activations.layer_input = inputs if inputs else layer.output_bytes_per_sample
     pattern, dims = _tp_of(model, lname, plan)
     layer.tp, layer.tp_dims = pattern, dims
+    layer.gemms = _gemms_of(recorder, lname, plan, batch, pattern != _planner.TpPattern.replicated)
     layer.recomputable = layer.kind != _planner.LayerKind.head
     return layer
+
+
+def _gemms_of(recorder, lname, plan, batch, split):
+    """The layer's weight GEMMs per sample, with the dimension tp divides (from the tp style of
+    the module that ran it: column-parallel and vocabulary heads cut N, row-parallel K)."""
+    out = []
+    for stack, m, n, k in recorder.gemms:
+        if lname not in stack:
+            continue
+        style = plan.get(stack[-1]) if split and stack else None
+        cut = (_planner.GemmSplit.n if isinstance(style, (Colwise, VocabHead)) else
+               _planner.GemmSplit.k if isinstance(style, Rowwise) else _planner.GemmSplit.none)
+        out.append(_planner.Gemm(m_per_sample=m / batch, n=n, k=k, split=cut))
+    return out
 
 
 def _input_bytes_per_sample(recorder, lname, batch):

@@ -37,6 +37,8 @@ AttentionKernel = _P.AttentionKernel
 ActionType = _P.ActionType
 
 TpDims = _P.TpDims
+GemmSplit = _P.GemmSplit
+Gemm = _P.Gemm
 ActivationBytes = _P.ActivationBytes
 Layer = _P.Layer
 TransformerConfig = _P.TransformerConfig

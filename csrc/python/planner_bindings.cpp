@@ -193,6 +193,22 @@ void bind_model_graph(py::module_& m) {
                ", attention_scores=" + num(a.attention_scores) + ", layer_input=" + num(a.layer_input) + ")";
       });
 
+  py::enum_<GemmSplit>(m, "GemmSplit", "The dimension of a GEMM tensor parallelism divides.")
+      .value("none", GemmSplit::none)
+      .value("n", GemmSplit::n)
+      .value("k", GemmSplit::k);
+  py::class_<Gemm> gemm(m, "Gemm", "A layer's weight GEMM per sample: (m_per_sample x k) @ (k x n).");
+  add_kwargs_init<Gemm>(gemm);
+  add_copy<Gemm>(gemm);
+  gemm.def_readwrite("m_per_sample", &Gemm::m_per_sample)
+      .def_readwrite("n", &Gemm::n)
+      .def_readwrite("k", &Gemm::k)
+      .def_readwrite("split", &Gemm::split)
+      .def("__repr__", [](const Gemm& g) {
+        return "<Gemm " + num(g.m_per_sample) + " x " + std::to_string(g.k) + " @ " + std::to_string(g.k) + " x " +
+               std::to_string(g.n) + ">";
+      });
+
   py::class_<Layer> layer(m, "Layer", "One layer as the planner sees it.");
   add_kwargs_init<Layer>(layer);
   add_copy<Layer>(layer);
@@ -207,6 +223,7 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("tp", &Layer::tp)
       .def_readwrite("tp_dims", &Layer::tp_dims)
       .def_readwrite("recomputable", &Layer::recomputable)
+      .def_readwrite("gemms", &Layer::gemms)
       .def("__repr__", [](const Layer& l) {
         return "<Layer " + quoted(l.name) + " " + to_string(l.kind) + " params=" + std::to_string(l.params) +
                " tp=" + to_string(l.tp) + ">";

@@ -67,6 +67,15 @@ def test_llama_grouped_kv_heads_and_gated_mlp_are_read_from_the_modules():
     assert block.attention_flops_per_sample == pytest.approx(16 * attention)
     assert block.activations.attention_scores > 0 and block.activations.tp_sharded > 0
     assert not info.graph.tied_groups
+    # The weight GEMMs, per sample (16 tokens), with the dimension tp cuts: q, k, v, gate, up
+    # column-parallel (N), o and down row-parallel (K).
+    split = lambda g: str(g.split).split(".")[-1]  # noqa: E731
+    assert sorted((g.m_per_sample, g.n, g.k, split(g)) for g in block.gemms) == sorted(
+        [(16, 64, 64, "n"), (16, 16, 64, "n"), (16, 16, 64, "n"), (16, 64, 64, "k"), (16, 96, 64, "n"),
+         (16, 96, 64, "n"), (16, 64, 96, "k")])
+    head = info.graph.layers[-1]
+    assert [(g.m_per_sample, g.n, g.k, split(g)) for g in head.gemms] == [(16, 256, 64, "n")]
+    assert info.graph.layers[0].gemms == []  # a lookup
 
 
 def test_bert_encoder_mlp_names_are_split_the_right_way():
