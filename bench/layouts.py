@@ -44,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 STEPS = 2   # timed steps per layout and round
-ROUNDS = 3
+ROUNDS = 2
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, GLOBAL_BATCH = 1024, 256, 8, 4, 128, 16
 # (name, pins): every kind of layout the runtime builds, on 4 ranks.
 LAYOUTS = [
@@ -191,7 +191,24 @@ def worker(out_dir):
     # timed steps. Peak memory and losses come from the first round.
     rows = {}
     plans = {}
-    for rnd in range(ROUNDS):
+    rounds = 0 if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY") else ROUNDS
+    if not rounds:  # predictions only (--predict-only): every layout scored, none run
+        for name, pins in layouts:
+            pins = dict(pins)
+            recompute = pins.pop("recompute", "none")
+            sp = pins.pop("sequence_parallel", False)
+            plan = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                    allow_over_memory=True, **pins)
+            from_profile = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                            allow_over_memory=True, profile=prof, **pins)
+            rows[name] = {"layout": name, "plan": plan.summary(), "rank": world.rank,
+                          "pick": plan.summary() == picks["analytic"].summary(),
+                          "pick_profile": from_profile.summary() == picks["profile"].summary(),
+                          "predicted_s": plan.prediction.step_time_s,
+                          "predicted_profile_s": from_profile.prediction.step_time_s,
+                          "predicted_bytes": plan.prediction.memory_bytes_per_device,
+                          "predicted_breakdown": {}, "times": [float("nan")], "peak_bytes": 0, "losses": []}
+    for rnd in range(rounds):
         for name, pins in layouts:
             if name not in plans:
                 pins = dict(pins)
@@ -280,7 +297,7 @@ def spearman(a, b):
     return cov / (va * vb)
 
 
-def run(ranks, timeout=1500):
+def run(ranks, timeout=3600):
     out = tempfile.mkdtemp(prefix="monarch-layouts-")
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
@@ -329,7 +346,9 @@ def summarize(cluster, table, extra):
     for estimator, key, flag in (("analytic", "predicted_s", "pick"), ("profile", "predicted_profile_s", "pick_profile")):
         shown = [dict(r, predicted_s=r[key]) for r in pinned]
         pairs, agree = ordered_pairs(shown, 0.10)
-        pick = next(r for r in table if r[flag])
+        pick = next((r for r in table if r[flag]), None)
+        if pick is None:  # --predict-only: the pick was not among the layouts measured earlier
+            pick = {"measured_s": float("nan")}
         out[estimator] = {
             "spearman": spearman([r[key] for r in pinned], [r["measured_s"] for r in pinned]),
             "pairs_apart_10pct": pairs, "pairs_ordered_right": agree,
@@ -345,11 +364,29 @@ def main():
     ap.add_argument("--worker")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "layouts.json"))
+    ap.add_argument("--predict-only", metavar="MEASURED_JSON",
+                    help="measure the cluster and the profile, predict every layout with both estimators, "
+                         "and compare with the measured times of an earlier run's results file (no training)")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
         return 0
-    cluster, table, extra = run(args.ranks)
+    if args.predict_only:
+        with open(args.predict_only) as f:
+            earlier = {r["plan"]: r for r in json.load(f)["layouts"]}
+        os.environ["MONARCH_LAYOUTS_PREDICT_ONLY"] = "1"
+        cluster, table, extra = run(args.ranks)
+        missing = [r["plan"] for r in table if r["plan"] not in earlier]
+        table = [r for r in table if r["plan"] in earlier]
+        for r in table:
+            m = earlier[r["plan"]]
+            r.update(measured_s=m["measured_s"], ratio=m["measured_s"] / r["predicted_s"],
+                     profile_ratio=m["measured_s"] / r["predicted_profile_s"], peak_bytes=m["peak_bytes"])
+        if missing:
+            print(f"not in {args.predict_only} (not compared): {missing}")
+        print(f"measured times from {args.predict_only}; predictions from this run")
+    else:
+        cluster, table, extra = run(args.ranks)
     s = summarize(cluster, table, extra)
     print(f"GPT-2 style, {LAYERS} blocks, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, vocab {VOCAB}, global batch "
           f"{GLOBAL_BATCH}, fp32, AdamW, {args.ranks} ranks on this machine")

@@ -28,6 +28,7 @@ _RUNTIME = {
     "ParallelModel": "hybrid",
     "plan": "api",
     "check_plan": "api",
+    "model_graph": "api",
     "read_model": "graph",
     "meta_init": "compat",
     "JaggedBatch": "embeddings",
@@ -39,6 +40,7 @@ _RUNTIME = {
     "cluster": None,
     "graph": None,
     "embeddings": None,
+    "profile": None,
 }
 
 

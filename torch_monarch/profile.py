@@ -35,6 +35,10 @@ from . import planner as _planner
 
 class _Clock:
     def __init__(self, model, layers):
+        # On a GPU a hook runs when the kernel is queued, not when it ends: wait for the device
+        # at every mark (what the measured times then include, the planner's rates do too).
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        self.sync = torch.cuda.synchronize if on_gpu else (lambda: None)
         self.modules = {}
         self.timed = []
         for name in layers:
@@ -53,11 +57,14 @@ class _Clock:
         def hook(_module, _inputs, output):
             if name in self.forward_end:
                 return  # called again (a shared module): the first call marks the layer
+            self.sync()
             self.forward_end[name] = time.perf_counter()
             t = _first_grad_tensor(output)
             if t is not None:
                 def on_grad(grad, name=name):
-                    self.grad_ready.setdefault(name, time.perf_counter())
+                    if name not in self.grad_ready:
+                        self.sync()
+                        self.grad_ready[name] = time.perf_counter()
                     return grad
                 t.register_hook(on_grad)
         return hook
@@ -89,12 +96,15 @@ def _one_step(model, clock, inputs, target, loss_fn):
     clock.reset()
     args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else (
         (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {})
+    clock.sync()
     t0 = time.perf_counter()
     out = model(*args, **kwargs)
     loss = loss_fn(out, target)
+    clock.sync()
     t_loss = time.perf_counter()
     t_back = time.perf_counter()
     loss.backward()
+    clock.sync()
     t_end = time.perf_counter()
     for p in model.parameters():
         p.grad = None

@@ -23,8 +23,10 @@ double interpolate(const std::vector<ProfilePoint>& points, double ProfilePoint:
     const ProfilePoint& c = points[i];
     if (b <= static_cast<double>(c.micro_batch) || i + 1 == points.size()) {
       const double slope = (c.*field - a.*field) / static_cast<double>(c.micro_batch - a.micro_batch);
-      // Beyond the largest size a time never falls below proportional-to-zero growth.
-      return std::max(0.0, a.*field + slope * (b - static_cast<double>(a.micro_batch)));
+      const double t = a.*field + slope * (b - static_cast<double>(a.micro_batch));
+      // Beyond the largest size a larger micro-batch never takes less than the largest
+      // measured one (a noisy last segment sloping down would otherwise run towards zero).
+      return b > static_cast<double>(c.micro_batch) ? std::max(t, c.*field) : std::max(0.0, t);
     }
   }
   return points.back().*field;  // unreachable
@@ -118,13 +120,27 @@ std::vector<LayerCost> ProfileEstimator::layer_costs(const ModelGraph& graph, co
 
   // Memory, parameters and collectives as the analytic model has them; compute replaced.
   std::vector<LayerCost> costs = monarch::planner::layer_costs(graph, cluster, training, layout);
+  // What tp does to a layer's compute, from the analytic model: the share it splits (GEMMs;
+  // norms and dropout only with sequence parallelism) and the GEMM shapes it leaves.
+  std::vector<LayerCost> whole;
+  if (layout.tp > 1) {
+    Layout one = layout;
+    one.tp = 1;
+    one.sequence_parallel = false;
+    whole = monarch::planner::layer_costs(graph, cluster, training, one);
+  }
   const double b = static_cast<double>(layout.micro_batch_size);
   for (size_t i = 0; i < graph.layers.size(); ++i) {
     const Layer& layer = graph.layers[i];
     const LayerProfile& measured = *by_name.at(layer.name);
-    const double split = is_split_layer(layer, layout.tp) ? static_cast<double>(layout.tp) : 1.0;
-    const double forward = interpolate(measured.points, &ProfilePoint::forward_s, b) / split;
-    const double backward = interpolate(measured.points, &ProfilePoint::backward_s, b) / split;
+    double forward_share = 1.0, backward_share = 1.0;
+    if (layout.tp > 1 && is_split_layer(layer, layout.tp)) {
+      const double f1 = whole[i].forward_s - whole[i].forward_tp_s, b1 = whole[i].backward_compute_s;
+      forward_share = f1 > 0 ? (costs[i].forward_s - costs[i].forward_tp_s) / f1 : 1.0 / layout.tp;
+      backward_share = b1 > 0 ? costs[i].backward_compute_s / b1 : 1.0 / layout.tp;
+    }
+    const double forward = interpolate(measured.points, &ProfilePoint::forward_s, b) * forward_share;
+    const double backward = interpolate(measured.points, &ProfilePoint::backward_s, b) * backward_share;
     LayerCost& c = costs[i];
     const double analytic_forward = c.forward_s - c.forward_tp_s;
     const double backward_comm = c.backward_s - c.backward_compute_s - c.recompute_s;

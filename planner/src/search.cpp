@@ -393,7 +393,10 @@ class Searcher {
     double threshold = it->second.plan.prediction.step_time_s;
     if (times.size() >= keep) {
       std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
-      threshold = std::min(threshold, times[keep - 1]);
+      // A mesh whose best is within the tie tolerance of the fastest may still be chosen
+      // (fewer moving parts): it is not cut for missing the alternatives list.
+      const double fastest = *std::min_element(times.begin(), times.end());
+      threshold = std::min(threshold, std::max(times[keep - 1], fastest * (1 + options_.tie_tolerance)));
     }
     return threshold;
   }
@@ -659,12 +662,16 @@ class Searcher {
         const Candidate& c = *ranked[i];
         if (c.over_memory || c.plan.prediction.step_time_s > fastest * (1 + tolerance)) break;
         const MovingParts parts = moving_parts(c.plan);
-        const std::string why = fewer_moving_parts(parts, chosen_parts);
-        if (!why.empty()) {
+        if (!fewer_moving_parts(parts, chosen_parts).empty()) {
           chosen = i;
           chosen_parts = parts;
-          tie_reason = why;
         }
+      }
+      // The reason is against the fastest (the 10% traffic rule is not transitive: keep the
+      // fastest unless the pick beats it directly).
+      if (chosen != 0) {
+        tie_reason = fewer_moving_parts(chosen_parts, moving_parts(ranked.front()->plan));
+        if (tie_reason.empty()) chosen = 0;
       }
     }
     Plan best = ranked[chosen]->plan;

@@ -112,14 +112,33 @@ TEST_CASE("profile times interpolate between micro-batch sizes and split under t
   CHECK(at(2, 1).forward_s == Approx(1.0 + 2.0 / 3.0));  // linear between 1 and 4
   CHECK(at(2, 1).backward_compute_s == Approx(3.0));
   CHECK(at(8, 1).forward_s == Approx(3.0 + 4 * 2.0 / 3.0));  // the last slope beyond 4
-  // tp = 2: the block's compute halves; its all-reduces come on top.
+  // tp = 2: the block keeps the share of its compute the analytic model keeps on one tp rank
+  // (about half: its GEMMs split, its norms do not without sequence parallelism); its
+  // all-reduces come on top.
   const LayerCost split = at(4, 2);
-  CHECK(split.forward_s - split.forward_tp_s == Approx(1.5));
-  CHECK(split.forward_tp_s > 0);
-  CHECK(split.backward_compute_s == Approx(2.5));
+  Layout a;
+  a.micro_batch_size = 4;
+  const LayerCost whole = layer_costs(g, cluster, t, a)[1];
+  a.tp = 2;
+  const LayerCost half = layer_costs(g, cluster, t, a)[1];
+  const double share = (half.forward_s - half.forward_tp_s) / (whole.forward_s - whole.forward_tp_s);
+  CHECK(share > 0.5);
+  CHECK(share < 0.6);
+  CHECK(split.forward_s - split.forward_tp_s == Approx(3.0 * share));
+  CHECK(split.forward_tp_s == Approx(half.forward_tp_s));
+  CHECK(split.backward_compute_s == Approx(5.0 * half.backward_compute_s / whole.backward_compute_s));
   // The norm layer (replicated under tp) keeps its whole time.
   l.micro_batch_size = 4;
   CHECK(profile.layer_costs(g, cluster, t, l)[g.layers.size() - 2].forward_s == Approx(3.0));
+
+  // A noisy last segment sloping down: beyond the largest size, never less than its time.
+  MeasuredProfile noisy = p;
+  for (auto& layer : noisy.layers) layer.points = {{1, 1.0, 2.0}, {2, 2.0, 4.0}, {4, 1.5, 3.0}};
+  const ProfileEstimator down(noisy);
+  l.tp = 1;
+  l.micro_batch_size = 16;
+  CHECK(down.layer_costs(g, cluster, t, l)[1].forward_s == Approx(1.5));
+  CHECK(down.layer_costs(g, cluster, t, l)[1].backward_compute_s == Approx(3.0));
 }
 
 TEST_CASE("a profile's links replace the cluster's and are recorded in the plan", "[estimator]") {

@@ -77,9 +77,11 @@ struct MeasuredProfile {
 // Per-layer times from a MeasuredProfile; everything the profile does not measure (memory,
 // parameters, collective volumes) from the analytic model. A layer's time at micro-batch b
 // is interpolated linearly between the measured sizes (proportionally below the smallest,
-// along the last two points' slope above the largest); a layer tp splits runs 1/tp of it;
-// recomputation costs the measured forward again (full) or the analytic model's share of it
-// (selective).
+// along the last two points' slope above the largest, never below the largest's time); a
+// layer tp splits runs the share of it the analytic model keeps on one tp rank (its compute
+// at tp over its compute at tp = 1: the GEMMs' 1/tp at their new shapes, norms only with
+// sequence parallelism); recomputation costs the measured forward again (full) or the
+// analytic model's share of it (selective).
 class ProfileEstimator final : public Estimator {
  public:
   // Throws ValidationError("profile.layers[2].points", ...) for an unusable profile.

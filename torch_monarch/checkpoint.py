@@ -1,0 +1,773 @@
+"""Distributed checkpoints that load into any layout (docs/checkpoints.md).
+
+    torch_monarch.checkpoint.save(model, optimizer, "ckpt/step_100", step=100)
+    info = torch_monarch.checkpoint.load(model, optimizer, "ckpt/step_100")   # any layout
+
+A checkpoint is a directory: one file per writing rank in the safetensors layout (8-byte
+little-endian header length, a JSON header, raw little-endian tensor bytes: no pickle, so
+loading an untrusted checkpoint runs no code) and ``index.json``: every tensor's global name,
+shape and dtype, which file holds which slice (offsets and lengths per dimension) with a
+CRC-32 per slice, the plan, the step and the RNG states. Optimizer state is saved under the
+parameters' names (``optimizer.<param>.<key>``).
+
+Save: every rank writes only the slices it holds (its pipeline stages, its tp shard, its
+ZeRO rows), each slice once over all replicas (the lowest rank holding it writes it), with
+no gather to one rank. Files go to ``<path>.partial`` and the directory is renamed into
+place after every rank finished and the index is complete: a crash at any moment leaves
+the previous checkpoint at ``path`` loadable (between the two renames of a replacement it
+is at ``<path>.old``, which ``load`` falls back to).
+
+Load: every rank reads, memory-mapped, only the stored slices that overlap its own, checks
+their CRC, and fills its parameters and optimizer state, whatever layout and world size
+saved them. Nothing is overwritten unless every rank read everything it needs; otherwise
+every rank raises the same CheckpointError naming the file and tensor.
+
+Both are collective in a parallel job: every rank calls them.
+"""
+
+import itertools
+import json
+import mmap
+import os
+import shutil
+import struct
+import sys
+import warnings
+import zlib
+
+import numpy as np
+import torch
+
+FORMAT = "monarch-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+# numpy views of the raw bytes (bf16 has no numpy type: read as int16, viewed as bf16).
+_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.int16, "F64": np.float64, "I64": np.int64,
+          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read, with the file and tensor named."""
+
+
+# -- where each local tensor sits in its global tensor ----------------------------------------
+
+class Placement:
+    """A local tensor's place in the global one: per dimension, segments (local start, global
+    start, length). A tp shard of a fused weight (q, k, v) has one segment per fused part;
+    ZeRO keeps rows [a, b) of the tp-local tensor."""
+
+    def __init__(self, global_shape, segments, empty=False):
+        self.global_shape = tuple(int(s) for s in global_shape)
+        self.segments = segments
+        self.empty = empty  # holds nothing of it (a ZeRO rank past a scalar's one row)
+
+    @staticmethod
+    def whole(shape):
+        return Placement(shape, [[(0, 0, int(s))] for s in shape])
+
+    def boxes(self):
+        """(local offsets, global offsets, lengths) of every box, empty ones left out."""
+        if self.empty:
+            return []
+        out = []
+        for combo in itertools.product(*self.segments):
+            lengths = tuple(seg[2] for seg in combo)
+            if all(n > 0 for n in lengths):
+                out.append((tuple(seg[0] for seg in combo), tuple(seg[1] for seg in combo), lengths))
+        return out
+
+
+def _tp_segments(global_size, fused_parts, tp, rank):
+    part = global_size // fused_parts
+    piece = part // tp
+    return [(j * piece, j * part + rank * piece, piece) for j in range(fused_parts)]
+
+
+def _take_rows(segments, start, count):
+    """Segments of the local rows [start, start + count) of a dimension cut into `segments`,
+    renumbered from 0."""
+    out = []
+    for local, glob, length in segments:
+        a, b = max(local, start), min(local + length, start + count)
+        if a < b:
+            out.append((a - start, glob + a - local, b - a))
+    return out
+
+
+def _placement(local_full_shape, tp_spec, tp_rank, tp_size, zero=None):
+    """Placement of a tensor whose tp-local full shape is `local_full_shape`, cut by tp as
+    `tp_spec` (dim, fused parts) says, of which this rank holds `zero` = (row start, rows)
+    when ZeRO shards it."""
+    shape = list(local_full_shape)
+    segments = [[(0, 0, s)] for s in shape]
+    global_shape = list(shape)
+    if tp_spec is not None and tp_size > 1:
+        dim, fused = tp_spec
+        dim = dim % len(shape)
+        global_shape[dim] = shape[dim] * tp_size
+        segments[dim] = _tp_segments(global_shape[dim], fused, tp_size, tp_rank)
+    if zero is not None:
+        start, rows = zero
+        segments[0] = _take_rows(segments[0], start, rows)
+    return Placement(global_shape, segments)
+
+
+def _entries(model):
+    """(global name, local tensor, Placement, kind) for every parameter and buffer this rank
+    holds, parameters as its optimizer sees them."""
+    from .hybrid import ParallelModel
+    from .sharded import FullyShardedModule
+    if not isinstance(model, ParallelModel):
+        seen, out = set(), []
+        for name, p in model.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p, Placement.whole(p.shape), "param"))
+        for name, b in _persistent_buffers(model):
+            out.append((name, b, Placement.whole(b.shape), "buffer"))
+        return out
+    mesh = model.mesh
+    tp_rank, tp_size = mesh.coordinate("tp"), mesh.axis_size("tp")
+    dp_rank, dp_size = mesh.coordinate("dp"), mesh.axis_size("dp")
+    out, seen = [], set()
+    for s in model._local:
+        wrapped, plain = model._wrapped[s], model._plain[s]
+        sharded = isinstance(wrapped, FullyShardedModule)
+        ignored = {id(p) for p in getattr(wrapped, "ignored_parameters", ())}
+        named = list(wrapped.named_parameters()) if sharded else []
+        for name, shard in named:
+            full = wrapped._shapes[name]
+            if not full:  # a scalar parameter: ZeRO keeps it as one row, on the first rank
+                out.append((model._canonical.get(name, name), shard, Placement((), [], empty=shard.numel() == 0),
+                            "param"))
+                seen.add(id(shard))
+                continue
+            chunk = -(-full[0] // dp_size) if full else 0
+            start = dp_rank * chunk
+            rows = max(0, min(full[0] - start, chunk)) if full else 0
+            out.append((model._canonical.get(name, name), shard,
+                        _placement(full, model._tp_specs.get(name), tp_rank, tp_size, (start, rows)), "param"))
+            seen.add(id(shard))
+        for name, p in plain.named_parameters():
+            if id(p) in seen or (sharded and id(p) not in ignored):
+                continue
+            seen.add(id(p))
+            out.append((model._canonical.get(name, name), p,
+                        _placement(p.shape, model._tp_specs.get(name), tp_rank, tp_size), "param"))
+        for name, b in _persistent_buffers(plain):
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append((name, b, _placement(b.shape, model._tp_specs.get(name), tp_rank, tp_size), "buffer"))
+    return out
+
+
+def _persistent_buffers(module):
+    """Buffers that go in a state dict (not those registered persistent=False: caches)."""
+    for mname, m in module.named_modules():
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                yield (f"{mname}.{bname}" if mname else bname), b
+
+
+def _optimizer_entries(optimizer, entries):
+    """(global name, tensor, Placement, shaped like its parameter) of the optimizer's state: a
+    tensor shaped like its parameter is placed like it, anything else (Adam's step) is one
+    value per parameter."""
+    if optimizer is None:
+        return []
+    by_id = {id(t): (name, placement) for name, t, placement, kind in entries if kind == "param"}
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise CheckpointError(f"checkpoint: the optimizer steps on a tensor of shape {list(p.shape)} that is "
+                                      "not one of the model's parameters (build it over model.parameters())")
+            name, placement = by_id[id(p)]
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                    out.append((f"optimizer.{name}.{key}", value, placement, True))
+                elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                    out.append((f"optimizer.{name}.{key}", value, Placement.whole(()), False))
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out.append((f"optimizer.{name}.{key}", torch.tensor(value, dtype=torch.float64),
+                                Placement.whole(()), False))
+                else:
+                    raise CheckpointError(f"checkpoint: optimizer state '{key}' of '{name}' is a "
+                                          f"{type(value).__name__}; only tensors and numbers are saved")
+    return out
+
+
+def _param_names(optimizer, entries):
+    by_id = {id(t): name for name, t, _, kind in entries if kind == "param"}
+    return [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+# -- the job's ranks -----------------------------------------------------------------------
+
+class _Job:
+    """This rank and a world-wide group (None on one process)."""
+
+    def __init__(self, model):
+        from .hybrid import ParallelModel
+        self.group = None
+        self.rank, self.size = 0, 1
+        if isinstance(model, ParallelModel) and model.mesh.size > 1:
+            group = getattr(model, "_monarch_checkpoint_group", None)
+            if group is None:
+                from . import _runtime
+                from .distributed import init
+                mesh = _runtime.DeviceMesh(init(), pp=1, dp=model.mesh.size, tp=1)
+                group = (mesh, mesh.group("dp"))
+                model._monarch_checkpoint_group = group
+            self.group = group[1]
+            self.rank, self.size = model.mesh.rank, model.mesh.size
+
+    def all_gather_json(self, value):
+        """Every rank's `value` (JSON-serializable), in rank order."""
+        if self.group is None:
+            return [value]
+        data = json.dumps(value).encode()
+        lengths = torch.zeros(self.size, dtype=torch.int64)
+        lengths[self.rank] = len(data)
+        self.group.all_reduce(lengths).wait()
+        width = int(lengths.max().item())
+        buf = torch.zeros(self.size, max(width, 1), dtype=torch.int32)
+        if data:
+            buf[self.rank, :len(data)] = torch.tensor(list(data), dtype=torch.int32)
+        self.group.all_reduce(buf).wait()
+        return [json.loads(bytes(buf[r, :int(lengths[r])].to(torch.uint8).tolist()).decode())
+                for r in range(self.size)]
+
+    def barrier(self):
+        if self.group is not None:
+            self.group.barrier()
+
+
+# -- safetensors files ---------------------------------------------------------------------
+
+def _raw(t):
+    """The tensor's bytes (one contiguous host staging copy at most)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def _write_file(path, tensors):
+    """Writes {key: tensor} in the safetensors layout; returns {key: crc32}. fsynced."""
+    header, offset = {}, 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    crcs = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for key, t in tensors.items():
+            data = _raw(t)
+            crcs[key] = zlib.crc32(data)
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return crcs
+
+
+class _File:
+    """A memory-mapped safetensors file: header checked against the file's size."""
+
+    def __init__(self, path):
+        self.path = path
+        try:
+            self.f = open(path, "rb")
+        except OSError as e:
+            raise CheckpointError(f"checkpoint: cannot open {path}: {e.strerror}") from None
+        size = os.fstat(self.f.fileno()).st_size
+        if size < 8:
+            raise CheckpointError(f"checkpoint: {path} is truncated ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", self.f.read(8))
+        if n > size - 8:
+            raise CheckpointError(f"checkpoint: {path} is truncated (header of {n} bytes, file of {size})")
+        try:
+            self.header = json.loads(self.f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint: {path}: the header is not JSON ({e})") from None
+        self.start = 8 + n
+        end = max((v["data_offsets"][1] for k, v in self.header.items() if k != "__metadata__"), default=0)
+        if self.start + end > size:
+            raise CheckpointError(f"checkpoint: {path} is truncated: its tensors need {self.start + end} bytes, "
+                                  f"the file has {size}")
+        self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
+        self.checked = set()
+
+    def tensor(self, key, crc=None):
+        """The stored tensor `key` (a read-only view of the mapping), its CRC checked once."""
+        if key not in self.header:
+            raise CheckpointError(f"checkpoint: {self.path} has no tensor '{key}'")
+        h = self.header[key]
+        begin, end = h["data_offsets"]
+        view = memoryview(self.map)[self.start + begin:self.start + end]
+        if crc is not None and key not in self.checked:
+            if zlib.crc32(view) != crc:
+                raise CheckpointError(f"checkpoint: {self.path}: tensor '{key}' fails its checksum (the file is "
+                                      "corrupt)")
+            self.checked.add(key)
+        array = np.frombuffer(view, dtype=_NUMPY[h["dtype"]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only: copied out before anything writes
+            t = torch.from_numpy(array)
+        if h["dtype"] == "BF16":
+            t = t.view(torch.bfloat16)
+        return t.reshape(h["shape"])
+
+    def close(self):
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # a view of it is still referenced (an error's traceback): freed with it
+        self.f.close()
+
+
+# -- save ------------------------------------------------------------------------------------
+
+def _plan_json(model):
+    plan = getattr(model, "plan", None)
+    try:
+        return json.loads(plan.to_json()) if plan is not None and hasattr(plan, "to_json") else None
+    except Exception:  # noqa: BLE001 - an embedding plan or a foreign object: not recorded
+        return None
+
+
+def _describe(e):
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ""
+        return f"{e.strerror or e}{where}"
+    return f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+
+
+def _agree(job, what, fn):
+    """Runs fn() on every rank; if it failed anywhere, every rank raises one CheckpointError
+    naming the ranks (the ranks stay in step: each reaches the same collectives)."""
+    value, error = None, ""
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - reported on every rank, below
+        error = f"rank {job.rank}: {_describe(e)}"
+    errors = [e for e in job.all_gather_json(error) if e]
+    if errors:
+        raise CheckpointError(f"checkpoint: {what}: " + "; ".join(errors))
+    return value
+
+
+def save(model, optimizer, path, *, step=0, extra=None):
+    """Saves ``model`` (a ParallelModel or any nn.Module) and ``optimizer`` (or None) to the
+    directory ``path``, replacing a checkpoint already there only once the new one is
+    complete. ``extra``: JSON-serializable values stored in the index (data loader position,
+    ...), returned by ``load``. Collective: a failure on any rank raises the same
+    CheckpointError on every rank, and nothing is replaced."""
+    path = os.fspath(path).rstrip("/")
+    job = _Job(model)
+    partial = path + ".partial"
+    failed = "save failed, nothing was replaced"
+
+    def describe():
+        json.dumps(extra)  # refused before anything is written
+        entries = _entries(model)
+        tensors = [(name, t, placement, kind) for name, t, placement, kind in entries]
+        state = _optimizer_entries(optimizer, entries)
+        like = {name for name, _, _, shaped in state if shaped}
+        tensors += [(name, t, placement, "optimizer") for name, t, placement, _ in state]
+        unknown = sorted({str(t.dtype) for _, t, _, _ in tensors if t.dtype not in _DTYPE_NAMES})
+        if unknown:
+            raise CheckpointError(f"cannot store dtype(s) {unknown}")
+        declared = [[name, kind, _DTYPE_NAMES[t.dtype], list(p.global_shape), name in like]
+                    for name, t, p, kind in tensors]
+        boxes = [[name, list(g), list(n)] for name, t, p, kind in tensors for _, g, n in p.boxes()]
+        groups = _param_names(optimizer, entries) if optimizer is not None else []
+        return entries, tensors, {"declared": declared, "boxes": boxes, "groups": groups}
+
+    entries, tensors, mine = _agree(job, failed, describe)
+    everyone = job.all_gather_json(mine)
+    # The lowest rank holding a slice writes it.
+    writer = {}
+    for r, info in enumerate(everyone):
+        for name, offsets, lengths in info["boxes"]:
+            writer.setdefault((name, tuple(offsets), tuple(lengths)), r)
+
+    def prepare():
+        if job.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+            os.makedirs(partial)
+
+    _agree(job, failed, prepare)
+    file = f"rank{job.rank:05d}.safetensors"
+
+    def write():
+        out, slices = {}, []
+        for name, t, placement, kind in tensors:
+            for local, glob, lengths in placement.boxes():
+                if writer.get((name, glob, lengths)) != job.rank:
+                    continue
+                key = f"{name}@{','.join(map(str, glob))}" if glob else name
+                out[key] = t.detach()[tuple(slice(a, a + n) for a, n in zip(local, lengths))]
+                slices.append([name, key, list(glob), list(lengths)])
+        crcs = _write_file(os.path.join(partial, file), out) if out else {}
+        return {"file": file if out else None, "slices": slices, "crcs": crcs,
+                "rng": torch.get_rng_state().tolist() if job.size <= 64 else None}
+
+    try:
+        report = _agree(job, failed, write)
+    except CheckpointError:
+        if job.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    reports = job.all_gather_json(report)
+
+    def finish():
+        if job.rank != 0:
+            return
+        meta = {}
+        for info in everyone:
+            for name, kind, dtype, shape, like in info["declared"]:
+                entry = {"kind": kind, "dtype": dtype, "shape": shape, "slices": []}
+                if like:
+                    entry["like_param"] = True  # sliced as its parameter is
+                meta.setdefault(name, entry)
+        for rep in reports:
+            for name, key, offsets, lengths in rep["slices"]:
+                meta[name]["slices"].append({"file": rep["file"], "key": key, "offsets": offsets,
+                                             "lengths": lengths, "crc32": rep["crcs"][key]})
+        groups = None
+        if optimizer is not None:
+            # Each group's parameters over every rank (a pipeline rank holds only its stages').
+            names = [sorted({n for info in everyone for n in info["groups"][g]}) for g in range(len(everyone[0]["groups"]))]
+            groups = [dict({k: v for k, v in grp.items() if k != "params"
+                            and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}, params=n)
+                      for grp, n in zip(optimizer.param_groups, names)]
+        index = {"format": FORMAT, "version": VERSION, "step": int(step), "world_size": job.size,
+                 "tensors": meta, "plan": _plan_json(model), "extra": extra,
+                 "optimizer": {"param_groups": groups} if groups is not None else None,
+                 "rng": {"cpu": [r["rng"] for r in reports]}}
+        with open(os.path.join(partial, INDEX), "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _put_in_place(partial, path)
+
+    try:
+        _agree(job, failed, finish)
+    except CheckpointError:
+        if job.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+def _put_in_place(partial, path):
+    old = path + ".old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(partial, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(d):
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- load ------------------------------------------------------------------------------------
+
+def read_index(path):
+    """The index of the checkpoint at ``path`` (falling back to ``path.old`` when a
+    replacement was interrupted between its renames). CheckpointError when there is none."""
+    path = os.fspath(path).rstrip("/")
+    for d in (path, path + ".old"):
+        f = os.path.join(d, INDEX)
+        if os.path.exists(f):
+            try:
+                with open(f) as fh:
+                    index = json.load(fh)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint: {f} is not valid JSON ({e})") from None
+            if not isinstance(index, dict) or index.get("format") != FORMAT:
+                raise CheckpointError(f"checkpoint: {f} is not a {FORMAT} index")
+            if index.get("version") != VERSION:
+                raise CheckpointError(f"checkpoint: {f} has version {index.get('version')}; this build reads "
+                                      f"version {VERSION}")
+            return d, index
+    raise CheckpointError(f"checkpoint: no complete checkpoint at {path} (no {INDEX})")
+
+
+def _intersect(a_off, a_len, b_off, b_len):
+    lo = [max(x, y) for x, y in zip(a_off, b_off)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_len, b_off, b_len)]
+    if any(l >= h for l, h in zip(lo, hi)):
+        return None
+    return lo, [h - l for l, h in zip(lo, hi)]
+
+
+class _Reader:
+    def __init__(self, directory, index):
+        self.directory = directory
+        self.index = index
+        self.files = {}
+
+    def file(self, name):
+        if name not in self.files:
+            self.files[name] = _File(os.path.join(self.directory, name))
+        return self.files[name]
+
+    def fill(self, name, target, placement):
+        """A new tensor like `target` holding this rank's part of the global tensor `name`."""
+        meta = self.index["tensors"].get(name)
+        if meta is None:
+            raise CheckpointError(f"checkpoint: {self.directory} has no tensor '{name}' (a checkpoint of another "
+                                  "model, or of a model without it)")
+        if tuple(meta["shape"]) != placement.global_shape:
+            raise CheckpointError(f"checkpoint: tensor '{name}' is {meta['shape']} in {self.directory}, the model "
+                                  f"has {list(placement.global_shape)}")
+        out = torch.empty_like(target, device="cpu")
+        for local, glob, lengths in placement.boxes():
+            covered = 0
+            for s in meta["slices"]:
+                overlap = _intersect(glob, lengths, s["offsets"], s["lengths"])
+                if overlap is None:
+                    continue
+                stored = self.file(s["file"]).tensor(s["key"], s["crc32"])
+                lo, n = overlap
+                src = stored[tuple(slice(l - o, l - o + k) for l, o, k in zip(lo, s["offsets"], n))]
+                dst = out[tuple(slice(a + l - g, a + l - g + k) for a, l, g, k in zip(local, lo, glob, n))]
+                dst.copy_(src.reshape(dst.shape))
+                covered += int(np.prod(n))
+                if not glob:
+                    break  # a single value: the first copy is it
+            want = int(np.prod(lengths))
+            if covered != want:
+                raise CheckpointError(f"checkpoint: tensor '{name}' in {self.directory}: the stored slices cover "
+                                      f"{covered} of the {want} elements at {list(glob)}+{list(lengths)} this rank "
+                                      "needs")
+        return out
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def load(model, optimizer, path, *, strict=True, restore_rng=True):
+    """Loads the checkpoint at ``path`` into ``model`` and ``optimizer`` (or None), whatever
+    layout and world size saved it. Returns {"step", "extra", "world_size", "plan"}.
+    ``strict``: every parameter and buffer of the model must be in the checkpoint. Raises
+    CheckpointError on every rank, before changing anything, when any rank cannot read
+    what it needs. Collective."""
+    job = _Job(model)
+
+    def read():
+        directory, index = read_index(path)
+        staged = []
+        reader = _Reader(directory, index)
+        try:
+            entries = _entries(model)
+            for name, t, placement, kind in entries:
+                if not strict and name not in index["tensors"]:
+                    continue
+                staged.append((t, reader.fill(name, t, placement)))
+            if optimizer is not None:
+                staged += _stage_optimizer(reader, optimizer, entries, index)
+        finally:
+            reader.close()
+        return directory, index, staged
+
+    directory, index, staged = _agree(job, "load failed, nothing was changed", read)
+    with torch.no_grad():
+        for target, value in staged:
+            if callable(target):
+                target(value)
+            else:
+                target.copy_(value)
+    rng = (index.get("rng") or {}).get("cpu")
+    if restore_rng and rng and index.get("world_size") == job.size and rng[job.rank] is not None:
+        torch.set_rng_state(torch.tensor(rng[job.rank], dtype=torch.uint8))
+    return {"step": index.get("step"), "extra": index.get("extra"), "world_size": index.get("world_size"),
+            "plan": index.get("plan"), "path": directory}
+
+
+def _stage_optimizer(reader, optimizer, entries, index):
+    by_id = {id(t): (name, placement) for name, t, placement, kind in entries if kind == "param"}
+    saved_groups = ((index.get("optimizer") or {}).get("param_groups")) or []
+    staged = []
+    for group in optimizer.param_groups:
+        names = [by_id[id(p)][0] for p in group["params"] if id(p) in by_id]
+        match = next((g for g in saved_groups if set(g.get("params", [])) >= set(names)), None)
+        if match is not None:
+            hyper = {k: (tuple(v) if isinstance(group[k], tuple) else v) for k, v in match.items()
+                     if k != "params" and k in group}
+            staged.append((lambda v, g=group: g.update(v), hyper))
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise CheckpointError("checkpoint: the optimizer steps on a tensor that is not one of the model's "
+                                      "parameters")
+            name, placement = by_id[id(p)]
+            prefix = f"optimizer.{name}."
+            keys = [k[len(prefix):] for k in index["tensors"] if k.startswith(prefix)]
+            if not keys:
+                raise CheckpointError(f"checkpoint: {reader.directory} has no optimizer state for '{name}' (saved "
+                                      "without an optimizer, or before its first step)")
+            state = {}
+            for key in keys:
+                meta = index["tensors"][prefix + key]
+                if meta.get("like_param"):
+                    value = reader.fill(prefix + key, torch.empty(p.shape, dtype=_DTYPES[meta["dtype"]]), placement)
+                else:
+                    value = reader.fill(prefix + key, torch.empty((), dtype=_DTYPES[meta["dtype"]]),
+                                        Placement.whole(()))
+                state[key] = value
+            staged.append((lambda v, p=p, g=group: optimizer.state.__setitem__(p, _typed_state(optimizer, g, p, v)),
+                           state))
+    return staged
+
+
+def _typed_state(optimizer, group, p, values):
+    """The loaded state in the types the optimizer keeps now (a number stays a number; state
+    it has not created yet comes as tensors, as torch >= 1.12's Adam keeps its step, on the
+    CPU unless the optimizer is capturable or fused)."""
+    current = optimizer.state.get(p, {})
+    on_device = bool(group.get("capturable") or group.get("fused"))
+    out = {}
+    for key, value in values.items():
+        now = current.get(key)
+        if isinstance(now, (int, float)) and not isinstance(now, bool):
+            out[key] = type(now)(value.item())
+        elif value.dim() == 0 and not on_device:
+            out[key] = value
+        else:
+            out[key] = value.to(p.device)
+    return out
+
+
+def latest(root):
+    """The newest complete checkpoint directory under ``root`` (the one whose index has the
+    highest step), or None."""
+    best = None
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root)):
+        d = os.path.join(root, name)
+        if name.endswith(".partial") or not os.path.exists(os.path.join(d, INDEX)):
+            continue
+        try:
+            _, index = read_index(d)
+        except CheckpointError:
+            continue
+        if best is None or index["step"] > best[0]:
+            best = (index["step"], d)
+    return best[1] if best else None
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+def inspect(path):
+    """Text: every tensor with its shape, dtype and slices; the files and their sizes."""
+    directory, index = read_index(path)
+    lines = [f"{directory}: step {index['step']}, saved by {index['world_size']} rank(s)"]
+    files = sorted({s["file"] for m in index["tensors"].values() for s in m["slices"]})
+    total = 0
+    for f in files:
+        size = os.path.getsize(os.path.join(directory, f)) if os.path.exists(os.path.join(directory, f)) else -1
+        total += max(size, 0)
+        lines.append(f"  {f}: {size} bytes" if size >= 0 else f"  {f}: MISSING")
+    for name, m in index["tensors"].items():
+        lines.append(f"  {name} [{m['kind']}] {m['dtype']} {m['shape']}: {len(m['slices'])} slice(s)")
+        for s in m["slices"]:
+            lines.append(f"      {s['file']} {s['key']} at {s['offsets']}+{s['lengths']} crc32 {s['crc32']:08x}")
+    lines.append(f"{len(index['tensors'])} tensors, {len(files)} files, {total} bytes")
+    return "\n".join(lines)
+
+
+def consolidate(path, output):
+    """Writes the model's weights (parameters and buffers, whole, under their names) to one
+    safetensors file ``output``, readable by anything that reads safetensors."""
+    directory, index = read_index(path)
+    reader = _Reader(directory, index)
+    try:
+        tensors = {}
+        for name, m in index["tensors"].items():
+            if m["kind"] == "optimizer":
+                continue
+            shape = tuple(m["shape"])
+            tensors[name] = reader.fill(name, torch.empty(shape, dtype=_DTYPES[m["dtype"]]), Placement.whole(shape))
+    finally:
+        reader.close()
+    _write_file(output, tensors)
+    return output
+
+
+def import_safetensors(file, path, *, step=0):
+    """The reverse of consolidate: a one-writer checkpoint at ``path`` from a safetensors
+    file of weights (no optimizer state), loadable into any layout."""
+    f = _File(os.fspath(file))
+    try:
+        tensors = {k: f.tensor(k).clone() for k in f.header if k != "__metadata__"}
+    finally:
+        f.close()
+    partial = os.fspath(path).rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    crcs = _write_file(os.path.join(partial, "rank00000.safetensors"), tensors)
+    index = {"format": FORMAT, "version": VERSION, "step": step, "world_size": 1, "plan": None, "extra": None,
+             "optimizer": None, "rng": None,
+             "tensors": {k: {"kind": "param" if t.is_floating_point() else "buffer", "dtype": _DTYPE_NAMES[t.dtype],
+                             "shape": list(t.shape),
+                             "slices": [{"file": "rank00000.safetensors", "key": k, "offsets": [0] * t.dim(),
+                                         "lengths": list(t.shape), "crc32": crcs[k]}]}
+                         for k, t in tensors.items()}}
+    with open(os.path.join(partial, INDEX), "w") as fh:
+        json.dump(index, fh)
+    _put_in_place(partial, os.fspath(path).rstrip("/"))
+    return path
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="monarch-ckpt", description="Inspect and convert torch_monarch checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("inspect", help="tensors, slices, files, checksums").add_argument("dir")
+    c = sub.add_parser("consolidate", help="the model's weights as one safetensors file")
+    c.add_argument("dir")
+    c.add_argument("-o", "--output", required=True)
+    i = sub.add_parser("import", help="a checkpoint from a safetensors file of weights")
+    i.add_argument("file")
+    i.add_argument("-o", "--output", required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            print(inspect(args.dir))
+        elif args.cmd == "consolidate":
+            print(f"wrote {consolidate(args.dir, args.output)}")
+        else:
+            print(f"wrote {import_safetensors(args.file, args.output)}")
+    except (CheckpointError, OSError) as e:
+        print(f"monarch-ckpt: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
