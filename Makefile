@@ -60,6 +60,7 @@ bench: build python
 	$(VENV)/bin/python bench/zero_bubble.py --out bench/results/zero_bubble.json
 	$(VENV)/bin/python bench/layouts.py --out bench/results/layouts.json
 	$(VENV)/bin/python bench/dlrm.py --out bench/results/dlrm.json
+	$(VENV)/bin/python bench/checkpoint.py --out bench/results/checkpoint.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

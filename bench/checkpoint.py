@@ -1,0 +1,169 @@
+"""Checkpoint save and load throughput, and the memory a save takes, beside torch.save /
+torch.load of the same state from one process, in one run.
+
+A GPT (8 blocks, hidden 1024, vocabulary 8192: 109M parameters) with AdamW state after one
+step, in a 4-rank ZeRO-1 layout (dp 4) launched through the launcher: each rank holds a
+quarter of the fp32 parameters' optimizer state and of the master weights it steps on.
+  * ours: torch_monarch.checkpoint.save / load, every rank at once (the slowest rank's wall
+    time); bytes = the checkpoint's files;
+  * baseline: one process builds the same state (the whole model's state_dict and the Adam
+    state of every parameter, as `torch.save({"model": ..., "optimizer": ...})` would be
+    used without a sharded checkpoint) and times torch.save / torch.load of it;
+  * peak extra memory during the save: each rank's VmHWM growth over its RSS just before
+    the save (glibc told to return freed memory at once), the largest over ranks, beside the
+    rank's state size.
+
+    python3 bench/checkpoint.py [--out bench/results/checkpoint.json] [--dir DIR]
+"""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from procmem import reset_peak, vm  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 8192, 1024, 16, 8, 64
+
+
+def make_model():
+    import torch
+    from models import GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(vocab=VOCAB, hidden=HIDDEN, heads=HEADS, layers=LAYERS, max_positions=SEQ, dropout=0.0)
+
+
+def one_step(model, opt, step_fn):
+    import torch
+    tokens = torch.randint(VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    opt.zero_grad()
+    step_fn(tokens[:, :-1], tokens[:, 1:])
+    opt.step()
+
+
+def dir_bytes(d):
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+
+
+def worker(out_dir, ckpt_dir):
+    import torch
+    import torch.nn.functional as F
+    import torch_monarch
+    from torch_monarch import checkpoint
+    torch.set_num_threads(1)
+    world = torch_monarch.init(timeout=600)
+    mesh = torch_monarch.device_mesh(pp=1, dp=world.size, tp=1)
+    pm = torch_monarch.parallelize(make_model(), mesh, zero_stage=1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+    def loss(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    one_step(pm, opt, lambda x, y: pm.train_step(*pm.local_batch(x, y), loss))
+    state_bytes = sum(p.numel() * p.element_size() for p in pm.parameters()) + sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    group = torch_monarch._runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
+
+    def all_max(x):
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        group.all_reduce_max(t).wait()
+        return t.item()
+
+    gc.collect()
+    group.barrier()
+    base = vm("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    checkpoint.save(pm, opt, ckpt_dir, step=1)
+    save_s = all_max(time.perf_counter() - t0)
+    extra = all_max(vm("VmHWM") - base)
+    group.barrier()
+    t0 = time.perf_counter()
+    checkpoint.load(pm, opt, ckpt_dir)
+    load_s = all_max(time.perf_counter() - t0)
+    if world.rank == 0:
+        with open(os.path.join(out_dir, "ours.json"), "w") as f:
+            json.dump({"save_s": save_s, "load_s": load_s, "bytes": dir_bytes(ckpt_dir), "peak_extra_bytes": extra,
+                       "rank_state_bytes": state_bytes, "ranks": world.size}, f)
+
+
+def baseline(path):
+    """torch.save / torch.load of the same state from one process."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    one_step(model, opt, lambda x, y: F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward())
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    gc.collect()
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # as ours: on disk, not in the page cache only
+    save_s = time.perf_counter() - t0
+    del state
+    gc.collect()
+    t0 = time.perf_counter()
+    torch.load(path)
+    load_s = time.perf_counter() - t0
+    return {"save_s": save_s, "load_s": load_s, "bytes": os.path.getsize(path)}
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", nargs=2)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "checkpoint.json"))
+    args = ap.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return 0
+    work = tempfile.mkdtemp(prefix="monarch-ckpt-bench-", dir=args.dir)
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+        subprocess.run([sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(args.ranks),
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
+                        "--worker", work, os.path.join(work, "ckpt")], check=True, timeout=1800, env=env)
+        with open(os.path.join(work, "ours.json")) as f:
+            ours = json.load(f)
+        shutil.rmtree(os.path.join(work, "ckpt"), ignore_errors=True)
+        base = baseline(os.path.join(work, "state.pt"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gb = 1e9
+    rows = [("torch_monarch.checkpoint, %d ranks" % ours["ranks"], ours), ("torch.save / torch.load, 1 process", base)]
+    print(f"GPT {LAYERS} blocks, hidden {HIDDEN}, vocab {VOCAB}; fp32 weights + AdamW state; ZeRO-1 over "
+          f"{ours['ranks']} ranks on this machine")
+    print(f"{'':<38}{'bytes':>12}{'save s':>9}{'save GB/s':>11}{'load s':>9}{'load GB/s':>11}")
+    for name, r in rows:
+        print(f"{name:<38}{r['bytes']:>12}{r['save_s']:>9.2f}{r['bytes'] / r['save_s'] / gb:>11.2f}"
+              f"{r['load_s']:>9.2f}{r['bytes'] / r['load_s'] / gb:>11.2f}")
+    print(f"peak extra memory during the save (largest rank): {ours['peak_extra_bytes'] / 2**20:.1f} MiB; "
+          f"the rank's state: {ours['rank_state_bytes'] / 2**20:.1f} MiB")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"ours": ours, "torch_save": base}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
