@@ -189,36 +189,33 @@ def worker(out_dir):
     # rounds one after another over all layouts, so a slow spell of this shared machine lands
     # on several layouts instead of all of one; the measured time is the median of all its
     # timed steps. Peak memory and losses come from the first round.
+    def both_plans(pins):
+        pins = dict(pins)
+        recompute = pins.pop("recompute", "none")
+        sp = pins.pop("sequence_parallel", False)
+        return tuple(planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
+                                      allow_over_memory=True, profile=p, **pins) for p in (None, prof))
+
+    def row(name, plan, from_profile):
+        return {"layout": name, "plan": plan.summary(), "rank": world.rank,
+                "pick": plan.summary() == picks["analytic"].summary(),
+                "pick_profile": from_profile.summary() == picks["profile"].summary(),
+                "predicted_s": plan.prediction.step_time_s,
+                "predicted_profile_s": from_profile.prediction.step_time_s,
+                "predicted_bytes": plan.prediction.memory_bytes_per_device,
+                "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
+                                        ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble",
+                                         "optimizer")},
+                "times": [], "peak_bytes": 0, "losses": []}
+
     rows = {}
-    plans = {}
+    plans = {name: both_plans(pins) for name, pins in layouts}
     rounds = 0 if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY") else ROUNDS
     if not rounds:  # predictions only (--predict-only): every layout scored, none run
-        for name, pins in layouts:
-            pins = dict(pins)
-            recompute = pins.pop("recompute", "none")
-            sp = pins.pop("sequence_parallel", False)
-            plan = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                    allow_over_memory=True, **pins)
-            from_profile = planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                            allow_over_memory=True, profile=prof, **pins)
-            rows[name] = {"layout": name, "plan": plan.summary(), "rank": world.rank,
-                          "pick": plan.summary() == picks["analytic"].summary(),
-                          "pick_profile": from_profile.summary() == picks["profile"].summary(),
-                          "predicted_s": plan.prediction.step_time_s,
-                          "predicted_profile_s": from_profile.prediction.step_time_s,
-                          "predicted_bytes": plan.prediction.memory_bytes_per_device,
-                          "predicted_breakdown": {}, "times": [float("nan")], "peak_bytes": 0, "losses": []}
+        for name, _ in layouts:
+            rows[name] = dict(row(name, *plans[name]), times=[float("nan")])
     for rnd in range(rounds):
         for name, pins in layouts:
-            if name not in plans:
-                pins = dict(pins)
-                recompute = pins.pop("recompute", "none")
-                sp = pins.pop("sequence_parallel", False)
-                plans[name] = (
-                    planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                     allow_over_memory=True, **pins),
-                    planner.evaluate(graph, cluster, training, recompute=recompute, sequence_parallel=sp,
-                                     allow_over_memory=True, profile=prof, **pins))
             plan, from_profile = plans[name]
             gc.collect()
             base = vm("VmRSS")
@@ -241,17 +238,8 @@ def worker(out_dir):
                 if step >= 1:
                     times.append(elapsed)
             if rnd == 0:
-                rows[name] = {"layout": name, "plan": plan.summary(), "rank": world.rank,
-                              "pick": plan.summary() == picks["analytic"].summary(),
-                              "pick_profile": from_profile.summary() == picks["profile"].summary(),
-                              "predicted_s": plan.prediction.step_time_s,
-                              "predicted_profile_s": from_profile.prediction.step_time_s,
-                              "predicted_bytes": plan.prediction.memory_bytes_per_device,
-                              "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
-                                                      ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
-                                                       "bubble", "optimizer")},
-                              "times": [], "peak_bytes": vm("VmHWM") - base,
-                              "losses": [float(v) for v in losses]}
+                rows[name] = dict(row(name, plan, from_profile), peak_bytes=vm("VmHWM") - base,
+                                  losses=[float(v) for v in losses])
             rows[name]["times"] += times
             del pm, opt
             gc.collect()

@@ -670,7 +670,7 @@ def latest(root):
         return None
     for name in sorted(os.listdir(root)):
         d = os.path.join(root, name)
-        if name.endswith(".partial") or not os.path.exists(os.path.join(d, INDEX)):
+        if name.endswith((".partial", ".old")) or not os.path.exists(os.path.join(d, INDEX)):
             continue
         try:
             _, index = read_index(d)
