@@ -9,6 +9,7 @@ PACKAGES=(
   libtorch-dev libgloo-dev
   python3 python3-dev python3-pip python3-venv python3-setuptools python3-wheel
   python3-pytest python3-numpy python3-torch python3-torchvision python3-pybind11
+  chromium fonts-dejavu-core
 )
 
 missing=()

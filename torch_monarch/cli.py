@@ -1,4 +1,5 @@
-"""``python3 -m torch_monarch``: plans a model written in Python, without materializing it.
+"""``python3 -m torch_monarch``: plans a model written in Python, without materializing it
+(``plan``); writes a plan's HTML report (``report``); compares two plans (``diff``).
 
     python3 -m torch_monarch plan examples/models.py:gpt2_small --seq 1024 \\
         --gpus 64 --cluster a100-80gb --global-batch 512 -o plan.json
@@ -54,11 +55,37 @@ def _parser():
         plan.add_argument(f"--{name}", type=int)
     plan.add_argument("--schedule")
     plan.add_argument("--sequence-parallel", choices=["on", "off"])
+    report = sub.add_parser("report", help="write a plan as one self-contained HTML page")
+    report.add_argument("plan", help="plan JSON")
+    report.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    report.add_argument("--trace", help="a run's measured trace (model.trace()), drawn under the prediction")
+    report.add_argument("--trace-step", type=int, default=-1, help="which pipeline step of the trace (default: last)")
+    diff = sub.add_parser("diff", help="what differs between two plans")
+    diff.add_argument("a", help="plan JSON")
+    diff.add_argument("b", help="plan JSON")
     return p
+
+
+def _report_or_diff(args):
+    from . import planner as _planner
+    if args.command == "report":
+        plan = _planner.load(args.plan)
+        plan.report(args.output, trace=args.trace, trace_step=args.trace_step)
+        print(f"wrote {args.output}")
+    else:
+        print(f"--- {args.a}\n+++ {args.b}")
+        print(_planner.diff(_planner.load(args.a), _planner.load(args.b)), end="")
+    return 0
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.command in ("report", "diff"):
+        try:
+            return _report_or_diff(args)
+        except (ValueError, RuntimeError, OSError) as e:
+            print(f"python3 -m torch_monarch: {e}", file=sys.stderr)
+            return 1
     try:
         import torch
 

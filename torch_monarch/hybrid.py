@@ -13,6 +13,7 @@ Under tensor parallelism the model returns logits split along the vocabulary: us
 ``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
 """
 
+import os
 from collections import OrderedDict
 
 import torch
@@ -267,6 +268,14 @@ class ParallelModel(nn.Module):
     def last_stats(self):
         """The pipeline executor's statistics of the last step (None without a pipeline)."""
         return self._composition.last_stats
+
+    def trace(self, path):
+        """Collective (every rank calls it): writes the measured timeline of every rank (each
+        pipeline action and collective this process recorded, from a ring buffer that is
+        always on; MONARCH_TRACE=off disables it) as one Chrome trace-event JSON file at
+        ``path``, written by rank 0. Perfetto and chrome://tracing open it; ``monarch-plan
+        report plan.json --trace path`` draws it under the plan's predicted timeline."""
+        _runtime.save_trace(os.fspath(path), self.mesh)
 
     # -- running ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

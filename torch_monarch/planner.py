@@ -270,9 +270,23 @@ def schedule(kind, ranks, micro_batches, virtual_stages=1):
     return make_schedule(_enum(ScheduleKind, kind, "kind"), ranks, micro_batches, virtual_stages)
 
 
-def report(plan):
-    """Multi-line human-readable summary of a plan (what ``monarch-plan`` prints)."""
-    return format_report(plan)
+def report(plan, path=None, *, trace=None, trace_step=-1):
+    """Without ``path``: the multi-line text summary of a plan (what ``monarch-plan show``
+    prints). With ``path``: writes the plan as one self-contained HTML page (what
+    ``monarch-plan report`` writes: mesh, pipeline timeline, memory per rank, step time and
+    traffic, alternatives) and returns ``path``; ``trace`` is a run's measured trace
+    (``model.trace(path)``), drawn under the predicted timeline."""
+    if path is None:
+        if trace is not None:
+            raise ValueError("report: a trace is drawn only in the HTML report (give a path)")
+        return format_report(plan)
+    plan.save_html_report(os.fspath(path), None if trace is None else os.fspath(trace), trace_step)
+    return path
+
+
+def diff(a, b):
+    """What differs between two plans, as text (``monarch-plan diff``)."""
+    return _P.diff_plans(a, b)
 
 
 def loads(text):
@@ -302,5 +316,6 @@ def save(plan, path):
 
 # Conveniences on the Plan type itself: plan.save(path), plan.report(), Plan.load(path).
 Plan.save = lambda self, path: save(self, path)
-Plan.report = lambda self: report(self)
+Plan.report = lambda self, path=None, **kwargs: report(self, path, **kwargs)
+Plan.diff = lambda self, other: diff(self, other)
 Plan.load = staticmethod(load)

@@ -23,7 +23,9 @@
 #include "monarch/planner/errors.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/plan.h"
+#include "monarch/planner/measured_trace.h"
 #include "monarch/planner/report.h"
+#include "monarch/planner/report_html.h"
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/search.h"
@@ -457,6 +459,22 @@ void bind_plan(py::module_& m) {
                ", bubble=" + num(t.bubble) + ", optimizer=" + num(t.optimizer) + ", total=" + num(t.total) + ")";
       });
 
+  py::class_<RankPrediction> rank_pred(m, "RankPrediction",
+                                       "One pipeline rank as predicted: memory, busy and idle time, bytes sent per axis.");
+  add_kwargs_init<RankPrediction>(rank_pred);
+  add_copy<RankPrediction>(rank_pred);
+  rank_pred.def_readwrite("memory", &RankPrediction::memory)
+      .def_readwrite("busy_s", &RankPrediction::busy_s)
+      .def_readwrite("idle_s", &RankPrediction::idle_s)
+      .def_readwrite("dp_bytes", &RankPrediction::dp_bytes)
+      .def_readwrite("tp_bytes", &RankPrediction::tp_bytes)
+      .def_readwrite("pp_bytes", &RankPrediction::pp_bytes)
+      .def_readwrite("ends_bytes", &RankPrediction::ends_bytes)
+      .def(py::self == py::self)
+      .def("__repr__", [](const RankPrediction& r) {
+        return "<RankPrediction " + format_bytes(r.memory.total()) + ", busy " + format_seconds(r.busy_s) + ">";
+      });
+
   py::class_<Prediction> pred(m, "Prediction", "What the cost model expects of a layout.");
   add_kwargs_init<Prediction>(pred);
   add_copy<Prediction>(pred);
@@ -469,6 +487,8 @@ void bind_plan(py::module_& m) {
       .def_readwrite("mfu", &Prediction::mfu)
       .def_readwrite("bubble_fraction", &Prediction::bubble_fraction)
       .def_readwrite("estimator", &Prediction::estimator)
+      .def_readwrite("stages", &Prediction::stages, "Per virtual stage, one micro-batch's StageCosts (a copy).")
+      .def_readwrite("ranks", &Prediction::ranks, "Per pipeline rank, a RankPrediction (a copy).")
       .def(py::self == py::self)
       .def("__repr__", [](const Prediction& p) {
         return "<Prediction step=" + format_seconds(p.step_time_s) + ", " + num(p.tflops_per_device) +
@@ -521,11 +541,33 @@ void bind_plan(py::module_& m) {
           "Versioned JSON; parses back to an equal Plan and re-serializes to identical text.")
       .def_static("from_json", &plan_from_json, py::arg("text"),
                   "Parses plan JSON. FormatError (a ValueError) for unparsable text or an unknown version.")
+      .def(
+          "save_html_report",
+          [](const Plan& p, const std::string& path, std::optional<std::string> trace, int64_t trace_step) {
+            HtmlReportOptions options;
+            if (trace) options.trace = load_measured_trace(*trace);
+            options.trace_step = trace_step;
+            save_html_report(p, path, options);
+          },
+          py::arg("path"), py::arg("trace") = py::none(), py::arg("trace_step") = -1,
+          "Writes the plan as one self-contained HTML page (monarch-plan report); `trace`: a run's measured "
+          "trace (model.trace()) drawn under the predicted timeline.")
+      .def("diff", &diff_plans, py::arg("other"), "What differs between this plan and `other` (monarch-plan diff).")
       .def(py::self == py::self)
       .def("__repr__", [](const Plan& p) { return "<Plan " + quoted(p.model_name) + ": " + p.summary() + ">"; })
       .def(py::pickle([](const Plan& p) { return to_json(p, 2); },
                       [](const std::string& text) { return plan_from_json(text); }));
 
+  m.def(
+      "html_report",
+      [](const Plan& p, std::optional<std::string> trace, int64_t trace_step) {
+        HtmlReportOptions options;
+        if (trace) options.trace = load_measured_trace(*trace);
+        options.trace_step = trace_step;
+        return html_report(p, options);
+      },
+      py::arg("plan"), py::arg("trace") = py::none(), py::arg("trace_step") = -1);
+  m.def("diff_plans", &diff_plans, py::arg("a"), py::arg("b"));
   m.def("to_json", &to_json, py::arg("plan"), py::arg("indent") = 2);
   m.def("plan_from_json", &plan_from_json, py::arg("text"));
   m.def("load_plan", &load_plan, py::arg("path"));
@@ -648,6 +690,17 @@ void bind_schedule(py::module_& m) {
                ", backward_weight_s=" + num(c.backward_weight_s) + ", p2p_s=" + num(c.p2p_s) + ")";
       });
 
+  py::class_<TimelineEvent>(m, "TimelineEvent", "One interval of a simulated rank's timeline.")
+      .def_readonly("type", &TimelineEvent::type)
+      .def_readonly("micro_batch", &TimelineEvent::micro_batch)
+      .def_readonly("stage", &TimelineEvent::stage)
+      .def_readonly("start_s", &TimelineEvent::start_s)
+      .def_readonly("end_s", &TimelineEvent::end_s)
+      .def("__repr__", [](const TimelineEvent& e) {
+        return "TimelineEvent(" + to_string(e.type) + " mb=" + std::to_string(e.micro_batch) +
+               " stage=" + std::to_string(e.stage) + " " + num(e.start_s) + ".." + num(e.end_s) + ")";
+      });
+
   py::class_<SimulationResult> sim(m, "SimulationResult", "Timeline of a simulated schedule.");
   add_kwargs_init<SimulationResult>(sim);
   add_copy<SimulationResult>(sim);
@@ -656,6 +709,7 @@ void bind_schedule(py::module_& m) {
       .def_readwrite("idle_s", &SimulationResult::idle_s)
       .def_readwrite("bubble_fraction", &SimulationResult::bubble_fraction)
       .def_readwrite("peak_in_flight", &SimulationResult::peak_in_flight)
+      .def_readonly("timeline", &SimulationResult::timeline, "Per rank, the TimelineEvents (when recorded).")
       .def("__repr__", [](const SimulationResult& r) {
         return "<SimulationResult makespan_s=" + num(r.makespan_s) + " bubble_fraction=" + num(r.bubble_fraction) +
                ">";
@@ -665,12 +719,17 @@ void bind_schedule(py::module_& m) {
         py::arg("virtual_stages") = 1, "Builds the per-rank action lists of a pipeline schedule.");
   m.def("check_schedule", &check_schedule, py::arg("schedule"),
         "Checks a schedule without running it; ValidationError names the first broken action.");
-  m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"), py::call_guard<py::gil_scoped_release>(),
-        "Runs the action lists on a timeline; `costs` has one StageCosts per virtual stage (or one for all).");
+  m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"), py::arg("record_timeline") = false,
+        py::call_guard<py::gil_scoped_release>(),
+        "Runs the action lists on a timeline; `costs` has one StageCosts per virtual stage (or one for all); "
+        "`record_timeline` keeps every interval per rank in `.timeline`.");
   m.def(
       "simulate",
-      [](const Schedule& schedule, const StageCosts& costs) { return simulate(schedule, {costs}); },
-      py::arg("schedule"), py::arg("costs"), py::call_guard<py::gil_scoped_release>());
+      [](const Schedule& schedule, const StageCosts& costs, bool record) {
+        return simulate(schedule, {costs}, record);
+      },
+      py::arg("schedule"), py::arg("costs"), py::arg("record_timeline") = false,
+      py::call_guard<py::gil_scoped_release>());
   m.def("closed_form_bubble_fraction", &closed_form_bubble_fraction, py::arg("kind"), py::arg("ranks"),
         py::arg("micro_batches"), py::arg("virtual_stages") = 1);
 }

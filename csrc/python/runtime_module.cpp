@@ -15,6 +15,7 @@
 #include "monarch/runtime/replicas.h"
 #include "monarch/runtime/sharded_embeddings.h"
 #include "monarch/runtime/tensor_parallel.h"
+#include "monarch/runtime/trace.h"
 #include "monarch/runtime/world.h"
 
 namespace py = pybind11;
@@ -435,6 +436,15 @@ PYBIND11_MODULE(_runtime, m) {
       .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal)
       .def_property_readonly("has_pipeline_ends_group", &DeviceMesh::has_pipeline_ends_group)
       .def("pipeline_ends_group", &DeviceMesh::pipeline_ends_group, py::return_value_policy::reference_internal);
+
+  // The measured timeline (monarch/runtime/trace.h).
+  m.def("save_trace", &trace::save, py::arg("path"), py::arg("mesh"), py::call_guard<py::gil_scoped_release>(),
+        "Collective: every rank's recorded events into one Chrome trace JSON file, written by rank 0.");
+  m.def("clear_trace", [] { trace::Recorder::instance().clear(); }, "Forget the events recorded so far.");
+  m.def("set_trace_enabled", [](bool on) { trace::Recorder::instance().set_enabled(on); }, py::arg("on"));
+  m.def("trace_enabled", [] { return trace::Recorder::instance().enabled(); });
+  m.def("set_trace_capacity", [](size_t n) { trace::Recorder::instance().set_capacity(n); }, py::arg("events"));
+  m.def("trace_event_count", [] { return trace::Recorder::instance().snapshot().size(); });
 
   py::class_<DataParallelOptions>(m, "DataParallelOptions")
       .def(py::init<>())

@@ -1,5 +1,7 @@
 #include "monarch/runtime/communicator.h"
 
+#include "monarch/runtime/trace.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -47,6 +49,16 @@ void Handle::wait() {
   try {
     work_->wait();
     if (finish_) finish_();  // may run a second phase (bf16 all-reduce)
+    if (trace_kind_ != nullptr) {
+      trace::Event e;
+      e.name = trace_kind_;
+      e.category = "collective";
+      e.start_ns = trace_start_ns_;
+      e.end_ns = trace::now_ns();
+      e.bytes = trace_bytes_;
+      e.group = trace_group_;
+      trace::record(std::move(e));
+    }
     return;
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
@@ -56,6 +68,16 @@ void Handle::wait() {
   const std::string message = what_ + " failed: " + error;
   if (failure_ && failure_->empty()) *failure_ = message;
   TORCH_CHECK(false, message);
+}
+
+Handle Handle::traced(const char* kind, double bytes, const std::string& group) && {
+  if (work_ && trace::Recorder::instance().enabled()) {
+    trace_kind_ = kind;
+    trace_bytes_ = bytes;
+    trace_group_ = group;
+    trace_start_ns_ = trace::now_ns();
+  }
+  return std::move(*this);
 }
 
 void Communicator::check_usable() const {
@@ -270,14 +292,15 @@ Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   require_flat(buffer, "all_reduce buffer");
   agree(average ? Op::all_reduce_average : Op::all_reduce, buffer);
   const double n = size();
-  counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
+  const double sent = 2 * (n - 1) / n * bytes_of(buffer);
+  counters_.add(CollectiveKind::all_reduce, sent);
   if (size() == 1) return {};
-  if (buffer.scalar_type() == at::kBFloat16) return all_reduce_bf16(buffer, average);
+  if (buffer.scalar_type() == at::kBFloat16) return all_reduce_bf16(buffer, average).traced("all_reduce", sent, name_);
   std::vector<at::Tensor> tensors{buffer.detach()};
   auto work = group_->allreduce(tensors);
   std::function<void()> finish;
   if (average) finish = [buffer, n]() mutable { buffer.div_(n); };
-  return make(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish));
+  return make(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish)).traced("all_reduce", sent, name_);
 }
 
 Handle Communicator::all_reduce_max(at::Tensor buffer) {
@@ -287,12 +310,14 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
               "monarch: all_reduce_max takes fp32 or fp64 buffers, got ", buffer.scalar_type());
   agree(Op::all_reduce_max, buffer);
   const double n = size();
-  counters_.add(CollectiveKind::all_reduce, 2 * (n - 1) / n * bytes_of(buffer));
+  const double sent = 2 * (n - 1) / n * bytes_of(buffer);
+  counters_.add(CollectiveKind::all_reduce, sent);
   if (size() == 1) return {};
   std::vector<at::Tensor> tensors{buffer.detach()};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  return make(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer));
+  return make(group_->allreduce(tensors, options), describe(CollectiveKind::all_reduce, buffer))
+      .traced("all_reduce", sent, name_);
 }
 
 // Gloo (LibTorch 1.13) cannot reduce bf16. Same bytes as a ring all-reduce of the bf16
@@ -337,7 +362,8 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
               input.numel(), " elements, expected ", size(), " x ", output.numel());
   agree(Op::reduce_scatter, input);
   const double n = size();
-  counters_.add(CollectiveKind::reduce_scatter, (n - 1) / n * bytes_of(input));
+  const double sent = (n - 1) / n * bytes_of(input);
+  counters_.add(CollectiveKind::reduce_scatter, sent);
   if (size() == 1) {
     output.copy_(input.view(output.sizes()));
     return {};
@@ -356,7 +382,8 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
                   // Low-precision sums in fp32; fp64 stays fp64.
                   auto wide = at::promote_types(received.scalar_type(), at::kFloat);
                   output.view({-1}).copy_(received.view({parts, chunk}).to(wide).sum(0));
-                });
+                })
+      .traced("reduce_scatter", sent, name_);
 }
 
 Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
@@ -367,7 +394,8 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
               output.numel(), " elements, expected ", size(), " x ", input.numel());
   agree(Op::all_gather, input);
   const double n = size();
-  counters_.add(CollectiveKind::all_gather, (n - 1) / n * bytes_of(output));
+  const double sent = (n - 1) / n * bytes_of(output);
+  counters_.add(CollectiveKind::all_gather, sent);
   if (size() == 1) {
     output.view({-1}).copy_(input.view({-1}));
     return {};
@@ -377,7 +405,7 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
   outputs[0].assign(chunks.begin(), chunks.end());
   std::vector<at::Tensor> inputs{transport(input.detach().view({-1}))};
   auto work = group_->allgather(outputs, inputs);
-  return make(work, describe(CollectiveKind::all_gather, output));
+  return make(work, describe(CollectiveKind::all_gather, output)).traced("all_gather", sent, name_);
 }
 
 Handle Communicator::broadcast(at::Tensor buffer, int root) {
@@ -390,7 +418,8 @@ Handle Communicator::broadcast(at::Tensor buffer, int root) {
   std::vector<at::Tensor> tensors{transport(buffer)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  return make(group_->broadcast(tensors, opts), describe(CollectiveKind::broadcast, buffer));
+  return make(group_->broadcast(tensors, opts), describe(CollectiveKind::broadcast, buffer))
+      .traced("broadcast", group_rank_ == root ? bytes_of(buffer) : 0.0, name_);
 }
 
 Handle Communicator::send(at::Tensor buffer, int peer, int tag) {
@@ -399,7 +428,8 @@ Handle Communicator::send(at::Tensor buffer, int peer, int tag) {
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad send peer ", peer);
   counters_.add(CollectiveKind::send, bytes_of(buffer));
   std::vector<at::Tensor> tensors{transport(buffer)};
-  return make(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer));
+  return make(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer))
+      .traced("send", bytes_of(buffer), name_);
 }
 
 Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
@@ -407,7 +437,7 @@ Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
   require_flat(buffer, "recv buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad recv peer ", peer);
   std::vector<at::Tensor> tensors{transport(buffer)};
-  return make(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer));
+  return make(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer)).traced("recv", 0, name_);
 }
 
 Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
@@ -418,7 +448,8 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
               "monarch: all_to_all needs equal input and output sizes divisible by the group size");
   agree(Op::all_to_all, input);
   const double n = size();
-  counters_.add(CollectiveKind::all_to_all, (n - 1) / n * bytes_of(input));
+  const double sent = (n - 1) / n * bytes_of(input);
+  counters_.add(CollectiveKind::all_to_all, sent);
   if (size() == 1) {
     output.copy_(input);
     return {};
@@ -427,7 +458,8 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   auto out_bytes = transport(output.detach().view({-1}));  // split sizes count elements of flat views
   auto in_bytes = transport(input.detach().view({-1}));
   return make(group_->alltoall_base(out_bytes, in_bytes, splits, splits),
-                describe(CollectiveKind::all_to_all, input));
+              describe(CollectiveKind::all_to_all, input))
+      .traced("all_to_all", sent, name_);
 }
 
 Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std::vector<int64_t>& output_splits,
@@ -449,8 +481,8 @@ Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std
   // Sizes differ by rank: the agreement compares the operation and dtype only.
   agree(Op::all_to_all_v, at::empty({0}, input.options()));
   const double element = static_cast<double>(input.element_size());
-  counters_.add(CollectiveKind::all_to_all,
-                static_cast<double>(in_total - input_splits[group_rank()]) * element);
+  const double sent = static_cast<double>(in_total - input_splits[group_rank()]) * element;
+  counters_.add(CollectiveKind::all_to_all, sent);
   if (size() == 1) {
     output.copy_(input);
     return {};
@@ -459,7 +491,8 @@ Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std
   auto in_bytes = transport(input.detach().view({-1}));
   return make(group_->alltoall_base(out_bytes, in_bytes, const_cast<std::vector<int64_t>&>(output_splits),
                                     const_cast<std::vector<int64_t>&>(input_splits)),
-              describe(CollectiveKind::all_to_all, input));
+              describe(CollectiveKind::all_to_all, input))
+      .traced("all_to_all", sent, name_);
 }
 
 void Communicator::barrier() {

@@ -1,5 +1,7 @@
 #include "monarch/runtime/pipeline.h"
 
+#include "monarch/runtime/trace.h"
+
 #include <set>
 
 #include <chrono>
@@ -382,9 +384,24 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   std::unique_ptr<at::NoGradGuard> no_grad;
   if (forward_only) no_grad = std::make_unique<at::NoGradGuard>();
 
+  const int64_t step = step_++;
+  const int64_t step_start_ns = trace::now_ns();
+  auto traced = [&](const Action& a, int64_t start_ns) {
+    trace::Event e;
+    e.name = planner::action_name(a.type);
+    e.category = "pipeline";
+    e.start_ns = start_ns;
+    e.end_ns = trace::now_ns();
+    e.step = step;
+    e.micro_batch = a.micro_batch;
+    e.stage = a.stage;
+    trace::record(std::move(e));
+  };
   auto timed = [&](const Action& a, auto&& fn) {
     auto t = Clock::now();
+    const int64_t start_ns = trace::now_ns();
     fn();
+    traced(a, start_ns);
     stats.compute_s += seconds_since(t);
     stats.trace.push_back(a);
   };
@@ -409,7 +426,9 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           const int64_t from = a.stage - 1;
           const bool first = !meta_done[0][from];
           meta_done[0][from] = true;
+          const int64_t start_ns = trace::now_ns();
           inbox[key] = recv_tensors(a.peer, from, a.micro_batch, 0, first, stats.wait_s);
+          traced(a, start_ns);
           break;
         }
         case ActionType::forward:
@@ -425,10 +444,13 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           send_tensors(take(outbox, a, "forward output"), a.peer, a.stage, a.micro_batch, 0, first);
           break;
         }
-        case ActionType::recv_gradient:
+        case ActionType::recv_gradient: {
           if (forward_only) break;
+          const int64_t start_ns = trace::now_ns();
           grad_in[key] = recv_tensors(a.peer, a.stage, a.micro_batch, 1, false, stats.wait_s);
+          traced(a, start_ns);
           break;
+        }
         case ActionType::backward:
         case ActionType::backward_input:
           if (forward_only) break;
@@ -459,6 +481,13 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   stats.wait_s += seconds_since(t);
   stats.total_s = seconds_since(step_start);
   last_step_complete_ = true;
+  trace::Event e;
+  e.name = "step";
+  e.category = "pipeline";
+  e.start_ns = step_start_ns;
+  e.end_ns = trace::now_ns();
+  e.step = step;
+  trace::record(std::move(e));
   return stats;
 }
 

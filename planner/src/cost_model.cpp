@@ -617,7 +617,13 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     if (layout.pp > 1) buffers += 2 * load.p2p_bytes;  // activation and gradient buffers
     mem.buffers = buffers;
     if (mem.total() > p.memory.total()) p.memory = mem;
+    RankPrediction rank;
+    rank.memory = mem;
+    rank.busy_s = sim.busy_s[r];
+    rank.idle_s = sim.idle_s[r];
+    p.ranks.push_back(rank);  // traffic: add_traffic (traffic.h), for the plans kept
   }
+  p.stages = stage_costs;
 
   // Breakdown on the busiest rank.
   int64_t busiest = 0;

@@ -65,7 +65,13 @@ bool Prediction::operator==(const Prediction& o) const {
   return step_time_s == o.step_time_s && time == o.time && memory == o.memory &&
          memory_bytes_per_device == o.memory_bytes_per_device &&
          tokens_per_s == o.tokens_per_s && tflops_per_device == o.tflops_per_device &&
-         mfu == o.mfu && bubble_fraction == o.bubble_fraction && estimator == o.estimator;
+         mfu == o.mfu && bubble_fraction == o.bubble_fraction && estimator == o.estimator &&
+         stages == o.stages && ranks == o.ranks;
+}
+
+bool RankPrediction::operator==(const RankPrediction& o) const {
+  return memory == o.memory && busy_s == o.busy_s && idle_s == o.idle_s && dp_bytes == o.dp_bytes &&
+         tp_bytes == o.tp_bytes && pp_bytes == o.pp_bytes && ends_bytes == o.ends_bytes;
 }
 
 bool Alternative::operator==(const Alternative& o) const {

@@ -131,6 +131,16 @@ Json layer_to_json(const LayerPlacement& l) {
   return j;
 }
 
+Json memory_to_json(const MemoryBreakdown& m) {
+  Json j;
+  j["params"] = m.params;
+  j["grads"] = m.grads;
+  j["optimizer"] = m.optimizer;
+  j["activations"] = m.activations;
+  j["buffers"] = m.buffers;
+  return j;
+}
+
 Json prediction_to_json(const Prediction& p) {
   Json j;
   j["step_time_s"] = p.step_time_s;
@@ -140,13 +150,7 @@ Json prediction_to_json(const Prediction& p) {
   j["tokens_per_s"] = p.tokens_per_s;
   j["bubble_fraction"] = p.bubble_fraction;
   j["estimator"] = p.estimator;
-  Json mem;
-  mem["params"] = p.memory.params;
-  mem["grads"] = p.memory.grads;
-  mem["optimizer"] = p.memory.optimizer;
-  mem["activations"] = p.memory.activations;
-  mem["buffers"] = p.memory.buffers;
-  j["memory"] = mem;
+  j["memory"] = memory_to_json(p.memory);
   Json time;
   time["compute"] = p.time.compute;
   time["recompute"] = p.time.recompute;
@@ -157,6 +161,35 @@ Json prediction_to_json(const Prediction& p) {
   time["optimizer"] = p.time.optimizer;
   time["total"] = p.time.total;
   j["time"] = time;
+  if (!p.stages.empty()) {
+    Json stages = Json::array();
+    for (const StageCosts& c : p.stages) {
+      Json st;
+      st["forward_s"] = c.forward_s;
+      st["backward_input_s"] = c.backward_input_s;
+      st["backward_weight_s"] = c.backward_weight_s;
+      st["p2p_s"] = c.p2p_s;
+      stages.push_back(st);
+    }
+    j["stages"] = stages;
+  }
+  if (!p.ranks.empty()) {
+    Json ranks = Json::array();
+    for (const RankPrediction& r : p.ranks) {
+      Json rj;
+      rj["memory"] = memory_to_json(r.memory);
+      rj["busy_s"] = r.busy_s;
+      rj["idle_s"] = r.idle_s;
+      Json bytes;
+      bytes["dp"] = r.dp_bytes;
+      bytes["tp"] = r.tp_bytes;
+      bytes["pp"] = r.pp_bytes;
+      bytes["ends"] = r.ends_bytes;
+      rj["bytes_sent"] = bytes;
+      ranks.push_back(rj);
+    }
+    j["ranks"] = ranks;
+  }
   return j;
 }
 
@@ -312,6 +345,17 @@ LayerPlacement layer_from_json(const Fields& f) {
   return l;
 }
 
+MemoryBreakdown memory_from_json(const Fields& f, const char* key) {
+  const Fields mem = f.object(key, {"params", "grads", "optimizer", "activations", "buffers"});
+  MemoryBreakdown m;
+  m.params = mem.number("params");
+  m.grads = mem.number("grads");
+  m.optimizer = mem.number("optimizer");
+  m.activations = mem.number("activations");
+  m.buffers = mem.number("buffers");
+  return m;
+}
+
 Prediction prediction_from_json(const Fields& f) {
   Prediction p;
   p.step_time_s = f.number("step_time_s");
@@ -321,13 +365,7 @@ Prediction prediction_from_json(const Fields& f) {
   p.tokens_per_s = f.number("tokens_per_s");
   p.bubble_fraction = f.number("bubble_fraction");
   if (f.has("estimator")) p.estimator = f.string("estimator");  // absent in plans before it existed
-  const Fields mem =
-      f.object("memory", {"params", "grads", "optimizer", "activations", "buffers"});
-  p.memory.params = mem.number("params");
-  p.memory.grads = mem.number("grads");
-  p.memory.optimizer = mem.number("optimizer");
-  p.memory.activations = mem.number("activations");
-  p.memory.buffers = mem.number("buffers");
+  p.memory = memory_from_json(f, "memory");
   const Fields time = f.object("time", {"compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
                                         "bubble", "optimizer", "total"});
   p.time.compute = time.number("compute");
@@ -338,6 +376,32 @@ Prediction prediction_from_json(const Fields& f) {
   p.time.bubble = time.number("bubble");
   p.time.optimizer = time.number("optimizer");
   p.time.total = time.number("total");
+  // Optional: plans written before the per-stage and per-rank details existed lack them.
+  if (f.has("stages")) {
+    const Json& stages = f.array("stages");
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const Fields st(stages[i], element(f.path("stages"), i),
+                      {"forward_s", "backward_input_s", "backward_weight_s", "p2p_s"});
+      p.stages.push_back({st.number("forward_s"), st.number("backward_input_s"),
+                          st.number("backward_weight_s"), st.number("p2p_s")});
+    }
+  }
+  if (f.has("ranks")) {
+    const Json& ranks = f.array("ranks");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const Fields rf(ranks[i], element(f.path("ranks"), i), {"memory", "busy_s", "idle_s", "bytes_sent"});
+      RankPrediction r;
+      r.memory = memory_from_json(rf, "memory");
+      r.busy_s = rf.number("busy_s");
+      r.idle_s = rf.number("idle_s");
+      const Fields bytes = rf.object("bytes_sent", {"dp", "tp", "pp", "ends"});
+      r.dp_bytes = bytes.number("dp");
+      r.tp_bytes = bytes.number("tp");
+      r.pp_bytes = bytes.number("pp");
+      r.ends_bytes = bytes.number("ends");
+      p.ranks.push_back(r);
+    }
+  }
   return p;
 }
 
@@ -467,7 +531,8 @@ Plan plan_from_value(const Json& root) {
   }
   p.prediction = prediction_from_json(f.object(
       "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",
-                     "tokens_per_s", "bubble_fraction", "estimator", "memory", "time"}));
+                     "tokens_per_s", "bubble_fraction", "estimator", "memory", "time", "stages",
+                     "ranks"}));
   const Json& alternatives = f.array("alternatives");
   for (size_t i = 0; i < alternatives.size(); ++i) {
     p.alternatives.push_back(alternative_from_json(

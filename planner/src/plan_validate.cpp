@@ -246,9 +246,39 @@ void check_prediction(const Plan& p) {
       {"prediction.memory.activations", q.memory.activations},
       {"prediction.memory.buffers", q.memory.buffers},
   };
-  for (const auto& [field, value] : fields) {
+  auto check = [](const std::string& field, double value) {
     if (!std::isfinite(value) || value < 0) {
       throw ValidationError(field, "must be a finite number >= 0, got " + std::to_string(value));
+    }
+  };
+  for (const auto& [field, value] : fields) check(field, value);
+  // The optional details: one entry per virtual stage and per pipeline rank when present
+  // (a report replays the schedule from them).
+  if (!q.stages.empty() && static_cast<int64_t>(q.stages.size()) != p.num_stages()) {
+    throw ValidationError("prediction.stages", "has " + str(static_cast<int64_t>(q.stages.size())) +
+                                                   " entries for " + str(p.num_stages()) + " virtual stages");
+  }
+  for (size_t i = 0; i < q.stages.size(); ++i) {
+    const std::string at = "prediction.stages[" + std::to_string(i) + "].";
+    check(at + "forward_s", q.stages[i].forward_s);
+    check(at + "backward_input_s", q.stages[i].backward_input_s);
+    check(at + "backward_weight_s", q.stages[i].backward_weight_s);
+    check(at + "p2p_s", q.stages[i].p2p_s);
+  }
+  if (!q.ranks.empty() && static_cast<int64_t>(q.ranks.size()) != p.mesh.pp) {
+    throw ValidationError("prediction.ranks", "has " + str(static_cast<int64_t>(q.ranks.size())) +
+                                                  " entries for pp=" + str(p.mesh.pp));
+  }
+  for (size_t i = 0; i < q.ranks.size(); ++i) {
+    const std::string at = "prediction.ranks[" + std::to_string(i) + "].";
+    const RankPrediction& r = q.ranks[i];
+    for (const auto& [name, value] :
+         {std::pair<const char*, double>{"memory.params", r.memory.params}, {"memory.grads", r.memory.grads},
+          {"memory.optimizer", r.memory.optimizer}, {"memory.activations", r.memory.activations},
+          {"memory.buffers", r.memory.buffers}, {"busy_s", r.busy_s}, {"idle_s", r.idle_s},
+          {"bytes_sent.dp", r.dp_bytes}, {"bytes_sent.tp", r.tp_bytes}, {"bytes_sent.pp", r.pp_bytes},
+          {"bytes_sent.ends", r.ends_bytes}}) {
+      check(at + name, value);
     }
   }
 }

@@ -394,7 +394,9 @@ std::string schedule_size_problem(int64_t ranks, int64_t micro_batches, int64_t 
          " micro-batch x stage pairs)";
 }
 
-std::string to_string(ActionType type) {
+std::string to_string(ActionType type) { return action_name(type); }
+
+const char* action_name(ActionType type) {
   const int t = static_cast<int>(type);
   if (t < 0 || t >= kNumActionTypes) throw std::invalid_argument("invalid ActionType");
   return kActionNames[t];

@@ -99,13 +99,15 @@ struct RankState {
 
 class Simulator {
  public:
-  Simulator(const Schedule& s, const std::vector<StageCosts>& costs)
+  Simulator(const Schedule& s, const std::vector<StageCosts>& costs, bool record)
       : s_(s),
+        record_(record),
         stages_(s.num_stages()),
         times_(resolve_costs(costs, stages_)),
         activation_(message_slots(2 * s.micro_batches * stages_)),
         gradient_(activation_ + s.micro_batches * stages_),
-        ranks_(s.ranks) {}
+        ranks_(s.ranks),
+        timeline_(record ? s.ranks : 0) {}
 
   SimulationResult run() {
     for (int64_t r = s_.ranks - 1; r >= 0; --r) work_.push_back(r);
@@ -129,40 +131,48 @@ class Simulator {
       const int64_t key = a.micro_batch * stages_ + a.stage;
       switch (a.type) {
         case ActionType::forward:
-          compute(st, times_.forward[a.stage]);
+          compute(r, a, times_.forward[a.stage]);
           st.peak = std::max(st.peak, ++st.in_flight);
           break;
         case ActionType::backward:
-          compute(st, times_.backward[a.stage]);
+          compute(r, a, times_.backward[a.stage]);
           --st.in_flight;
           break;
         case ActionType::backward_input:
-          compute(st, times_.backward_input[a.stage]);
+          compute(r, a, times_.backward_input[a.stage]);
           break;
         case ActionType::backward_weight:  // activations are freed once W is done
-          compute(st, times_.backward_weight[a.stage]);
+          compute(r, a, times_.backward_weight[a.stage]);
           --st.in_flight;
           break;
         case ActionType::send_activation:
+          note(r, a, st.clock, st.clock + times_.p2p_out[a.stage]);
           post(r, activation_[key + 1], st.clock + times_.p2p_out[a.stage], a.stage + 1);
           break;
         case ActionType::send_gradient:
+          note(r, a, st.clock, st.clock + times_.p2p_out[a.stage - 1]);
           post(r, gradient_[key - 1], st.clock + times_.p2p_out[a.stage - 1], a.stage - 1);
           break;
         case ActionType::recv_activation:
-          if (!receive(st, activation_[key])) return false;
+          if (!receive(r, a, activation_[key])) return false;
           break;
         case ActionType::recv_gradient:
-          if (!receive(st, gradient_[key])) return false;
+          if (!receive(r, a, gradient_[key])) return false;
           break;
       }
     }
     return true;
   }
 
-  static void compute(RankState& st, double duration) {
+  void compute(int64_t r, const Action& a, double duration) {
+    RankState& st = ranks_[r];
+    note(r, a, st.clock, st.clock + duration);
     st.clock += duration;
     st.busy += duration;
+  }
+
+  void note(int64_t r, const Action& a, double start, double end) {
+    if (record_) timeline_[r].push_back({a.type, a.micro_batch, a.stage, start, end});
   }
 
   // Non-blocking send: the message arrives at `arrival`; wakes the receiver if it waits.
@@ -179,8 +189,10 @@ class Simulator {
     }
   }
 
-  bool receive(RankState& st, double& slot) {
+  bool receive(int64_t r, const Action& a, double& slot) {
+    RankState& st = ranks_[r];
     if (slot < 0) return false;  // not sent yet (or already consumed: waits forever)
+    if (slot > st.clock) note(r, a, st.clock, slot);  // the wait, when there is one
     st.clock = std::max(st.clock, slot);
     slot = kConsumed;
     ++received_;
@@ -227,10 +239,12 @@ class Simulator {
       if (out.makespan_s > 0) idle_share += out.idle_s.back() / out.makespan_s;
     }
     out.bubble_fraction = idle_share / static_cast<double>(s_.ranks);
+    out.timeline = timeline_;
     return out;
   }
 
   const Schedule& s_;
+  bool record_;
   int64_t stages_;
   StageTimes times_;
   double* activation_;  // [mb * stages + receiving stage] arrival time
@@ -239,13 +253,15 @@ class Simulator {
   std::vector<int64_t> work_;  // ranks ready to advance
   int64_t posted_ = 0;
   int64_t received_ = 0;
+  std::vector<std::vector<TimelineEvent>> timeline_;
 };
 
 }  // namespace
 
-SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs) {
+SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs,
+                          bool record_timeline) {
   check_indices(schedule);
-  return Simulator(schedule, costs).run();
+  return Simulator(schedule, costs, record_timeline).run();
 }
 
 }  // namespace monarch::planner

@@ -701,6 +701,7 @@ class Searcher {
       best.alternatives.push_back(a);
       ++kept;
     }
+    add_traffic(graph_, best);
     return best;
   }
 

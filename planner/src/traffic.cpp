@@ -76,4 +76,16 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   return out;
 }
 
+void add_traffic(const ModelGraph& graph, Plan& plan) {
+  auto& ranks = plan.prediction.ranks;
+  if (static_cast<int64_t>(ranks.size()) != plan.mesh.pp) return;  // not predicted: nothing to add to
+  const std::vector<AxisBytes> bytes = bytes_per_step(graph, plan);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ranks[r].dp_bytes = bytes[r].dp;
+    ranks[r].tp_bytes = bytes[r].tp;
+    ranks[r].pp_bytes = bytes[r].pp;
+    ranks[r].ends_bytes = bytes[r].ends;
+  }
+}
+
 }  // namespace monarch::planner

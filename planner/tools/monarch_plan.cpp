@@ -14,7 +14,9 @@
 #include "monarch/planner/estimator.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/plan.h"
+#include "monarch/planner/measured_trace.h"
 #include "monarch/planner/report.h"
+#include "monarch/planner/report_html.h"
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/search.h"
 
@@ -39,6 +41,11 @@ const char* kUsage = R"(usage:
       of the analytic model's; --tie-tolerance: layouts within this fraction of the
       fastest are tied and the simplest wins (default 0.05, 0 = always the fastest).
   monarch-plan show plan.json       print the summary of a saved plan
+  monarch-plan report plan.json -o plan.html [--trace trace.json] [--trace-step K]
+      one self-contained HTML page: mesh, pipeline timeline, memory per rank, step
+      time and traffic, alternatives; --trace draws a run's measured step (the
+      Chrome trace model.trace() writes) under the predicted one
+  monarch-plan diff a.json b.json   what differs between two plans
   monarch-plan validate plan.json   check a plan; exit 0 if valid
   monarch-plan schedule --schedule 1f1b --pp P --micro-batches M [--virtual-stages V]
       print each pipeline rank's action list
@@ -215,6 +222,28 @@ int cmd_show(int argc, char** argv) {
   return 0;
 }
 
+int cmd_report(int argc, char** argv) {
+  const Args args(argc, argv, 2, {"--output", "--trace", "--trace-step", "--title"}, {});
+  if (args.positional().size() != 1) throw UsageError("report needs exactly one plan file");
+  if (!args.has("--output")) throw UsageError("report needs -o FILE.html");
+  const mp::Plan plan = mp::load_plan(args.positional()[0]);
+  mp::HtmlReportOptions options;
+  if (args.has("--trace")) options.trace = mp::load_measured_trace(args.str("--trace"));
+  options.trace_step = args.integer("--trace-step").value_or(-1);
+  options.title = args.str("--title");
+  mp::save_html_report(plan, args.str("--output"), options);
+  std::cout << "wrote " << args.str("--output") << "\n";
+  return 0;
+}
+
+int cmd_diff(int argc, char** argv) {
+  const Args args(argc, argv, 2, {}, {});
+  if (args.positional().size() != 2) throw UsageError("diff needs exactly two plan files");
+  std::cout << "--- " << args.positional()[0] << "\n+++ " << args.positional()[1] << "\n"
+            << mp::diff_plans(mp::load_plan(args.positional()[0]), mp::load_plan(args.positional()[1]));
+  return 0;
+}
+
 int cmd_validate(int argc, char** argv) {
   const std::string path = single_path(argc, argv, "validate");
   const mp::Plan plan = mp::load_plan(path);  // parses and validates
@@ -305,6 +334,8 @@ int run(int argc, char** argv) {
   if (cmd == "transformer") return cmd_transformer(argc, argv);
   if (cmd == "show") return cmd_show(argc, argv);
   if (cmd == "validate") return cmd_validate(argc, argv);
+  if (cmd == "report") return cmd_report(argc, argv);
+  if (cmd == "diff") return cmd_diff(argc, argv);
   if (cmd == "schedule") return cmd_schedule(argc, argv);
   if (cmd == "embeddings") return cmd_embeddings(argc, argv);
   if (cmd == "presets") {

@@ -149,5 +149,24 @@ expect_error "tie tolerance" "tie_tolerance: must be in [0, 1)" \
   "$MP" transformer --layers 2 --hidden 64 --heads 4 --seq 32 --vocab 100 --global-batch 8 --gpus 2 --cluster cpu \
   --tie-tolerance 2
 
+# The HTML report and the diff of two plans.
+if "$MP" report "$TMP/plan.json" -o "$TMP/plan.html" >"$TMP/out" 2>"$TMP/err"; then
+  grep -q 'class="timeline-row"' "$TMP/plan.html" && grep -q 'class="memory-limit"' "$TMP/plan.html" && ok ||
+    bad "report lacks the timeline or the memory limit"
+else
+  bad "report failed: $(cat "$TMP/err")"
+fi
+expect_error "report without -o" "report needs -o FILE.html" "$MP" report "$TMP/plan.json"
+expect_error "report of a missing trace" "cannot read trace file" \
+  "$MP" report "$TMP/plan.json" -o "$TMP/x.html" --trace "$TMP/none.json"
+echo '{"traceEvents":[]}' >"$TMP/not_ours.json"
+expect_error "report of a foreign trace" "otherData.format" \
+  "$MP" report "$TMP/plan.json" -o "$TMP/x.html" --trace "$TMP/not_ours.json"
+"$MP" diff "$TMP/plan.json" "$TMP/plan.json" >"$TMP/out" 2>&1 && grep -q "plans are identical" "$TMP/out" && ok ||
+  bad "diff of a plan with itself: $(cat "$TMP/out")"
+"$MP" diff "$TMP/plan.json" "$TMP/pinned.json" >"$TMP/out" 2>&1 && grep -q "step time:" "$TMP/out" && ok ||
+  bad "diff: $(cat "$TMP/out")"
+expect_error "diff of one plan" "diff needs exactly two plan files" "$MP" diff "$TMP/plan.json"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -97,6 +97,18 @@ Plan make_plan() {
   pr.memory = MemoryBreakdown{1.5e9, 7.5e8, 4.5e9, 12345678.9, 0};
   pr.memory_bytes_per_device = pr.memory.total();
   pr.time = TimeBreakdown{0.25, 0.01, 1e-7, 0.03, 0.004, 0.05, 0.0005, 1.0 / 3.0};
+  pr.stages = {StageCosts{0.01, 0.012, 0.008, 1e-4}, StageCosts{0.011, 0.013, 0.009, 0}};
+  RankPrediction r0;
+  r0.memory = MemoryBreakdown{1.5e9, 7.5e8, 4.5e9, 12345678.9, 0};
+  r0.busy_s = 0.2;
+  r0.idle_s = 0.05;
+  r0.dp_bytes = 1e9;
+  r0.tp_bytes = 2e9;
+  r0.pp_bytes = 3e6;
+  RankPrediction r1 = r0;
+  r1.memory.activations = 1e6;
+  r1.ends_bytes = 5e5;
+  pr.ranks = {r0, r1};
   p.alternatives = {
       {"pp=1 dp=4 tp=2 zero=3 mbs=1 m=4 none recompute=full sp=on", 0.41, 6.2e10,
        "1.23x slower: dp_comm 0.12 s vs 0.03 s"},
@@ -409,6 +421,28 @@ TEST_CASE("plan_from_json validates the plan it reads", "[plan_json]") {
   CHECK(validation_error_of(j).field() == "layers[3].stage");
 }
 
+TEST_CASE("plan JSON checks the per-stage and per-rank predictions", "[plan_json]") {
+  Json j = to_value(make_plan());
+  j["prediction"]["stages"].erase(1);
+  CHECK(validation_error_of(j).field() == "prediction.stages");
+  j = to_value(make_plan());
+  j["prediction"]["stages"][1]["forward_s"] = -1;
+  CHECK(validation_error_of(j).field() == "prediction.stages[1].forward_s");
+  j = to_value(make_plan());
+  j["prediction"]["ranks"][0]["bytes_sent"]["tp"] = "many";
+  CHECK(validation_error_of(j).field() == "prediction.ranks[0].bytes_sent.tp");
+  j = to_value(make_plan());
+  j["prediction"]["ranks"].push_back(j["prediction"]["ranks"][0]);
+  CHECK(validation_error_of(j).field() == "prediction.ranks");
+  // Absent (plans written before they existed): read as empty.
+  j = to_value(make_plan());
+  j["prediction"].erase("stages");
+  j["prediction"].erase("ranks");
+  const Plan old = from_value(j);
+  CHECK(old.prediction.stages.empty());
+  CHECK(old.prediction.ranks.empty());
+}
+
 TEST_CASE("save_plan and load_plan round-trip through a file", "[plan_json]") {
   const Plan p = make_plan();
   const std::string path = temp_path("plan.json");
@@ -459,6 +493,12 @@ TEST_CASE("Plan equality compares every field", "[plan]") {
   CHECK_FALSE(q == p);
   q = p;
   q.mesh.order = {"pp", "tp", "dp"};
+  CHECK_FALSE(q == p);
+  q = p;
+  q.prediction.stages[1].p2p_s = 1;
+  CHECK_FALSE(q == p);
+  q = p;
+  q.prediction.ranks[1].ends_bytes = 0;
   CHECK_FALSE(q == p);
 }
 

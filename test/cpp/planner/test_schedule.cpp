@@ -394,3 +394,37 @@ TEST_CASE("simulate rejects costs of the wrong length", "[schedule]") {
   expect_error([&] { simulate(s, {}); }, "costs", "has 0 entries");
   CHECK_NOTHROW(simulate(s, std::vector<StageCosts>(4)));
 }
+
+TEST_CASE("a recorded timeline holds every action at the simulated times", "[schedule]") {
+  const Schedule s = make_schedule(ScheduleKind::zero_bubble_h1, 3, 6);
+  std::vector<StageCosts> costs = {{1.0, 1.0, 0.5, 0.1}, {1.5, 1.2, 0.7, 0.1}, {1.0, 0.9, 0.6, 0}};
+  const SimulationResult plain = simulate(s, costs);
+  const SimulationResult sim = simulate(s, costs, true);
+  CHECK(plain.timeline.empty());
+  CHECK(sim.makespan_s == plain.makespan_s);
+  REQUIRE(sim.timeline.size() == 3);
+  for (int64_t r = 0; r < 3; ++r) {
+    double busy = 0, last_end = 0;
+    int64_t compute = 0;
+    for (const TimelineEvent& e : sim.timeline[r]) {
+      CHECK(e.end_s >= e.start_s);
+      const bool is_compute = e.type == ActionType::forward || e.type == ActionType::backward_input ||
+                              e.type == ActionType::backward_weight;
+      if (e.type == ActionType::send_activation || e.type == ActionType::send_gradient) continue;
+      CHECK(e.start_s >= last_end - 1e-12);  // a rank does one thing at a time
+      last_end = e.end_s;
+      if (is_compute) {
+        busy += e.end_s - e.start_s;
+        ++compute;
+        const StageCosts& c = costs[e.stage];
+        const double expected = e.type == ActionType::forward ? c.forward_s
+                                : e.type == ActionType::backward_input ? c.backward_input_s
+                                                                       : c.backward_weight_s;
+        CHECK(e.end_s - e.start_s == Approx(expected));
+      }
+    }
+    CHECK(compute == 3 * 6);
+    CHECK(busy == Approx(sim.busy_s[r]));
+    CHECK(last_end <= sim.makespan_s + 1e-12);
+  }
+}

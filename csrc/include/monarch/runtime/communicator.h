@@ -54,6 +54,9 @@ class Handle {
          std::shared_ptr<std::string> failure = {});
   void wait();
   bool done() const { return waited_ || !work_; }
+  // Records the collective in the trace (trace.h) once wait() succeeds, from now until then:
+  // `kind` a string literal, `bytes` what this rank sent, `group` the group's name.
+  Handle traced(const char* kind, double bytes, const std::string& group) &&;
 
  private:
   compat::WorkPtr work_;
@@ -61,6 +64,10 @@ class Handle {
   std::function<void()> finish_;
   std::shared_ptr<std::string> failure_;
   bool waited_ = false;
+  const char* trace_kind_ = nullptr;
+  double trace_bytes_ = 0;
+  std::string trace_group_;
+  int64_t trace_start_ns_ = 0;
 };
 
 // Collective agreement. Gloo aborts the process (an uncatchable enforce in its I/O thread)

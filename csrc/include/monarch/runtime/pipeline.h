@@ -133,6 +133,7 @@ class PipelineExecutor {
   // look like the previous step's sends a one-word "same" header instead of the description.
   std::map<int64_t, std::vector<int64_t>> sent_header_;
   bool last_step_complete_ = true;
+  int64_t step_ = 0;  // steps run, for the trace (trace.h)
   std::vector<std::pair<Handle, at::Tensor>> pending_sends_;
 };
 

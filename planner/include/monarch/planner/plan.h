@@ -9,6 +9,7 @@
 #include "monarch/planner/cluster.h"
 #include "monarch/planner/embeddings.h"
 #include "monarch/planner/model_graph.h"
+#include "monarch/planner/schedule.h"
 #include "monarch/planner/training_config.h"
 
 namespace monarch::planner {
@@ -55,6 +56,17 @@ struct TimeBreakdown {  // seconds per optimizer step
   bool operator==(const TimeBreakdown& o) const;
 };
 
+// One pipeline rank, as predicted: every dp x tp rank at the same pipeline position holds and
+// does the same. For reports (report_html.h); the runtime reads none of it.
+struct RankPrediction {
+  MemoryBreakdown memory;
+  double busy_s = 0;  // computing in the simulated step
+  double idle_s = 0;  // waiting within the simulated step (bubble and transfers)
+  // Bytes this rank sends per optimizer step on each mesh axis (traffic.h).
+  double dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, ends_bytes = 0;
+  bool operator==(const RankPrediction& o) const;
+};
+
 struct Prediction {
   double step_time_s = 0;
   TimeBreakdown time;
@@ -67,6 +79,11 @@ struct Prediction {
   // Where the per-layer times came from: "analytic" (FLOPs and peak rates) or
   // "profile: <source>" (times measured on the machine; estimator.h).
   std::string estimator = "analytic";
+  // Per virtual stage, one micro-batch's durations as simulated (so a report can replay the
+  // schedule), and per pipeline rank what it holds and sends. Empty in plans written before
+  // these fields existed.
+  std::vector<StageCosts> stages;
+  std::vector<RankPrediction> ranks;
   bool operator==(const Prediction& o) const;
 };
 

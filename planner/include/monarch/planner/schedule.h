@@ -20,6 +20,7 @@ enum class ActionType {
   recv_gradient,    // from the next stage, before B / Bi
 };
 std::string to_string(ActionType type);
+const char* action_name(ActionType type);  // the same name, a string literal
 ActionType action_type_from_string(const std::string& name, const std::string& field = "type");
 
 struct Action {
@@ -70,6 +71,21 @@ struct StageCosts {
   double backward_input_s = 1;   // backward = backward_input + backward_weight
   double backward_weight_s = 1;
   double p2p_s = 0;              // activation / gradient transfer between adjacent stages
+  bool operator==(const StageCosts& o) const {
+    return forward_s == o.forward_s && backward_input_s == o.backward_input_s &&
+           backward_weight_s == o.backward_weight_s && p2p_s == o.p2p_s;
+  }
+};
+
+// One interval of a simulated rank's timeline: a compute action (F, B, Bi, W) from its start
+// to its end, a receive from when the rank started waiting to the message's arrival (only
+// when it waited), a send from its post to its arrival at the peer.
+struct TimelineEvent {
+  ActionType type;
+  int32_t micro_batch;
+  int32_t stage;
+  double start_s;
+  double end_s;
 };
 
 struct SimulationResult {
@@ -78,12 +94,15 @@ struct SimulationResult {
   std::vector<double> idle_s;        // per rank waiting time within the makespan
   double bubble_fraction = 0;        // mean over ranks of idle / makespan
   std::vector<int64_t> peak_in_flight;  // per rank: max micro-batches whose activations are alive
+  std::vector<std::vector<TimelineEvent>> timeline;  // per rank, when asked for (else empty)
 };
 
 // Runs the action lists on a timeline: each rank executes its list in order; a compute
 // action starts when the rank is free and its inputs have arrived. `costs` has one entry
 // per virtual stage (or one entry used for all). Throws if the schedule deadlocks.
-SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs);
+// `record_timeline` keeps every interval (TimelineEvent) for drawing.
+SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs,
+                          bool record_timeline = false);
 
 // Closed forms, used by tests and docs: 1F1B / GPipe bubble (p-1)/(m+p-1) with
 // F and B uniform, interleaved divides the bubble time by v (Narayanan et al. 2021).

@@ -40,4 +40,8 @@ struct AxisBytes {
 // not counted.
 std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan);
 
+// Writes bytes_per_step into plan.prediction.ranks (one entry per pipeline rank, as
+// predict() leaves them). Done for the plans the search returns, not for every candidate.
+void add_traffic(const ModelGraph& graph, Plan& plan);
+
 }  // namespace monarch::planner
