@@ -248,7 +248,9 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     if deferred and (pins.get("tp") or 1) > 1:
         raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
                          "initialization does not support tensor parallelism yet")
-    info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
+    from .log import get as get_log, progress
+    with progress("api", "reading the model on the meta device"):
+        info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
     # Computing in another dtype than the parameters' is ZeRO's mixed precision here, without
     # tp or pp (check_plan's rule): this job plans only such layouts. (Planning for another
     # machine, torch_monarch.plan, has no such limit.)
@@ -259,16 +261,20 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
         pins["zero_stage"] = 3
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     if cluster is None:
-        cluster = detect(world_size=world.size)
+        with progress("cluster", "detecting the machine (matmul rate, memory)"):
+            cluster = detect(world_size=world.size)
         if probe_links and world.size > 1:
-            cluster = probe(cluster, world)
+            with progress("cluster", "probing the links", ranks=world.size):
+                cluster = probe(cluster, world)
     text, error = None, ""
     if world.rank == 0:
         try:
             training = runtime_training(info, global_batch, dtype, _pins(pins), deferred)
             if mixed:
                 training.allow_tensor_parallel = training.allow_pipeline_parallel = False
-            p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
+            with progress("api", "planning", layers=len(graph), devices=world.size):
+                p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
+            get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)
             text = _planner.dumps(p)
         except (ValueError, RuntimeError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"

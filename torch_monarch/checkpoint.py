@@ -25,6 +25,7 @@ every rank raises the same CheckpointError naming the file and tensor.
 Both are collective in a parallel job: every rank calls them.
 """
 
+import functools
 import itertools
 import json
 import mmap
@@ -37,6 +38,8 @@ import zlib
 
 import numpy as np
 import torch
+
+from . import log as _log
 
 FORMAT = "monarch-checkpoint"
 VERSION = 1
@@ -81,6 +84,17 @@ class Placement:
             if all(n > 0 for n in lengths):
                 out.append((tuple(seg[0] for seg in combo), tuple(seg[1] for seg in combo), lengths))
         return out
+
+
+def _with_progress(what):
+    """Progress lines (torch_monarch.log) around a save or load of the checkpoint at `path`."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(model, optimizer, path, **kwargs):
+            with _log.progress("checkpoint", f"{what} {os.fspath(path)}"):
+                return fn(model, optimizer, path, **kwargs)
+        return run
+    return wrap
 
 
 def _tp_segments(global_size, fused_parts, tp, rank):
@@ -368,6 +382,7 @@ def _agree(job, what, fn):
     return value
 
 
+@_with_progress("saving checkpoint")
 def save(model, optimizer, path, *, step=0, extra=None):
     """Saves ``model`` (a ParallelModel or any nn.Module) and ``optimizer`` (or None) to the
     directory ``path``, replacing a checkpoint already there only once the new one is
@@ -571,6 +586,7 @@ class _Reader:
             f.close()
 
 
+@_with_progress("loading checkpoint")
 def load(model, optimizer, path, *, strict=True, restore_rng=True):
     """Loads the checkpoint at ``path`` into ``model`` and ``optimizer`` (or None), whatever
     layout and world size saved it. Returns {"step", "extra", "world_size", "plan"}.

@@ -5,14 +5,11 @@ and rendezvouses through a c10d TCPStore; if ``torch.distributed`` is already in
 it joins that process group's store instead of opening a second port.
 """
 
-import logging
-
 import torch  # noqa: F401  (registers the tensor and c10d types _runtime uses)
 import torch.distributed as dist
 
 from . import _runtime
-
-log = logging.getLogger("torch_monarch")
+from . import log as _log
 
 _world = None
 
@@ -28,7 +25,8 @@ def init(timeout: float = 300.0):
         _world = _runtime.World.from_store(store, dist.get_rank(), dist.get_world_size(), timeout)
     else:
         _world = _runtime.World.init(timeout)
-    log.info("[rank %d] torch_monarch joined a world of %d ranks", _world.rank, _world.size)
+    _log.configure(rank=_world.rank)
+    _log.get("distributed").info("joined a world of %d ranks", _world.size)
     return _world
 
 

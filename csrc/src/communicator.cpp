@@ -1,5 +1,8 @@
 #include "monarch/runtime/communicator.h"
 
+#include <spdlog/spdlog.h>
+
+#include "monarch/runtime/log.h"
 #include "monarch/runtime/trace.h"
 
 #include <algorithm>
@@ -66,7 +69,10 @@ void Handle::wait() {
     error = e.what();
   }
   const std::string message = what_ + " failed: " + error;
-  if (failure_ && failure_->empty()) *failure_ = message;
+  if (failure_ && failure_->empty()) {
+    *failure_ = message;
+    log::get("comm").error("{}", message);  // once per group: later calls repeat it
+  }
   TORCH_CHECK(false, message);
 }
 

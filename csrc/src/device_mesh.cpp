@@ -1,5 +1,9 @@
 #include "monarch/runtime/device_mesh.h"
 
+#include <spdlog/spdlog.h>
+
+#include "monarch/runtime/log.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
@@ -75,6 +79,8 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       world_->skip_group();
     }
   }
+  log::get("mesh").info("mesh pp={} dp={} tp={}: groups connected; this rank at pp {}, dp {}, tp {}", mesh.pp,
+                        mesh.dp, mesh.tp, coordinate("pp"), coordinate("dp"), coordinate("tp"));
 }
 
 bool DeviceMesh::has_pipeline_ends_group() const {

@@ -1,5 +1,8 @@
 #include "monarch/runtime/pipeline.h"
 
+#include <spdlog/spdlog.h>
+
+#include "monarch/runtime/log.h"
 #include "monarch/runtime/trace.h"
 
 #include <set>
@@ -481,6 +484,8 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   stats.wait_s += seconds_since(t);
   stats.total_s = seconds_since(step_start);
   last_step_complete_ = true;
+  log::get("pipeline").debug("step {} on pipeline rank {}: {:.4f} s, {:.4f} s computing, {:.4f} s waiting", step,
+                             rank_, stats.total_s, stats.compute_s, stats.wait_s);
   trace::Event e;
   e.name = "step";
   e.category = "pipeline";

@@ -9,7 +9,10 @@
 #include <sstream>
 #include <thread>
 
+#include <spdlog/spdlog.h>
+
 #include "monarch/runtime/communicator.h"
+#include "monarch/runtime/log.h"
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/world.h"
 
@@ -224,6 +227,7 @@ void save(const std::string& path, DeviceMesh& mesh) {
     }
     store->set(done, std::vector<uint8_t>(error.begin(), error.end()));
     TORCH_CHECK(error.empty(), "monarch: rank 0: ", error);
+    log::get("trace").info("wrote {} ({} ranks, {} events dropped by the ring buffers)", path, size, dropped_total);
   } else {
     wait_for({done}, "rank 0's confirmation");
     const auto bytes = store->get(done);

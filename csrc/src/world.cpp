@@ -1,5 +1,9 @@
 #include "monarch/runtime/world.h"
 
+#include <spdlog/spdlog.h>
+
+#include "monarch/runtime/log.h"
+
 #include <cstdlib>
 #include <map>
 #include <sstream>
@@ -60,6 +64,8 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
 
 std::shared_ptr<World> World::init(const InitOptions& options) {
   const LaunchEnv env = LaunchEnv::from_environment();
+  log::set_rank(env.rank);
+  const auto start = std::chrono::steady_clock::now();
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.master_port);
   opts.isServer = env.rank == 0 && !env.use_agent_store;
@@ -80,7 +86,11 @@ std::shared_ptr<World> World::init(const InitOptions& options) {
     store = c10::make_intrusive<c10d::PrefixStore>(
         "/worker/attempt_" + std::to_string(env.restart_count), store);
   }
-  return from_store(store, env.rank, env.world_size, options);
+  auto world = from_store(store, env.rank, env.world_size, options);
+  log::get("world").info("rendezvous with {} ranks at {}:{}{} in {:.2f} s", env.world_size, env.master_addr,
+                         env.master_port, env.use_agent_store ? " (torchrun's agent store)" : "",
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return world;
 }
 
 std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, int rank,
@@ -88,6 +98,8 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "monarch: rank ", rank,
               " is not in a world of ", world_size);
   store->setTimeout(options.timeout);
+  log::set_rank(rank);
+  log::get("world").debug("joined a world of {} ranks (timeout {} ms)", world_size, options.timeout.count());
   return std::shared_ptr<World>(new World(std::move(store), rank, world_size, options.timeout));
 }
 

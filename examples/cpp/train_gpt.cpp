@@ -8,6 +8,7 @@
 //
 // Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S
 // --micro-batch N --schedule NAME --recompute none|full (pins for the planner), --steps N, --layers N,
+// --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
 // parity is then checked against the same file trained in one process).
 #include <torch/script.h>
@@ -203,6 +204,7 @@ int main(int argc, char** argv) {
     // Bytes this rank sent along dp per step (gradient reduction, ZeRO gathers).
     const double dp_bytes = model->mesh().group("dp").counters().total() / static_cast<double>(c.steps);
     if (lead) std::printf("dp bytes per step: %.0f\n", dp_bytes);
+    if (!arg(args, "trace").empty()) model->trace(arg(args, "trace"));  // collective: rank 0 writes it
     auto trained = model->state_dict();  // collective: the whole model on every rank
 
     // The same model, data and optimizer in one process (rank 0).

@@ -350,6 +350,13 @@ std::string timeline_section(const Plan& plan, const HtmlReportOptions& options)
       << esc(format_seconds(measured->makespan_s)) << " (step " << measured->step << " of the trace)";
   }
   o << ".</p>";
+  const Cluster& c = plan.cluster;
+  if (c.cores_per_node > 0 && c.cores_per_node < static_cast<double>(c.devices_per_node)) {
+    o << "<p class=\"note\">The devices share " << num(c.cores_per_node, 0) << " cores per node of "
+      << c.devices_per_node << " devices: the timeline runs every rank at its all-busy rate, while the "
+      << "predicted step (" << esc(format_seconds(p.step_time_s))
+      << ") lets a rank idle in a bubble lend its core to the busy ones (docs/cost_model.md).</p>";
+  }
   if (!trace_problem.empty()) o << "<p class=\"warn\">The trace could not be drawn: " << esc(trace_problem) << "</p>";
   o << legend({{action_colour(ActionType::forward), "forward (F)"},
                {action_colour(ActionType::backward), "backward (B)"},

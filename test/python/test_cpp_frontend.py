@@ -164,3 +164,21 @@ def test_zero_1_and_2_reduce_once_per_step_under_gradient_accumulation(zero):
     zero3 = launch(2, "--pp", "1", "--zero", "3", "--micro-batch", "2")
     assert zero3.returncode == 0 and parity(zero3)[1] == "ok"
     assert dp_bytes(zero3) > 3 * dp_bytes(one)
+
+
+def test_the_cpp_frontend_writes_a_trace_the_report_draws(tmp_path):
+    from torch_monarch import planner
+    plan, trace = str(tmp_path / "plan.json"), str(tmp_path / "trace.json")
+    p = launch(4, "--pp", "4", "--micro-batch", "1", "--schedule", "1f1b", "--save-plan", plan, "--trace", trace)
+    assert p.returncode == 0, p.stdout[-3000:]
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    # 5 steps of 16 micro-batches on each of the 4 pipeline ranks.
+    for rank in range(4):
+        mine = [e for e in events if e.get("pid") == rank and e.get("cat") == "pipeline"]
+        assert sum(e["name"] == "forward" for e in mine) == 5 * 16
+    html = tmp_path / "run.html"
+    planner.load(plan).report(html, trace=trace)
+    text = html.read_text()
+    assert text.count('class="timeline-row" data-kind="measured"') == 4
+    assert 'class="bubble-measured"' in text and 'class="bubble-predicted"' in text

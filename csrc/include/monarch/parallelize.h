@@ -34,6 +34,7 @@
 #include "monarch/runtime/composition.h"
 #include "monarch/runtime/data_parallel.h"
 #include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/trace.h"
 #include "monarch/runtime/world.h"
 
 namespace torch::jit {
@@ -114,6 +115,11 @@ class ParallelModule {
   // Loads a whole-model state dict: every rank keeps its slice. Throws naming missing and
   // unexpected keys (strict) and wrong shapes.
   void load_state_dict(const std::map<std::string, at::Tensor>& state, bool strict = true);
+
+  // Every rank's measured timeline (pipeline actions and collectives) as one Chrome trace
+  // JSON file written by rank 0 (monarch/runtime/trace.h; monarch-plan report --trace draws
+  // it under the plan's prediction). Collective.
+  void trace(const std::string& path) { trace::save(path, mesh()); }
 
   const Layout& layout() const { return composition_->layout(); }
   DeviceMesh& mesh() { return composition_->mesh(); }

@@ -7,6 +7,7 @@
 #include <regex>
 #include <string>
 
+#include "monarch/planner/embeddings.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/measured_trace.h"
 #include "monarch/planner/plan.h"
@@ -174,4 +175,27 @@ TEST_CASE("diff names the layout fields, the moved layers and the predicted chan
   const std::string e = diff_plans(a, c);
   CHECK(e.find("stages:") == std::string::npos);
   CHECK(e.find(", tp block -> stage") != std::string::npos);
+}
+
+TEST_CASE("a plan with embedding tables lists each rank's shards") {
+  Plan plan = pipelined_plan(2, 8, 1, ScheduleKind::one_f_one_b);
+  std::vector<EmbeddingTable> tables;
+  for (int i = 0; i < 3; ++i) {
+    EmbeddingTable t;
+    t.name = "table" + std::to_string(i);
+    t.rows = 100000 * (i + 1);
+    t.dim = 64;
+    t.features = {"f" + std::to_string(i)};
+    tables.push_back(t);
+  }
+  EmbeddingOptions o;
+  o.world_size = plan.mesh.world_size();
+  o.batch_per_rank = 64;
+  plan.embeddings = plan_embeddings(tables, plan.cluster, o);
+  const std::string html = html_report(plan);
+  REQUIRE(html.find("id=\"embeddings\"") != std::string::npos);
+  for (const auto& t : tables) CHECK(html.find(t.name + " (") != std::string::npos);
+  const size_t section = html.find("id=\"embeddings\"");
+  // One row per rank in the tables' section.
+  CHECK(count(html.substr(section), "<tr><td>") == static_cast<size_t>(plan.mesh.world_size()));
 }
