@@ -246,6 +246,58 @@ struct TimelineRow {
   std::vector<TimelineEvent> events;
 };
 
+// Above this many intervals a row is drawn at pixel resolution (pixel_runs): the page stays
+// a few megabytes for schedules of 10^5 actions.
+constexpr size_t kMaxDrawnActionsPerRow = 4000;
+
+std::string pixel_runs(const std::vector<TimelineEvent>& events, double span, double left, double y, double width,
+                       double height) {
+  const int columns = static_cast<int>(width);
+  const double per_column = span / width;
+  constexpr int kKinds = 4;  // forward, backward (B or Bi), weight, nothing
+  std::vector<std::array<double, kKinds>> cover(columns, std::array<double, kKinds>{});
+  for (const TimelineEvent& e : events) {
+    if (!is_compute(e.type) || per_column <= 0) continue;
+    const int kind = e.type == ActionType::forward ? 0 : e.type == ActionType::backward_weight ? 2 : 1;
+    const int first = std::clamp(static_cast<int>(e.start_s / per_column), 0, columns - 1);
+    const int last = std::clamp(static_cast<int>(e.end_s / per_column), 0, columns - 1);
+    for (int c = first; c <= last; ++c) {
+      const double lo = std::max(e.start_s, c * per_column), hi = std::min(e.end_s, (c + 1) * per_column);
+      if (hi > lo) cover[c][kind] += hi - lo;
+    }
+  }
+  const ActionType kind_type[] = {ActionType::forward, ActionType::backward, ActionType::backward_weight};
+  std::ostringstream o;
+  int run_start = 0, run_kind = -1;
+  auto flush = [&](int end) {
+    if (run_kind >= 0 && run_kind < 3) {
+      o << rect(left + run_start, y, end - run_start, height - 3, action_colour(kind_type[run_kind]),
+                std::string(action_short(kind_type[run_kind])) + ": " + format_seconds(run_start * per_column) +
+                    " to " + format_seconds(end * per_column) + " (drawn per pixel)",
+                "action");
+    }
+  };
+  for (int c = 0; c <= columns; ++c) {
+    int kind = 3;
+    if (c < columns) {
+      double busy = 0;
+      for (int k = 0; k < 3; ++k) busy += cover[c][k];
+      if (busy >= per_column / 2) {
+        kind = 0;
+        for (int k = 1; k < 3; ++k) {
+          if (cover[c][k] > cover[c][kind]) kind = k;
+        }
+      }
+    }
+    if (c == columns || kind != run_kind) {
+      flush(c);
+      run_start = c;
+      run_kind = kind;
+    }
+  }
+  return o.str();
+}
+
 std::string timeline_svg(const std::vector<TimelineRow>& rows, double span) {
   constexpr double kLeft = 130, kWidth = 1040, kRowH = 20, kGap = 6;
   const double scale = span > 0 ? kWidth / span : 1;
@@ -266,6 +318,13 @@ std::string timeline_svg(const std::vector<TimelineRow>& rows, double span) {
     o << "<g class=\"timeline-row\" data-kind=\"" << r.kind << "\" data-rank=\"" << r.rank << "\">"
       << text(0, y + kRowH * 0.7, r.label);
     o << rect(kLeft, y, span * scale, kRowH, "#fafafa", r.label + ": idle", "idle");
+    if (r.events.size() > kMaxDrawnActionsPerRow) {
+      // Too many actions to draw one by one (a large schedule): each pixel column takes the
+      // compute kind that covers most of it, and runs of equal columns become one bar.
+      o << pixel_runs(r.events, span, kLeft, y, kWidth, kRowH);
+      o << "</g>";
+      continue;
+    }
     for (const TimelineEvent& e : r.events) {
       const double x = kLeft + e.start_s * scale, w = (e.end_s - e.start_s) * scale;
       std::string title = std::string(action_short(e.type)) + " micro-batch " + std::to_string(e.micro_batch) +

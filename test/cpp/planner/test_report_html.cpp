@@ -199,3 +199,18 @@ TEST_CASE("a plan with embedding tables lists each rank's shards") {
   // One row per rank in the tables' section.
   CHECK(count(html.substr(section), "<tr><td>") == static_cast<size_t>(plan.mesh.world_size()));
 }
+
+TEST_CASE("a schedule of many actions is drawn at pixel resolution and the page stays small") {
+  TransformerConfig c = transformer_config(96, 12288, 96, 2048, 51200);
+  const ModelGraph graph = build_transformer(c);
+  TrainingConfig training;
+  training.global_batch = 3072;
+  Pins pins = layout_pins(8, 8, 16, 1, 1, ScheduleKind::interleaved_1f1b);
+  pins.virtual_stages = 6;
+  const Plan plan = evaluate_layout(graph, cluster_preset("a100-80gb", 1024), training, pins, true);
+  REQUIRE(plan.num_micro_batches == 192);  // per rank 192 micro-batches x 6 chunks x (F + B) and the transfers
+  const std::string html = html_report(plan);
+  CHECK(count(html, "class=\"timeline-row\" data-kind=\"predicted\"") == 8);
+  CHECK(html.find("(drawn per pixel)") != std::string::npos);
+  CHECK(html.size() < 4u * 1024 * 1024);
+}
