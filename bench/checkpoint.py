@@ -11,7 +11,10 @@ quarter of the fp32 parameters' optimizer state and of the master weights it ste
     used without a sharded checkpoint) and times torch.save / torch.load of it;
   * peak extra memory during the save: each rank's VmHWM growth over its RSS just before
     the save (glibc told to return freed memory at once), the largest over ranks, beside the
-    rank's state size.
+    rank's state size;
+  * save_async: how long it blocks the caller (staging the rank's slices in host memory), a
+    training step run while the files are written beside one run alone, when wait() has the
+    checkpoint in place, and its peak extra memory (the staging copy).
 
     python3 bench/checkpoint.py [--out bench/results/checkpoint.json] [--dir DIR]
 """
@@ -91,10 +94,32 @@ def worker(out_dir, ckpt_dir):
     t0 = time.perf_counter()
     checkpoint.load(pm, opt, ckpt_dir)
     load_s = all_max(time.perf_counter() - t0)
+    step = lambda: one_step(pm, opt, lambda x, y: pm.train_step(*pm.local_batch(x, y), loss))  # noqa: E731
+    # A training step alone, then save_async: how long it blocks (staging), a step while the
+    # files are written, and when wait() has the checkpoint in place.
+    group.barrier()
+    t0 = time.perf_counter()
+    step()
+    step_s = all_max(time.perf_counter() - t0)
+    gc.collect()
+    group.barrier()
+    base = vm("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    pending = checkpoint.save_async(pm, opt, ckpt_dir + ".async", step=2)
+    block_s = all_max(time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    step()
+    step_during_s = all_max(time.perf_counter() - t1)
+    pending.wait()
+    async_total_s = all_max(time.perf_counter() - t0)
+    async_extra = all_max(vm("VmHWM") - base)
     if world.rank == 0:
         with open(os.path.join(out_dir, "ours.json"), "w") as f:
             json.dump({"save_s": save_s, "load_s": load_s, "bytes": dir_bytes(ckpt_dir), "peak_extra_bytes": extra,
-                       "rank_state_bytes": state_bytes, "ranks": world.size}, f)
+                       "rank_state_bytes": state_bytes, "ranks": world.size,
+                       "async": {"blocked_s": block_s, "total_s": async_total_s, "step_s": step_s,
+                                 "step_during_write_s": step_during_s, "peak_extra_bytes": async_extra}}, f)
 
 
 def baseline(path):
@@ -145,6 +170,7 @@ def main():
         with open(os.path.join(work, "ours.json")) as f:
             ours = json.load(f)
         shutil.rmtree(os.path.join(work, "ckpt"), ignore_errors=True)
+        shutil.rmtree(os.path.join(work, "ckpt.async"), ignore_errors=True)
         base = baseline(os.path.join(work, "state.pt"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -158,6 +184,11 @@ def main():
               f"{r['load_s']:>9.2f}{r['bytes'] / r['load_s'] / gb:>11.2f}")
     print(f"peak extra memory during the save (largest rank): {ours['peak_extra_bytes'] / 2**20:.1f} MiB; "
           f"the rank's state: {ours['rank_state_bytes'] / 2**20:.1f} MiB")
+    a = ours["async"]
+    print(f"save_async: blocks {a['blocked_s']:.2f} s (staging; the blocking save took {ours['save_s']:.2f} s), "
+          f"a training step while the files are written {a['step_during_write_s']:.2f} s (alone {a['step_s']:.2f} s), "
+          f"in place after {a['total_s']:.2f} s; peak extra memory {a['peak_extra_bytes'] / 2**20:.1f} MiB "
+          "(the staging copy)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"ours": ours, "torch_save": base}, f, indent=1)

@@ -7,7 +7,7 @@ A checkpoint is a directory: one file per writing rank in the safetensors layout
 little-endian header length, a JSON header, raw little-endian tensor bytes: no pickle, so
 loading an untrusted checkpoint runs no code) and ``index.json``: every tensor's global name,
 shape and dtype, which file holds which slice (offsets and lengths per dimension) with a
-CRC-32 per slice, the plan, the step and the RNG states. Optimizer state is saved under the
+CRC-32C per slice, the plan, the step and the RNG states. Optimizer state is saved under the
 parameters' names (``optimizer.<param>.<key>``).
 
 Save: every rank writes only the slices it holds (its pipeline stages, its tp shard, its
@@ -21,6 +21,9 @@ Load: every rank reads, memory-mapped, only the stored slices that overlap its o
 their CRC, and fills its parameters and optimizer state, whatever layout and world size
 saved them. Nothing is overwritten unless every rank read everything it needs; otherwise
 every rank raises the same CheckpointError naming the file and tensor.
+
+``save_async`` stages this rank's slices in host memory and writes the files in a
+background thread while training goes on; ``wait()`` on what it returns finishes the save.
 
 Both are collective in a parallel job: every rank calls them.
 """
@@ -39,10 +42,14 @@ import zlib
 import numpy as np
 import torch
 
+from . import _runtime
 from . import log as _log
 
 FORMAT = "monarch-checkpoint"
-VERSION = 1
+VERSION = 2
+# Version 1 stored zlib's CRC-32 per slice ("crc32"); version 2 stores CRC-32C ("crc32c",
+# computed in C++ with the SSE4.2 instruction). Both are read.
+_READABLE_VERSIONS = (1, 2)
 INDEX = "index.json"
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -274,7 +281,7 @@ def _raw(t):
 
 
 def _write_file(path, tensors):
-    """Writes {key: tensor} in the safetensors layout; returns {key: crc32}. fsynced."""
+    """Writes {key: tensor} in the safetensors layout; returns {key: crc32c}. fsynced."""
     header, offset = {}, 0
     for key, t in tensors.items():
         n = t.numel() * t.element_size()
@@ -288,11 +295,20 @@ def _write_file(path, tensors):
         f.write(text)
         for key, t in tensors.items():
             data = _raw(t)
-            crcs[key] = zlib.crc32(data)
+            crcs[key] = _runtime.crc32c(data)
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return crcs
+
+
+def _slice_checksum(view, entry):
+    """The checksum of a stored slice's bytes, of the kind its index entry records."""
+    if "crc32c" in entry:
+        return _runtime.crc32c(view)
+    if "crc32" in entry:
+        return zlib.crc32(view)
+    raise CheckpointError(f"checkpoint: slice '{entry.get('key')}' records no checksum")
 
 
 class _File:
@@ -322,15 +338,16 @@ class _File:
         self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
         self.checked = set()
 
-    def tensor(self, key, crc=None):
-        """The stored tensor `key` (a read-only view of the mapping), its CRC checked once."""
+    def tensor(self, key, checksum=None):
+        """The stored tensor `key` (a read-only view of the mapping), its checksum (a slice's
+        index entry: "crc32c", or "crc32" in version 1) checked once."""
         if key not in self.header:
             raise CheckpointError(f"checkpoint: {self.path} has no tensor '{key}'")
         h = self.header[key]
         begin, end = h["data_offsets"]
         view = memoryview(self.map)[self.start + begin:self.start + end]
-        if crc is not None and key not in self.checked:
-            if zlib.crc32(view) != crc:
+        if checksum is not None and key not in self.checked:
+            if _slice_checksum(view, checksum) != checksum.get("crc32c", checksum.get("crc32")):
                 raise CheckpointError(f"checkpoint: {self.path}: tensor '{key}' fails its checksum (the file is "
                                       "corrupt)")
             self.checked.add(key)
@@ -382,109 +399,205 @@ def _agree(job, what, fn):
     return value
 
 
+class _Save:
+    """One save, in the phases both the blocking and the asynchronous save go through."""
+
+    def __init__(self, model, optimizer, path, step, extra):
+        self.model, self.optimizer, self.step, self.extra = model, optimizer, step, extra
+        self.path = os.fspath(path).rstrip("/")
+        self.job = _Job(model)
+        self.partial = self.path + ".partial"
+        self.failed = "save failed, nothing was replaced"
+
+    def begin(self):
+        """Collective: what every rank holds, who writes each slice (the lowest rank holding
+        it), and a fresh <path>.partial."""
+        model, optimizer, job = self.model, self.optimizer, self.job
+
+        def describe():
+            json.dumps(self.extra)  # refused before anything is written
+            entries = _entries(model)
+            tensors = [(name, t, placement, kind) for name, t, placement, kind in entries]
+            state = _optimizer_entries(optimizer, entries)
+            like = {name for name, _, _, shaped in state if shaped}
+            tensors += [(name, t, placement, "optimizer") for name, t, placement, _ in state]
+            unknown = sorted({str(t.dtype) for _, t, _, _ in tensors if t.dtype not in _DTYPE_NAMES})
+            if unknown:
+                raise CheckpointError(f"cannot store dtype(s) {unknown}")
+            declared = [[name, kind, _DTYPE_NAMES[t.dtype], list(p.global_shape), name in like]
+                        for name, t, p, kind in tensors]
+            boxes = [[name, list(g), list(n)] for name, t, p, kind in tensors for _, g, n in p.boxes()]
+            groups = _param_names(optimizer, entries) if optimizer is not None else []
+            return tensors, {"declared": declared, "boxes": boxes, "groups": groups}
+
+        self.tensors, mine = _agree(job, self.failed, describe)
+        self.everyone = job.all_gather_json(mine)
+        self.writer = {}
+        for r, info in enumerate(self.everyone):
+            for name, offsets, lengths in info["boxes"]:
+                self.writer.setdefault((name, tuple(offsets), tuple(lengths)), r)
+
+        def prepare():
+            if job.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)  # left by a save that crashed
+                os.makedirs(self.partial)
+
+        _agree(job, self.failed, prepare)
+
+    def collect(self, copy):
+        """This rank's slices ({key: tensor}, their index entries) and its RNG state; with
+        `copy`, staged in host memory the training step may not touch."""
+        out, slices = {}, []
+        for name, t, placement, kind in self.tensors:
+            for local, glob, lengths in placement.boxes():
+                if self.writer.get((name, glob, lengths)) != self.job.rank:
+                    continue
+                key = f"{name}@{','.join(map(str, glob))}" if glob else name
+                piece = t.detach()[tuple(slice(a, a + n) for a, n in zip(local, lengths))]
+                out[key] = piece.to("cpu", copy=True).contiguous() if copy else piece
+                slices.append([name, key, list(glob), list(lengths)])
+        rng = torch.get_rng_state().tolist() if self.job.size <= 64 else None
+        return out, slices, rng
+
+    def write(self, out, slices, rng):
+        """Writes this rank's file (no collective: may run in a background thread)."""
+        file = f"rank{self.job.rank:05d}.safetensors"
+        crcs = _write_file(os.path.join(self.partial, file), out) if out else {}
+        return {"file": file if out else None, "slices": slices, "crcs": crcs, "rng": rng}
+
+    def finish(self, produce_report):
+        """Collective: every rank's report agreed on, then rank 0 writes the index and renames
+        <path>.partial into place. On any failure the partial directory is removed."""
+        job = self.job
+        try:
+            report = _agree(job, self.failed, produce_report)
+        except CheckpointError:
+            if job.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise
+        reports = job.all_gather_json(report)
+        everyone, optimizer = self.everyone, self.optimizer
+
+        def index_and_rename():
+            if job.rank != 0:
+                return
+            meta = {}
+            for info in everyone:
+                for name, kind, dtype, shape, like in info["declared"]:
+                    entry = {"kind": kind, "dtype": dtype, "shape": shape, "slices": []}
+                    if like:
+                        entry["like_param"] = True  # sliced as its parameter is
+                    meta.setdefault(name, entry)
+            for rep in reports:
+                for name, key, offsets, lengths in rep["slices"]:
+                    meta[name]["slices"].append({"file": rep["file"], "key": key, "offsets": offsets,
+                                                 "lengths": lengths, "crc32c": rep["crcs"][key]})
+            groups = None
+            if optimizer is not None:
+                # Each group's parameters over every rank (a pipeline rank holds only its stages').
+                names = [sorted({n for info in everyone for n in info["groups"][g]})
+                         for g in range(len(everyone[0]["groups"]))]
+                groups = [dict({k: v for k, v in grp.items() if k != "params"
+                                and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}, params=n)
+                          for grp, n in zip(optimizer.param_groups, names)]
+            index = {"format": FORMAT, "version": VERSION, "step": int(self.step), "world_size": job.size,
+                     "tensors": meta, "plan": _plan_json(self.model), "extra": self.extra,
+                     "optimizer": {"param_groups": groups} if groups is not None else None,
+                     "rng": {"cpu": [r["rng"] for r in reports]}}
+            with open(os.path.join(self.partial, INDEX), "w") as f:
+                json.dump(index, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _put_in_place(self.partial, self.path)
+
+        try:
+            _agree(job, self.failed, index_and_rename)
+        except CheckpointError:
+            if job.rank == 0:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise
+        return self.path
+
+
+# Asynchronous saves not yet finished, oldest first (see save_async).
+_pending = []
+
+
+def _finish_pending():
+    while _pending:
+        _pending[0].wait()
+
+
 @_with_progress("saving checkpoint")
 def save(model, optimizer, path, *, step=0, extra=None):
     """Saves ``model`` (a ParallelModel or any nn.Module) and ``optimizer`` (or None) to the
     directory ``path``, replacing a checkpoint already there only once the new one is
     complete. ``extra``: JSON-serializable values stored in the index (data loader position,
     ...), returned by ``load``. Collective: a failure on any rank raises the same
-    CheckpointError on every rank, and nothing is replaced."""
-    path = os.fspath(path).rstrip("/")
-    job = _Job(model)
-    partial = path + ".partial"
-    failed = "save failed, nothing was replaced"
+    CheckpointError on every rank, and nothing is replaced. An asynchronous save still
+    pending is finished first."""
+    _finish_pending()
+    this = _Save(model, optimizer, path, step, extra)
+    this.begin()
+    return this.finish(lambda: this.write(*this.collect(copy=False)))
 
-    def describe():
-        json.dumps(extra)  # refused before anything is written
-        entries = _entries(model)
-        tensors = [(name, t, placement, kind) for name, t, placement, kind in entries]
-        state = _optimizer_entries(optimizer, entries)
-        like = {name for name, _, _, shaped in state if shaped}
-        tensors += [(name, t, placement, "optimizer") for name, t, placement, _ in state]
-        unknown = sorted({str(t.dtype) for _, t, _, _ in tensors if t.dtype not in _DTYPE_NAMES})
-        if unknown:
-            raise CheckpointError(f"cannot store dtype(s) {unknown}")
-        declared = [[name, kind, _DTYPE_NAMES[t.dtype], list(p.global_shape), name in like]
-                    for name, t, p, kind in tensors]
-        boxes = [[name, list(g), list(n)] for name, t, p, kind in tensors for _, g, n in p.boxes()]
-        groups = _param_names(optimizer, entries) if optimizer is not None else []
-        return entries, tensors, {"declared": declared, "boxes": boxes, "groups": groups}
 
-    entries, tensors, mine = _agree(job, failed, describe)
-    everyone = job.all_gather_json(mine)
-    # The lowest rank holding a slice writes it.
-    writer = {}
-    for r, info in enumerate(everyone):
-        for name, offsets, lengths in info["boxes"]:
-            writer.setdefault((name, tuple(offsets), tuple(lengths)), r)
+class PendingSave:
+    """An asynchronous save (``save_async``): its files are being written in the background."""
 
-    def prepare():
-        if job.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
-            os.makedirs(partial)
+    def __init__(self, save, thread, result):
+        self._save, self._thread, self._result = save, thread, result
+        self.path = save.path
 
-    _agree(job, failed, prepare)
-    file = f"rank{job.rank:05d}.safetensors"
+    def done(self):
+        """True when this rank's file is written (``wait`` still has to run)."""
+        return not self._thread.is_alive()
 
-    def write():
-        out, slices = {}, []
-        for name, t, placement, kind in tensors:
-            for local, glob, lengths in placement.boxes():
-                if writer.get((name, glob, lengths)) != job.rank:
-                    continue
-                key = f"{name}@{','.join(map(str, glob))}" if glob else name
-                out[key] = t.detach()[tuple(slice(a, a + n) for a, n in zip(local, lengths))]
-                slices.append([name, key, list(glob), list(lengths)])
-        crcs = _write_file(os.path.join(partial, file), out) if out else {}
-        return {"file": file if out else None, "slices": slices, "crcs": crcs,
-                "rng": torch.get_rng_state().tolist() if job.size <= 64 else None}
+    def wait(self):
+        """Collective (every rank calls it): waits for every rank's file, writes the index and
+        renames the checkpoint into place; the same CheckpointError on every rank if any rank
+        failed, and nothing replaced. Returns the path. A second call returns at once."""
+        if self._thread is None:
+            return self.path
+        with _log.progress("checkpoint", f"finishing checkpoint {self.path}"):
+            self._thread.join()
+            self._thread = None
+            if self in _pending:
+                _pending.remove(self)
 
-    try:
-        report = _agree(job, failed, write)
-    except CheckpointError:
-        if job.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    reports = job.all_gather_json(report)
+            def report():
+                if "error" in self._result:
+                    raise self._result["error"]
+                return self._result["report"]
 
-    def finish():
-        if job.rank != 0:
-            return
-        meta = {}
-        for info in everyone:
-            for name, kind, dtype, shape, like in info["declared"]:
-                entry = {"kind": kind, "dtype": dtype, "shape": shape, "slices": []}
-                if like:
-                    entry["like_param"] = True  # sliced as its parameter is
-                meta.setdefault(name, entry)
-        for rep in reports:
-            for name, key, offsets, lengths in rep["slices"]:
-                meta[name]["slices"].append({"file": rep["file"], "key": key, "offsets": offsets,
-                                             "lengths": lengths, "crc32": rep["crcs"][key]})
-        groups = None
-        if optimizer is not None:
-            # Each group's parameters over every rank (a pipeline rank holds only its stages').
-            names = [sorted({n for info in everyone for n in info["groups"][g]}) for g in range(len(everyone[0]["groups"]))]
-            groups = [dict({k: v for k, v in grp.items() if k != "params"
-                            and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}, params=n)
-                      for grp, n in zip(optimizer.param_groups, names)]
-        index = {"format": FORMAT, "version": VERSION, "step": int(step), "world_size": job.size,
-                 "tensors": meta, "plan": _plan_json(model), "extra": extra,
-                 "optimizer": {"param_groups": groups} if groups is not None else None,
-                 "rng": {"cpu": [r["rng"] for r in reports]}}
-        with open(os.path.join(partial, INDEX), "w") as f:
-            json.dump(index, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _put_in_place(partial, path)
+            return self._save.finish(report)
 
-    try:
-        _agree(job, failed, finish)
-    except CheckpointError:
-        if job.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return path
+
+def save_async(model, optimizer, path, *, step=0, extra=None):
+    """Starts a save like ``save`` and returns as soon as this rank's slices are copied to a
+    staging buffer in host memory (as large as what this rank writes); a background thread
+    writes the files while training goes on. ``wait()`` on the returned PendingSave
+    (collective) finishes it: the index, the rename, the errors of any rank. A later
+    ``save``, ``save_async`` or ``load`` finishes a pending save first. Collective."""
+    import threading
+    _finish_pending()
+    this = _Save(model, optimizer, path, step, extra)
+    with _log.progress("checkpoint", f"staging checkpoint {this.path}"):
+        this.begin()
+        staged = _agree(this.job, this.failed, lambda: this.collect(copy=True))
+    result = {}
+
+    def background():
+        try:
+            result["report"] = this.write(*staged)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by wait()
+            result["error"] = e
+
+    thread = threading.Thread(target=background, name=f"monarch-checkpoint-{this.job.rank}", daemon=True)
+    thread.start()
+    pending = PendingSave(this, thread, result)
+    _pending.append(pending)
+    return pending
 
 
 def _put_in_place(partial, path):
@@ -524,9 +637,9 @@ def read_index(path):
                 raise CheckpointError(f"checkpoint: {f} is not valid JSON ({e})") from None
             if not isinstance(index, dict) or index.get("format") != FORMAT:
                 raise CheckpointError(f"checkpoint: {f} is not a {FORMAT} index")
-            if index.get("version") != VERSION:
+            if index.get("version") not in _READABLE_VERSIONS:
                 raise CheckpointError(f"checkpoint: {f} has version {index.get('version')}; this build reads "
-                                      f"version {VERSION}")
+                                      f"versions {', '.join(map(str, _READABLE_VERSIONS))}")
             return d, index
     raise CheckpointError(f"checkpoint: no complete checkpoint at {path} (no {INDEX})")
 
@@ -566,7 +679,7 @@ class _Reader:
                 overlap = _intersect(glob, lengths, s["offsets"], s["lengths"])
                 if overlap is None:
                     continue
-                stored = self.file(s["file"]).tensor(s["key"], s["crc32"])
+                stored = self.file(s["file"]).tensor(s["key"], s)
                 lo, n = overlap
                 src = stored[tuple(slice(l - o, l - o + k) for l, o, k in zip(lo, s["offsets"], n))]
                 dst = out[tuple(slice(a + l - g, a + l - g + k) for a, l, g, k in zip(local, lo, glob, n))]
@@ -592,7 +705,8 @@ def load(model, optimizer, path, *, strict=True, restore_rng=True):
     layout and world size saved it. Returns {"step", "extra", "world_size", "plan"}.
     ``strict``: every parameter and buffer of the model must be in the checkpoint. Raises
     CheckpointError on every rank, before changing anything, when any rank cannot read
-    what it needs. Collective."""
+    what it needs. A pending asynchronous save is finished first. Collective."""
+    _finish_pending()
     job = _Job(model)
 
     def read():
@@ -712,7 +826,8 @@ def inspect(path):
     for name, m in index["tensors"].items():
         lines.append(f"  {name} [{m['kind']}] {m['dtype']} {m['shape']}: {len(m['slices'])} slice(s)")
         for s in m["slices"]:
-            lines.append(f"      {s['file']} {s['key']} at {s['offsets']}+{s['lengths']} crc32 {s['crc32']:08x}")
+            kind = "crc32c" if "crc32c" in s else "crc32"
+            lines.append(f"      {s['file']} {s['key']} at {s['offsets']}+{s['lengths']} {kind} {s[kind]:08x}")
     lines.append(f"{len(index['tensors'])} tensors, {len(files)} files, {total} bytes")
     return "\n".join(lines)
 
@@ -752,7 +867,7 @@ def import_safetensors(file, path, *, step=0):
              "tensors": {k: {"kind": "param" if t.is_floating_point() else "buffer", "dtype": _DTYPE_NAMES[t.dtype],
                              "shape": list(t.shape),
                              "slices": [{"file": "rank00000.safetensors", "key": k, "offsets": [0] * t.dim(),
-                                         "lengths": list(t.shape), "crc32": crcs[k]}]}
+                                         "lengths": list(t.shape), "crc32c": crcs[k]}]}
                          for k, t in tensors.items()}}
     with open(os.path.join(partial, INDEX), "w") as fh:
         json.dump(index, fh)

@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "monarch/runtime/checksum.h"
 #include "monarch/runtime/composition.h"
 #include "monarch/runtime/data_parallel.h"
 #include "monarch/runtime/device_mesh.h"
@@ -436,6 +437,17 @@ PYBIND11_MODULE(_runtime, m) {
       .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal)
       .def_property_readonly("has_pipeline_ends_group", &DeviceMesh::has_pipeline_ends_group)
       .def("pipeline_ends_group", &DeviceMesh::pipeline_ends_group, py::return_value_policy::reference_internal);
+
+  m.def(
+      "crc32c",
+      [](py::buffer data, uint32_t crc) {
+        py::buffer_info info = data.request();
+        const size_t bytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        py::gil_scoped_release release;
+        return crc32c(info.ptr, bytes, crc);
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "CRC-32C (Castagnoli) of a contiguous buffer (bytes, memoryview, numpy array), continuing from `crc`.");
 
   // The measured timeline (monarch/runtime/trace.h).
   m.def("save_trace", &trace::save, py::arg("path"), py::arg("mesh"), py::call_guard<py::gil_scoped_release>(),

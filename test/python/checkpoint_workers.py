@@ -2,6 +2,7 @@
 another. argv[1]:
 
   save LAYOUT DIR K       train K steps, save to DIR, train K more: the uninterrupted run
+  async LAYOUT DIR K      the same with save_async, waited for after the K more steps
   resume LAYOUT K DIR...  for each DIR: load it into a fresh model in LAYOUT, train K steps
   elastic LAYOUT ROOT N KILL   train N steps, saving to ROOT/step_<s> after every step; in the
                           first attempt rank 1 dies (SIGKILL) right after step KILL's save;
@@ -77,6 +78,18 @@ def main(argv):
             g["lr"] *= 0.5
         checkpoint.save(model, opt, directory, step=k, extra={"layout": layout})
         rest = train(opt, step_fn, k, k)
+        write("uninterrupted.pt", {"losses": first + rest, "state": model.state_dict()})
+    elif mode == "async":
+        # As "save", but the save is asynchronous: training goes on while the files are
+        # written, and the checkpoint must still hold step K's state.
+        layout, directory, k = argv[1], argv[2], int(argv[3])
+        model, opt, step_fn = build(layout, 1234)
+        first = train(opt, step_fn, 0, k)
+        for g in opt.param_groups:
+            g["lr"] *= 0.5
+        pending = checkpoint.save_async(model, opt, directory, step=k, extra={"layout": layout})
+        rest = train(opt, step_fn, k, k)
+        pending.wait()
         write("uninterrupted.pt", {"losses": first + rest, "state": model.state_dict()})
     elif mode == "elastic":
         import signal

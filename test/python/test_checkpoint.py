@@ -90,6 +90,51 @@ def test_a_job_whose_rank_is_killed_restarts_from_the_latest_checkpoint(saved, t
         assert torch.equal(got["state"][k], v), k
 
 
+def test_an_asynchronous_save_holds_the_step_it_was_taken_at(saved, tmp_path):
+    # tp 2 x dp 2: save_async after K steps, K more steps while the files are written, then
+    # wait(). Training is unchanged (bitwise the synchronous run's), and resuming from the
+    # checkpoint is bitwise the uninterrupted run: it holds step K's state, not a later one.
+    _, uninterrupted = saved
+    ranks, layout = LAYOUTS["tp2-dp2"]
+    want = uninterrupted["tp2-dp2"]
+    run = _run(ranks, f"async {layout} {tmp_path / 'async'} {K}")
+    got = torch.load(os.path.join(run.out_dir, "uninterrupted.pt"))
+    assert got["losses"] == want["losses"]
+    run = _run(ranks, f"resume {layout} {K} {tmp_path / 'async'}")
+    resumed = torch.load(os.path.join(run.out_dir, "resumed.pt"))[str(tmp_path / "async")]
+    assert resumed["losses"] == want["losses"][K:]
+    for k, v in want["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+
+
+def test_an_asynchronous_save_that_fails_raises_at_wait_and_replaces_nothing(tmp_path, monkeypatch):
+    model, opt = _trained()
+    path = str(tmp_path / "ckpt")
+    checkpoint.save(model, opt, path, step=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = checkpoint.save_async(model, opt, path, step=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # after staging: not in the checkpoint
+    assert pending.wait() == path
+    assert checkpoint.read_index(path)[1]["step"] == 3
+    fresh = make_model(seed=5)
+    checkpoint.load(fresh, make_optimizer(fresh.named_parameters()), path)
+    for k, v in before.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+    def disk_error(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_file", disk_error)
+    pending = checkpoint.save_async(model, opt, path, step=4)
+    with pytest.raises(CheckpointError, match="save failed, nothing was replaced: rank 0: .*No space left"):
+        pending.wait()
+    assert checkpoint.read_index(path)[1]["step"] == 3
+    assert not os.path.exists(path + ".partial")
+    assert pending.wait() == path  # a second wait returns at once
+
+
 def _trained(steps=2, seed=1234):
     model = make_model(seed=seed)
     opt = make_optimizer(model.named_parameters())
