@@ -135,6 +135,37 @@ def test_an_asynchronous_save_that_fails_raises_at_wait_and_replaces_nothing(tmp
     assert pending.wait() == path  # a second wait returns at once
 
 
+def test_a_version_1_checkpoint_with_crc32_still_loads_and_is_checked(tmp_path):
+    import json
+    import zlib
+    model, opt = _trained()
+    path = str(tmp_path / "v1")
+    checkpoint.save(model, opt, path, step=2)
+    index_path = os.path.join(path, "index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["version"] = 1
+    for name, meta in index["tensors"].items():
+        for s in meta["slices"]:
+            with open(os.path.join(path, s["file"]), "rb") as fh:
+                data = fh.read()
+            header_len = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + header_len])
+            begin, end = header[s["key"]]["data_offsets"]
+            s["crc32"] = zlib.crc32(data[8 + header_len + begin:8 + header_len + end])
+            del s["crc32c"]
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    _loads_back(path, model)
+    assert "crc32 " in checkpoint.inspect(path)
+    first = next(iter(index["tensors"].values()))["slices"][0]
+    first["crc32"] ^= 1
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        _loads_back(path, model)
+
+
 def _trained(steps=2, seed=1234):
     model = make_model(seed=seed)
     opt = make_optimizer(model.named_parameters())
