@@ -35,7 +35,11 @@ def _chromium():
 def _browser(html_path, *args):
     profile = tempfile.mkdtemp(prefix="monarch-chromium-")
     try:
+        # No network here: without the background-networking flags chromium keeps trying to
+        # reach Google's hosts at every start.
         return subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                               "--disable-quic", "--no-first-run", "--disable-background-networking",
+                               "--disable-component-update", "--disable-sync",
                                f"--user-data-dir={profile}", *args, "file://" + os.path.abspath(html_path)],
                               capture_output=True, timeout=180)
     finally:
