@@ -20,7 +20,7 @@
 # --latency needs the kernel's netem qdisc; where it is missing (this machine's kernel has
 # tbf but not netem) the script says so on stderr and the links add no delay beyond the
 # bandwidth limit. Needs root (CAP_NET_ADMIN) and iproute2.
-set -euo pipefail
+set -Eeuo pipefail
 
 SUBNET=10.77.0
 BURST=64kb
@@ -40,7 +40,7 @@ switch_ns() { echo "$1-switch"; }
 
 down() {
   local prefix=$1
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${prefix}-(node[0-9]+|switch)$" || true); do
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${prefix}-(node[0-9]+|switch|probe)$" || true); do
     ip netns del "$ns" 2>/dev/null || true
   done
 }
@@ -131,18 +131,32 @@ case "$cmd" in
 esac
 
 if [ "$cmd" = up ]; then
-  trap 'down "$PREFIX"' ERR
+  # Whatever stops `up` half-way (a failing command, die) removes what it made.
+  made=0
+  trap '[ "$made" -eq 1 ] || down "$PREFIX"' EXIT
   up "$PREFIX" "$NODES"
-  trap - ERR
+  made=1
   echo "$PREFIX"
   exit 0
 fi
 
 [ $# -ge 1 ] || die "run needs a command after --"
-trap 'down "$PREFIX"' EXIT
-trap 'exit 130' INT TERM
-up "$PREFIX" "$NODES"
 pids=()
+# On any exit (the commands done, a failure, SIGINT or SIGTERM): stop the node commands
+# still running (background jobs of a script ignore SIGINT, so they are killed by name of
+# their process group), wait for them, then remove the namespaces.
+cleanup() {
+  for pid in "${pids[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  down "$PREFIX"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+set -m  # each node's command in its own process group, so cleanup reaches its children
+up "$PREFIX" "$NODES"
 for ((k = 0; k < NODES; k++)); do
   ip netns exec "$(node_ns "$PREFIX" "$k")" env NODE_RANK="$k" NNODES="$NODES" MASTER_ADDR="$SUBNET.1" \
     GLOO_SOCKET_IFNAME=eth0 MONARCH_NETCLUSTER="$PREFIX" "$@" &

@@ -524,8 +524,17 @@ _pending = []
 
 
 def _finish_pending():
+    """Finishes the pending asynchronous saves before another save or load (collective, as
+    every rank has the same pending saves). One that failed is logged on every rank, not
+    raised: the caller asked for another operation, which goes ahead; its own ``wait()``
+    still raises the failure."""
     while _pending:
-        _pending[0].wait()
+        pending = _pending[0]
+        try:
+            pending.wait()
+        except CheckpointError as e:
+            _log.get("checkpoint").error("an asynchronous save to %s failed (finished before the next save or "
+                                         "load): %s", pending.path, e)
 
 
 @_with_progress("saving checkpoint")
@@ -547,17 +556,22 @@ class PendingSave:
 
     def __init__(self, save, thread, result):
         self._save, self._thread, self._result = save, thread, result
+        self._error = None  # the CheckpointError wait() raised, raised again by later calls
         self.path = save.path
 
     def done(self):
-        """True when this rank's file is written (``wait`` still has to run)."""
-        return not self._thread.is_alive()
+        """True when this rank's file is written (``wait`` still has to run). Per rank: do not
+        decide whether to call ``wait`` from it, as ranks may differ and ``wait`` is collective."""
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self):
         """Collective (every rank calls it): waits for every rank's file, writes the index and
         renames the checkpoint into place; the same CheckpointError on every rank if any rank
-        failed, and nothing replaced. Returns the path. A second call returns at once."""
+        failed, and nothing replaced. Returns the path. A later call returns at once, or raises
+        the same error again."""
         if self._thread is None:
+            if self._error is not None:
+                raise self._error
             return self.path
         with _log.progress("checkpoint", f"finishing checkpoint {self.path}"):
             self._thread.join()
@@ -570,7 +584,11 @@ class PendingSave:
                     raise self._result["error"]
                 return self._result["report"]
 
-            return self._save.finish(report)
+            try:
+                return self._save.finish(report)
+            except CheckpointError as e:
+                self._error = e
+                raise
 
 
 def save_async(model, optimizer, path, *, step=0, extra=None):
@@ -584,7 +602,12 @@ def save_async(model, optimizer, path, *, step=0, extra=None):
     this = _Save(model, optimizer, path, step, extra)
     with _log.progress("checkpoint", f"staging checkpoint {this.path}"):
         this.begin()
-        staged = _agree(this.job, this.failed, lambda: this.collect(copy=True))
+        try:
+            staged = _agree(this.job, this.failed, lambda: this.collect(copy=True))
+        except CheckpointError:
+            if this.job.rank == 0:
+                shutil.rmtree(this.partial, ignore_errors=True)
+            raise
     result = {}
 
     def background():

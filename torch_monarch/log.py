@@ -7,8 +7,9 @@ Levels follow ``MONARCH_LOG_LEVEL``, the same variable as the C++ runtime's logg
 ``off``) for every component, then ``component=level`` pairs (``warn,checkpoint=debug``;
 components are the module names: ``cluster``, ``graph``, ``api``, ``checkpoint``, ...). Unset:
 ``info`` on rank 0 and ``warn`` elsewhere, so a job prints its progress once, not once per
-rank. An application that configured the ``torch_monarch`` logger itself (handlers or a
-level) keeps its configuration.
+rank. An application that configured logging itself (handlers or a level on the
+``torch_monarch`` logger, or handlers on the root logger, as ``logging.basicConfig`` adds)
+keeps its configuration, and torch_monarch's records reach its handlers.
 """
 
 import contextlib
@@ -53,7 +54,11 @@ def configure(rank=None):
     root = logging.getLogger(ROOT)
     default, per = _spec()
     ours = _state["handler"]
-    user_configured = (root.handlers and ours not in root.handlers) or (ours is None and root.level != logging.NOTSET)
+    # The application's configuration wins: handlers or a level on torch_monarch's logger, or
+    # handlers on the root logger (logging.basicConfig), which torch_monarch's records then
+    # reach by propagation as before.
+    user_configured = (root.handlers and ours not in root.handlers) or \
+        (ours is None and (root.level != logging.NOTSET or logging.getLogger().handlers))
     if not user_configured:
         if ours is None:
             ours = logging.StreamHandler(sys.stderr)

@@ -487,7 +487,9 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   log::get("pipeline").debug("step {} on pipeline rank {}: {:.4f} s, {:.4f} s computing, {:.4f} s waiting", step,
                              rank_, stats.total_s, stats.compute_s, stats.wait_s);
   trace::Event e;
-  e.name = "step";
+  // A forward-only run (inference) is not a training step: the report's measured step is a
+  // training one.
+  e.name = forward_only ? "inference_step" : "step";
   e.category = "pipeline";
   e.start_ns = step_start_ns;
   e.end_ns = trace::now_ns();

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -172,65 +173,87 @@ void save(const std::string& path, DeviceMesh& mesh) {
     return;
   }
   // Through the job's store: each rank's part under a key of this call, rank 0 writes.
-  static int64_t calls = 0;
+  // Every rank numbers its saves alike (a rank that skipped one would pair with the others'
+  // next: every rank must call it, as for any collective).
+  static std::atomic<int64_t> calls{0};
   const std::string prefix = "monarch/trace/" + std::to_string(calls++) + "/";
   const auto& store = world->store();
   store->set(prefix + std::to_string(rank), std::vector<uint8_t>(part.begin(), part.end()));
   const auto deadline = Communicator::entry_timeout();
-  auto wait_for = [&](const std::vector<std::string>& keys, const std::string& what) {
+  // Waits for `keys` until `limit`; returns the ones still missing.
+  auto wait_for = [&](const std::vector<std::string>& keys, std::chrono::milliseconds limit) {
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::string> missing = keys;
-    while (!missing.empty()) {
+    while (!missing.empty() && std::chrono::steady_clock::now() - start <= limit) {
       std::vector<std::string> still;
       for (const auto& k : missing) {
         if (!store->check({k})) still.push_back(k);
       }
       missing = std::move(still);
-      if (missing.empty()) return;
-      if (std::chrono::steady_clock::now() - start > deadline) {
-        std::ostringstream msg;
-        msg << "monarch: rank " << rank << " saving trace '" << path << "': " << what << " did not arrive within "
-            << deadline.count() << " ms (every rank must call trace save):";
-        for (const auto& k : missing) msg << " " << k.substr(prefix.size());
-        TORCH_CHECK(false, msg.str());
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      if (!missing.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    return missing;
   };
-  const std::string done = prefix + "done";
+  const std::string done = prefix + "done", read = prefix + "read";
   if (rank == 0) {
-    std::vector<std::string> keys;
-    for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
-    wait_for(keys, "the events of rank(s)");
-    std::string ranks_json, events_json;
-    int64_t dropped_total = 0;
-    for (int r = 0; r < size; ++r) {
-      const auto bytes = store->get(keys[r]);
-      const std::string text(bytes.begin(), bytes.end());
-      const size_t a = text.find('\n'), b = text.find('\n', a + 1);
-      ranks_json += (r ? "," : "") + text.substr(0, a);
-      dropped_total += std::stoll(text.substr(a + 1, b - a - 1));
-      events_json += (r ? ",\n" : "") + text.substr(b + 1);
-      store->deleteKey(keys[r]);
-    }
+    // Whatever happens here, the others learn it through `done`: they never wait out their
+    // own timeout for a rank 0 that already gave up.
     std::string error;
-    {
-      std::ofstream out(path, std::ios::binary | std::ios::trunc);
-      if (out) {
-        out << "{\"traceEvents\":[\n" << events_json
-            << "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"format\":\"monarch-trace\",\"version\":1,\"ranks\":["
-            << ranks_json << "],\"dropped\":" << dropped_total << ",\"mesh\":{\"pp\":" << shape.pp
-            << ",\"dp\":" << shape.dp << ",\"tp\":" << shape.tp << "}}}\n";
-        out.close();
+    int64_t dropped_total = 0;
+    try {
+      std::vector<std::string> keys;
+      for (int r = 0; r < size; ++r) keys.push_back(prefix + std::to_string(r));
+      const auto missing = wait_for(keys, deadline);
+      if (!missing.empty()) {
+        std::ostringstream msg;
+        msg << "the events of rank(s)";
+        for (const auto& k : missing) msg << " " << k.substr(prefix.size());
+        msg << " did not arrive within " << deadline.count() << " ms (every rank must call trace save)";
+        error = msg.str();
       }
-      if (!out) error = "cannot write trace '" + path + "'";
+      std::string ranks_json, events_json;
+      for (int r = 0; r < size && error.empty(); ++r) {
+        const auto bytes = store->get(keys[r]);
+        const std::string text(bytes.begin(), bytes.end());
+        const size_t a = text.find('\n'), b = a == std::string::npos ? a : text.find('\n', a + 1);
+        if (b == std::string::npos) {
+          error = "rank " + std::to_string(r) + " published a malformed trace part";
+          break;
+        }
+        ranks_json += (r ? "," : "") + text.substr(0, a);
+        dropped_total += std::stoll(text.substr(a + 1, b - a - 1));
+        events_json += (r ? ",\n" : "") + text.substr(b + 1);
+      }
+      for (const auto& k : keys) store->deleteKey(k);
+      if (error.empty()) {
+        std::ofstream out(path, std::ios::binary | std::ios::trunc);
+        if (out) {
+          out << "{\"traceEvents\":[\n" << events_json
+              << "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{\"format\":\"monarch-trace\",\"version\":1,\"ranks\":["
+              << ranks_json << "],\"dropped\":" << dropped_total << ",\"mesh\":{\"pp\":" << shape.pp
+              << ",\"dp\":" << shape.dp << ",\"tp\":" << shape.tp << "}}}\n";
+          out.close();
+        }
+        if (!out) error = "cannot write trace '" + path + "'";
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
     }
     store->set(done, std::vector<uint8_t>(error.begin(), error.end()));
-    TORCH_CHECK(error.empty(), "monarch: rank 0: ", error);
+    TORCH_CHECK(error.empty(), "monarch: rank 0 saving trace '", path, "': ", error);
     log::get("trace").info("wrote {} ({} ranks, {} events dropped by the ring buffers)", path, size, dropped_total);
   } else {
-    wait_for({done}, "rank 0's confirmation");
+    // Twice rank 0's deadline: rank 0 reports a missing rank first, by name.
+    if (!wait_for({done}, 2 * deadline).empty()) {
+      TORCH_CHECK(false, "monarch: rank ", rank, " saving trace '", path, "': no word from rank 0 within ",
+                  2 * deadline.count(), " ms (every rank must call trace save)");
+    }
     const auto bytes = store->get(done);
+    // The last rank to read rank 0's word removes it.
+    if (store->add(read, 1) == size - 1) {
+      store->deleteKey(done);
+      store->deleteKey(read);
+    }
     TORCH_CHECK(bytes.empty(), "monarch: rank ", rank, ": rank 0 failed to save the trace: ",
                 std::string(bytes.begin(), bytes.end()));
   }

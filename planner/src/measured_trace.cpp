@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -67,6 +68,16 @@ MeasuredTrace measured_trace_from_json(const std::string& text) {
     trace.ranks.push_back(r);
   }
   if (other.contains("dropped")) trace.dropped = as_integer(other["dropped"], "otherData.dropped");
+  if (other.contains("mesh")) {
+    const Json& mesh = other["mesh"];
+    if (!mesh.is_object()) throw ValidationError("otherData.mesh", "expected an object");
+    for (const char* key : {"pp", "dp", "tp"}) {
+      if (!mesh.contains(key)) throw ValidationError(std::string("otherData.mesh.") + key, "missing required field");
+    }
+    trace.pp = as_integer(mesh["pp"], "otherData.mesh.pp");
+    trace.dp = as_integer(mesh["dp"], "otherData.mesh.dp");
+    trace.tp = as_integer(mesh["tp"], "otherData.mesh.tp");
+  }
   if (!j.contains("traceEvents") || !j["traceEvents"].is_array())
     throw ValidationError("traceEvents", "missing: expected an array of trace events");
   const Json& events = j["traceEvents"];
@@ -124,6 +135,11 @@ MeasuredTrace load_measured_trace(const std::string& path) {
 }
 
 MeasuredStep measured_pipeline_step(const MeasuredTrace& trace, int64_t pp, int64_t step) {
+  if (pp < 1) throw ValidationError("pp", "must be >= 1, got " + std::to_string(pp));
+  if (trace.pp > 0 && trace.pp != pp) {
+    throw ValidationError("otherData.mesh.pp", "the trace is of a run with pp=" + std::to_string(trace.pp) +
+                                                   ", the plan has pp=" + std::to_string(pp));
+  }
   // The rank at each pipeline position whose dp and tp coordinates are 0.
   std::vector<const MeasuredRank*> at(pp, nullptr);
   for (const auto& r : trace.ranks) {
@@ -133,16 +149,16 @@ MeasuredStep measured_pipeline_step(const MeasuredTrace& trace, int64_t pp, int6
     if (!at[i]) throw ValidationError("otherData.ranks", "no rank at pipeline position " + std::to_string(i) +
                                                               " (dp=0, tp=0) for a plan with pp=" + std::to_string(pp));
   }
-  // Steps each position completed: its "step" events.
-  std::map<int64_t, int64_t> complete;  // step -> positions that recorded it
-  for (const MeasuredRank* r : at) {
-    for (const auto& e : r->events) {
-      if (e.category == "pipeline" && e.name == "step" && e.step >= 0) ++complete[e.step];
+  // Steps each position completed: its "step" events (a position counted once per step).
+  std::map<int64_t, std::set<int64_t>> complete;  // step -> positions that recorded it
+  for (int64_t position = 0; position < pp; ++position) {
+    for (const auto& e : at[position]->events) {
+      if (e.category == "pipeline" && e.name == "step" && e.step >= 0) complete[e.step].insert(position);
     }
   }
   int64_t chosen = -1;
-  for (const auto& [s, n] : complete) {
-    if (n == pp && (step < 0 || s == step)) chosen = s;
+  for (const auto& [s, positions] : complete) {
+    if (static_cast<int64_t>(positions.size()) == pp && (step < 0 || s == step)) chosen = s;
   }
   if (chosen < 0) {
     throw ValidationError("traceEvents", step < 0 ? "no pipeline step recorded on every pipeline rank"

@@ -490,7 +490,8 @@ std::string memory_section(const Plan& plan) {
   // A limit far above every bar would squash the bars into slivers: then the scale follows
   // the bars and the limit is noted at the right edge instead.
   const bool limit_on_scale = limit <= 4 * largest;
-  const double full = (limit_on_scale ? std::max(limit, largest) : largest) * 1.08;
+  double full = (limit_on_scale ? std::max(limit, largest) : largest) * 1.08;
+  if (!(full > 0)) full = 1;  // nothing to draw (a plan whose memory is all zero)
   constexpr double kLeft = 110, kWidth = 900, kBarH = 18, kGap = 8;
   const double height = static_cast<double>(bars.size()) * (kBarH + kGap) + 34;
   std::ostringstream o;

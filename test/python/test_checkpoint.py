@@ -132,7 +132,17 @@ def test_an_asynchronous_save_that_fails_raises_at_wait_and_replaces_nothing(tmp
         pending.wait()
     assert checkpoint.read_index(path)[1]["step"] == 3
     assert not os.path.exists(path + ".partial")
-    assert pending.wait() == path  # a second wait returns at once
+    with pytest.raises(CheckpointError, match="No space left"):  # a second wait says it again
+        pending.wait()
+    # Not waited for: the next save finishes it first (logging the failure) and goes ahead.
+    failed = checkpoint.save_async(model, opt, path, step=5)
+    while not failed.done():  # its write has failed before the patch goes
+        time.sleep(0.01)
+    monkeypatch.undo()
+    checkpoint.save(model, opt, path, step=6)
+    assert checkpoint.read_index(path)[1]["step"] == 6
+    with pytest.raises(CheckpointError, match="No space left"):
+        failed.wait()
 
 
 def test_a_version_1_checkpoint_with_crc32_still_loads_and_is_checked(tmp_path):

@@ -66,3 +66,21 @@ def test_the_script_tears_down_after_a_failing_command_and_refuses_bad_input():
                        timeout=60)
     assert p.returncode == 1 and "unknown option '--bogus'" in p.stderr
     assert _namespaces() == before
+
+
+def test_an_interrupted_cluster_stops_its_commands_and_removes_its_namespaces():
+    import signal
+    import time
+    before = _namespaces()
+    marker = "sleep 611"  # a duration no other process uses
+    p = subprocess.Popen(["bash", SCRIPT, "run", "2", "--", "bash", "-c", marker], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while _namespaces() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert _namespaces() != before, "the cluster did not come up"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 143, p.stderr.read()
+    assert _namespaces() == before
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not left, f"node commands still running: {left}"

@@ -130,6 +130,12 @@ TEST_CASE("a measured trace draws a measured row per pipeline rank and its bubbl
   CHECK(step.timeline[1][0].start_s == Approx(0.01));
   CHECK_THROWS_WITH(measured_pipeline_step(t, 2, 0), Catch::Contains("step 0 is not recorded on every pipeline rank"));
   CHECK_THROWS_WITH(measured_pipeline_step(t, 4), Catch::Contains("no rank at pipeline position 2"));
+  // A trace that states its mesh is matched against the plan's pipeline depth.
+  MeasuredTrace with_mesh = t;
+  with_mesh.pp = 2;
+  CHECK(measured_pipeline_step(with_mesh, 2).step == 1);
+  CHECK_THROWS_WITH(measured_pipeline_step(with_mesh, 4), Catch::Contains("a run with pp=2, the plan has pp=4"));
+  CHECK_THROWS_WITH(measured_pipeline_step(t, 0), Catch::Contains("must be >= 1"));
 
   HtmlReportOptions options;
   options.trace = t;

@@ -7,6 +7,7 @@
 //
 // Environment: MONARCH_TRACE=off records nothing; MONARCH_TRACE_EVENTS=N keeps the last N
 // events per process (default 65536, about 6 MB).
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -39,8 +40,8 @@ inline int64_t now_ns() {
 class Recorder {
  public:
   static Recorder& instance();
-  bool enabled() const { return enabled_; }
-  void set_enabled(bool on) { enabled_ = on; }
+  bool enabled() const { return enabled_.load(std::memory_order_relaxed); }
+  void set_enabled(bool on) { enabled_.store(on, std::memory_order_relaxed); }
   // Keeps the newest `events` events (older ones are dropped and counted); clears the buffer.
   void set_capacity(size_t events);
   void record(Event event);
@@ -51,7 +52,7 @@ class Recorder {
  private:
   Recorder();
   mutable std::mutex mutex_;
-  bool enabled_ = true;
+  std::atomic<bool> enabled_{true};
   std::vector<Event> ring_;
   size_t capacity_ = 65536;
   size_t next_ = 0;      // where the next event goes once the ring is full

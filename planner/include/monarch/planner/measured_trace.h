@@ -32,6 +32,7 @@ struct MeasuredRank {
 struct MeasuredTrace {
   std::vector<MeasuredRank> ranks;  // by rank
   int64_t dropped = 0;  // events the ring buffers overwrote before the trace was saved
+  int64_t pp = 0, dp = 0, tp = 0;  // the run's mesh (otherData.mesh; 0 when absent)
 };
 
 // Reads the trace JSON text / file. Throws FormatError for text that is not JSON and
@@ -50,8 +51,10 @@ struct MeasuredStep {
   double bubble_fraction = 0;                     // mean over ranks of (makespan - busy) / makespan
 };
 
-// The last step every pipeline rank completed (or `step` when >= 0). Throws ValidationError
-// when the trace has no such step or lacks a rank for a pipeline position of `pp`.
+// The last training step every pipeline rank completed (or `step` when >= 0; forward-only
+// runs are not steps). Throws ValidationError when the trace's mesh has another pipeline
+// depth than `pp`, when it has no such step, or lacks a rank for a pipeline position. Jobs
+// without a pipeline (pp = 1) run no pipeline executor and record no steps.
 MeasuredStep measured_pipeline_step(const MeasuredTrace& trace, int64_t pp, int64_t step = -1);
 
 }  // namespace monarch::planner
