@@ -20,7 +20,10 @@ import torch
 import torch_monarch
 from torch_monarch import checkpoint
 from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
-from tiny_gpt import GLOBAL_BATCH, batch, loss_fn, make_model, make_optimizer
+from tiny_gpt import batch, loss_fn, make_model, make_optimizer
+
+# Divisible by every layout's dp x micro-batches (dp 3 included).
+BATCH = 12
 
 
 def build(layout, seed):
@@ -49,7 +52,7 @@ def _plain_step(model, x, y):
 def train(opt, step_fn, first, count):
     losses = []
     for step in range(first, first + count):
-        x, y = batch(step, GLOBAL_BATCH)
+        x, y = batch(step, BATCH)
         opt.zero_grad()
         losses.append(float(step_fn(x, y)))
         opt.step()

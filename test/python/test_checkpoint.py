@@ -20,8 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 K = 2  # steps before the save, and after
 # Issue 12's matrix: (pp2 x tp2), (dp2 x ZeRO-3), (tp2 x dp2), one process.
 # And ZeRO-3 under tp: ZeRO's rows cut from tp shards of fused (q, k, v) weights.
+# dp3-zero3: three ranks, so ZeRO's rows do not divide evenly (the last shard is padded).
 LAYOUTS = {"pp2-tp2": (4, "pp=2,tp=2,m=2"), "dp2-zero3": (2, "dp=2,zero=3"), "tp2-dp2": (4, "tp=2,dp=2"),
-           "plain": (1, "plain"), "tp2-dp2-zero3": (4, "tp=2,dp=2,zero=3")}
+           "plain": (1, "plain"), "tp2-dp2-zero3": (4, "tp=2,dp=2,zero=3"), "dp3-zero3": (3, "dp=3,zero=3")}
 # Layouts sum in different orders, so runs in two layouts differ by float32 rounding (about
 # 2e-6 in parameter norm after 2 x K Adam steps here). Resuming must add nothing to that:
 # losses within 1e-6, parameters no further from the target layout's uninterrupted run than
