@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <map>
 #include <sstream>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "monarch/planner/errors.h"
 #include "monarch/planner/report.h"
 #include "monarch/planner/schedule.h"
+#include "monarch/planner/search.h"
 
 namespace monarch::planner {
 namespace {
@@ -533,6 +536,21 @@ std::string memory_section(const Plan& plan) {
 
 // ---------------------------------------------------------------------- fit advice
 
+// The plan's own layout as pins (what evaluate_layout scores), for changing one thing.
+Pins pins_of(const Plan& plan) {
+  Pins p;
+  p.tp = plan.mesh.tp;
+  p.pp = plan.mesh.pp;
+  p.dp = plan.mesh.dp;
+  p.zero_stage = plan.zero_stage;
+  p.micro_batch_size = plan.micro_batch_size;
+  p.schedule = plan.schedule;
+  p.virtual_stages = plan.virtual_stages;
+  p.recompute = plan.recompute;
+  p.sequence_parallel = plan.sequence_parallel;
+  return p;
+}
+
 std::string fit_section(const Plan& plan) {
   const Prediction& p = plan.prediction;
   const double limit = plan.cluster.usable_memory_bytes();
@@ -542,7 +560,8 @@ std::string fit_section(const Plan& plan) {
   const double d = static_cast<double>(plan.mesh.dp);
   struct Lever {
     std::string change, why;
-    double saves;
+    double saves;                          // estimated from the breakdown
+    std::function<void(Pins&)> apply;      // the same change as pins, for an exact evaluation
   };
   std::vector<Lever> levers;
   // ZeRO stage s shards the optimizer state (s >= 1), the gradients (s >= 2) and the
@@ -556,28 +575,72 @@ std::string fit_section(const Plan& plan) {
   for (int64_t stage = plan.zero_stage + 1; plan.mesh.dp > 1 && stage <= 3; ++stage) {
     double saves = 0;
     for (int64_t k = plan.zero_stage + 1; k <= stage; ++k) saves += sharded_by[k - 1] * (1 - 1 / d);
-    levers.push_back({stage_why[stage - 1].first, stage_why[stage - 1].second, saves});
+    levers.push_back({stage_why[stage - 1].first, stage_why[stage - 1].second, saves,
+                      [stage](Pins& q) { q.zero_stage = stage; }});
   }
   if (plan.recompute != Recompute::full && m.activations > 0)
     // Full recomputation keeps each block's input only: 2sbh of sbh(34 + 5as/h) bytes per
     // layer (Korthikanti et al. 2022, Table 2), so at most 32/34 of the activations go.
     levers.push_back({"recompute=full", "blocks re-run in backward; about a third more compute",
-                      m.activations * 32.0 / 34.0});
-  levers.push_back({"pp x 2", "half the layers per rank (more in-flight activations on early ranks)",
-                    (m.params + m.grads + m.optimizer) / 2});
-  levers.push_back({"tp x 2 (if heads divide)", "every layer split in two; more tensor-parallel traffic",
-                    total / 2 - m.buffers / 2});
+                      m.activations * 32.0 / 34.0, [](Pins& q) { q.recompute = Recompute::full; }});
+  // More model parallelism on the same devices: dp halves (the global batch is unchanged).
+  const bool halvable = plan.mesh.dp % 2 == 0;
+  levers.push_back({"pp x 2, dp / 2", "half the layers per rank (more in-flight activations on early ranks)",
+                    (m.params + m.grads + m.optimizer) / 2, halvable ? std::function<void(Pins&)>([&plan](Pins& q) {
+                      q.pp = plan.mesh.pp * 2;
+                      q.dp = plan.mesh.dp / 2;
+                      if (plan.schedule == ScheduleKind::none) q.schedule = ScheduleKind::one_f_one_b;
+                    })
+                                                                    : nullptr});
+  levers.push_back({"tp x 2, dp / 2", "every layer split in two; more tensor-parallel traffic", total / 2 - m.buffers / 2,
+                    halvable ? std::function<void(Pins&)>([&plan](Pins& q) {
+                      q.tp = plan.mesh.tp * 2;
+                      q.dp = plan.mesh.dp / 2;
+                    })
+                             : nullptr});
+  // With the model's own description (plans of transformers carry it), each change is scored
+  // by the cost model itself; otherwise the saving is estimated from the breakdown.
+  std::optional<ModelGraph> graph;
+  if (plan.transformer) {
+    try {
+      graph = build_transformer(*plan.transformer);
+    } catch (const PlannerError&) {
+      graph.reset();
+    }
+  }
   std::ostringstream o;
   o << "<p>The most loaded rank needs " << esc(format_bytes(total)) << ", " << esc(format_bytes(over))
-    << " more than the " << esc(format_bytes(limit))
-    << " usable. Each change alone, estimated from this breakdown (the planner's own evaluation of the changed "
-       "layout is exact: <code>monarch-plan transformer ... --zero N --recompute full</code>):</p>";
-  o << "<table class=\"fit\"><tr><th>change</th><th>what it does</th><th>saves about</th><th>then needs</th><th>fits?</th></tr>";
+    << " more than the " << esc(format_bytes(limit)) << " usable. Each change alone"
+    << (graph ? ", scored by the cost model (the plan describes its transformer):"
+              : ", estimated from this breakdown (the plan carries no model description to score it with):")
+    << "</p>";
+  o << "<table class=\"fit\"><tr><th>change</th><th>what it does</th><th>then needs</th><th>predicted step</th>"
+       "<th>fits?</th></tr>";
   for (const Lever& l : levers) {
-    const double after = total - l.saves;
-    o << "<tr><td>" << esc(l.change) << "</td><td>" << esc(l.why) << "</td><td class=\"n\">"
-      << esc(format_bytes(l.saves)) << "</td><td class=\"n\">" << esc(format_bytes(after)) << "</td><td>"
-      << (after <= limit ? "yes" : "no") << "</td></tr>";
+    std::string need = "about " + format_bytes(total - l.saves) + " (estimate)", step = "", fits =
+        total - l.saves <= limit ? "yes" : "no";
+    if (graph && l.apply) {
+      try {
+        Pins q = pins_of(plan);
+        l.apply(q);
+        TrainingConfig training = plan.training;
+        training.allow_recompute = training.allow_zero = true;
+        training.allow_pipeline_parallel = training.allow_tensor_parallel = true;
+        const Plan changed = evaluate_layout(*graph, plan.cluster, training, q, /*allow_over_memory=*/true);
+        const double after = changed.prediction.memory_bytes_per_device;
+        need = format_bytes(after);
+        step = format_seconds(changed.prediction.step_time_s);
+        fits = after <= limit ? "yes" : "no";
+      } catch (const PlannerError& e) {
+        need = "not possible";
+        fits = std::string("no: ") + e.what();
+      }
+    } else if (graph && !l.apply) {
+      need = "not possible";
+      fits = "no: dp=" + std::to_string(plan.mesh.dp) + " cannot be halved";
+    }
+    o << "<tr><td>" << esc(l.change) << "</td><td>" << esc(l.why) << "</td><td class=\"n\">" << esc(need)
+      << "</td><td class=\"n\">" << esc(step) << "</td><td>" << esc(fits) << "</td></tr>";
   }
   o << "</table>";
   return o.str();
