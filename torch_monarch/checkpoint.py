@@ -142,16 +142,24 @@ def _placement(local_full_shape, tp_spec, tp_rank, tp_size, zero=None):
 def _entries(model):
     """(global name, local tensor, Placement, kind) for every parameter and buffer this rank
     holds, parameters as its optimizer sees them."""
+    from .data_parallel import DataParallel
     from .hybrid import ParallelModel
     from .sharded import FullyShardedModule
+    if isinstance(model, FullyShardedModule):
+        raise CheckpointError("checkpoint: a module wrapped by fully_shard() alone is not supported; lay the model "
+                              "out with parallelize(..., zero_stage=N), whose result saves and loads in any layout")
     if not isinstance(model, ParallelModel):
+        # One process, or DataParallel replicas (every rank holds the whole model: the lowest
+        # rank writes it), with embedding tables sharded over the ranks.
+        module = model.module if isinstance(model, DataParallel) else model
         seen, out = set(), []
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 out.append((name, p, Placement.whole(p.shape), "param"))
-        for name, b in _persistent_buffers(model):
+        for name, b in _persistent_buffers(module):
             out.append((name, b, Placement.whole(b.shape), "buffer"))
+        out += _embedding_entries(module)
         return out
     mesh = model.mesh
     tp_rank, tp_size = mesh.coordinate("tp"), mesh.axis_size("tp")
@@ -186,6 +194,51 @@ def _entries(model):
                 seen.add(id(b))
                 out.append((name, b, _placement(b.shape, model._tp_specs.get(name), tp_rank, tp_size), "buffer"))
     return out
+
+
+def _embedding_entries(module):
+    """Sharded embedding tables (torch_monarch.embeddings): each shard of a table as a box of
+    the whole table under the unsharded collection's name (``<prefix>.tables.<t>.weight``),
+    and the fused optimizer's state under ``optimizer.<that name>.<key>``: row-wise Adagrad's
+    accumulator ``sum`` [rows], Adam's ``exp_avg`` / ``exp_avg_sq`` [rows, dim] and its step
+    count ``optimizer.<prefix>.tables.step``. The engine's own tensors: loading writes into
+    the tables."""
+    from .embeddings import ShardedEmbeddingCollection
+    out = []
+    for prefix, sec in module.named_modules():
+        if not isinstance(sec, ShardedEmbeddingCollection):
+            continue
+        base = f"{prefix}.tables" if prefix else "tables"
+        dims = {t.name: (t.rows, t.dim) for t in sec.configs}
+        adam = False
+        for table, r0, rows, c0, cols, weight, state in sec._engine.shard_views():
+            shape = dims[table]
+            box = Placement(shape, [[(0, r0, rows)], [(0, c0, cols)]])
+            name = f"{base}.{table}.weight"
+            out.append((name, weight, box, "param"))
+            if state is None:
+                continue
+            if state.dim() == 1:  # row-wise Adagrad: one accumulator per row (equal over column chunks)
+                out.append((f"optimizer.{name}.sum", state, Placement((shape[0],), [[(0, r0, rows)]]), "optimizer"))
+            else:  # Adam's two moments
+                adam = True
+                out.append((f"optimizer.{name}.exp_avg", state[0], box, "optimizer"))
+                out.append((f"optimizer.{name}.exp_avg_sq", state[1], box, "optimizer"))
+        if adam or (sec._engine.adam_step > 0):
+            step = torch.tensor(sec._engine.adam_step, dtype=torch.int64)
+            sec._checkpoint_step = step  # read back into the engine after a load (_restore_embedding_steps)
+            out.append((f"optimizer.{base}.step", step, Placement((), []), "optimizer"))
+    return out
+
+
+def _restore_embedding_steps(module):
+    from .data_parallel import DataParallel
+    from .embeddings import ShardedEmbeddingCollection
+    module = module.module if isinstance(module, DataParallel) else module
+    for sec in module.modules():
+        step = getattr(sec, "_checkpoint_step", None)
+        if isinstance(sec, ShardedEmbeddingCollection) and step is not None:
+            sec._engine.adam_step = int(step)
 
 
 def _persistent_buffers(module):
@@ -235,16 +288,16 @@ class _Job:
     """This rank and a world-wide group (None on one process)."""
 
     def __init__(self, model):
-        from .hybrid import ParallelModel
         self.group = None
         self.rank, self.size = 0, 1
-        if isinstance(model, ParallelModel) and model.mesh.size > 1:
+        # What parallelize returns (ParallelModel) or DataParallel: a model spread over a mesh.
+        mesh = getattr(model, "mesh", None)
+        if isinstance(mesh, _runtime.DeviceMesh) and mesh.size > 1:
             group = getattr(model, "_monarch_checkpoint_group", None)
             if group is None:
-                from . import _runtime
                 from .distributed import init
-                mesh = _runtime.DeviceMesh(init(), pp=1, dp=model.mesh.size, tp=1)
-                group = (mesh, mesh.group("dp"))
+                flat = _runtime.DeviceMesh(init(), pp=1, dp=mesh.size, tp=1)
+                group = (flat, flat.group("dp"))
                 model._monarch_checkpoint_group = group
             self.group = group[1]
             self.rank, self.size = model.mesh.rank, model.mesh.size
@@ -755,6 +808,7 @@ def load(model, optimizer, path, *, strict=True, restore_rng=True):
                 target(value)
             else:
                 target.copy_(value)
+    _restore_embedding_steps(model)
     rng = (index.get("rng") or {}).get("cpu")
     if restore_rng and rng and index.get("world_size") == job.size and rng[job.rank] is not None:
         torch.set_rng_state(torch.tensor(rng[job.rank], dtype=torch.uint8))

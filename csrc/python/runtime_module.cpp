@@ -355,6 +355,19 @@ void bind_embeddings(py::module_& m) {
       .def("init_uniform", &ShardedEmbeddingTables::init_uniform, py::arg("bound"), py::arg("seed"))
       .def("full_table", &ShardedEmbeddingTables::full_table, py::arg("table"), py::call_guard<py::gil_scoped_release>())
       .def("local_shards", &ShardedEmbeddingTables::local_shards)
+      .def(
+          "shard_views",
+          [](ShardedEmbeddingTables& self) {
+            py::list out;
+            for (const auto& v : self.shard_views()) {
+              out.append(py::make_tuple(v.table, v.where.row_offset, v.where.rows, v.where.col_offset, v.where.cols,
+                                        v.weight, v.state.defined() ? py::cast(v.state) : py::none()));
+            }
+            return out;
+          },
+          "This rank's shards: (table, row_offset, rows, col_offset, cols, weight, state or None), the engine's "
+          "own tensors.")
+      .def_property("adam_step", &ShardedEmbeddingTables::adam_step, &ShardedEmbeddingTables::set_adam_step)
       .def_property_readonly("local_bytes", &ShardedEmbeddingTables::local_bytes)
       .def_property_readonly("plan", &ShardedEmbeddingTables::plan);
 }

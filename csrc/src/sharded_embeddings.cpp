@@ -586,6 +586,7 @@ void ShardedEmbeddingTables::backward(Step& step, const at::Tensor& pooled_grad,
   }
   if (optimizer_.kind == EmbeddingOptimizer::adam) {
     for (auto& s : shards_) s.adam_step += 1;
+    adam_step_ += 1;
   }
 }
 
@@ -685,6 +686,18 @@ std::map<std::string, at::Tensor> ShardedEmbeddingTables::local_shards() const {
     out[key.str()] = s.weight;
   }
   return out;
+}
+
+std::vector<ShardedEmbeddingTables::ShardView> ShardedEmbeddingTables::shard_views() {
+  std::vector<ShardView> out;
+  for (auto& s : shards_) out.push_back({plan_.tables[s.table].name, s.where, s.weight, s.state});
+  return out;
+}
+
+void ShardedEmbeddingTables::set_adam_step(int64_t step) {
+  TORCH_CHECK(step >= 0, "monarch: Adam's step count must be >= 0, got ", step);
+  adam_step_ = step;
+  for (auto& s : shards_) s.adam_step = step;
 }
 
 int64_t ShardedEmbeddingTables::local_bytes() const {

@@ -256,6 +256,57 @@ def dlrm(world, via_parallelize=False):
 DLRM_BATCH = 16
 
 
+class Recommender(torch.nn.Module):
+    """The tables and the head in one model: what a checkpoint saves and loads."""
+
+    def __init__(self, emb, head):
+        super().__init__()
+        self.emb, self.head = emb, head
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def checkpointed(world, mesh, optimizer, save_layout, load_layout, directory):
+    """Train 2 steps with the tables sharded as save_layout, checkpoint (tables, their fused
+    optimizer state, the head and its optimizer), train 2 more: the uninterrupted run. Then a
+    model with other weights, sharded as load_layout, loads the checkpoint and trains the same
+    2 steps."""
+    from torch_monarch import checkpoint
+    local = GLOBAL_BATCH // world.size
+    cluster = planner.cluster("a100-80gb", world.size)
+
+    def build(layout, seed):
+        sharded = shard_embeddings(make_collection(seed=seed), batch_per_rank=local, optimizer=optimizer, lr=LR,
+                                   cluster=cluster, pins={t.name: layout for t in TABLES}, world=world)
+        model = torch_monarch.DataParallel(Recommender(sharded, make_head(seed=seed + 1)), mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=LR)
+
+    def train(model, opt, first, count):
+        losses = []
+        for step in range(first, first + count):
+            x, y = batch(step)
+            begin = world.rank * local
+            opt.zero_grad()
+            loss = loss_fn(model(x.samples(begin, begin + local)), y[begin:begin + local])
+            loss.backward()
+            opt.step()
+            losses.append(global_mean(mesh.group("dp"), loss.item()))
+        return losses
+
+    model, opt = build(save_layout, 0)
+    first = train(model, opt, 0, 2)
+    checkpoint.save(model, opt, directory, step=2)
+    rest = train(model, opt, 2, 2)
+    tables = {t.name: model.module.emb.full_table(t.name) for t in TABLES}
+    fresh, fresh_opt = build(load_layout, 5)
+    info = checkpoint.load(fresh, fresh_opt, directory)
+    assert info["step"] == 2
+    resumed = train(fresh, fresh_opt, 2, 2)
+    return {"uninterrupted": first + rest, "resumed": resumed, "tables": tables,
+            "resumed_tables": {t.name: fresh.module.emb.full_table(t.name) for t in TABLES}}
+
+
 def main():
     parts = sys.argv[1].split(":")
     torch.set_num_threads(1)
@@ -277,6 +328,8 @@ def main():
         results = dlrm(world)
     elif parts[0] == "dlrm_parallelize":
         results = dlrm(world, via_parallelize=True)
+    elif parts[0] == "checkpoint":
+        results = checkpointed(world, mesh, parts[1], parts[2], parts[3], parts[4])
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]}")
     torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{world.rank}.pt"))

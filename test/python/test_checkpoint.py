@@ -353,3 +353,28 @@ def test_inspect_consolidate_and_import(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch_monarch.checkpoint", "inspect", str(tmp_path / "none")],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith("monarch-ckpt: error: checkpoint: no complete checkpoint")
+
+
+@pytest.mark.parametrize("optimizer,save_layout,load_layout", [("rowwise_adagrad", "row_wise", "column_wise"),
+                                                               ("adam", "table_wise", "row_wise")])
+def test_sharded_embedding_tables_and_their_optimizer_state_resume_in_another_sharding(optimizer, save_layout,
+                                                                                       load_layout, tmp_path):
+    # 2 ranks: tables sharded one way with a fused sparse optimizer, the head data-parallel;
+    # the checkpoint holds each rank's shards (no gather) and the optimizer state, and a model
+    # sharded another way resumes exactly where the uninterrupted run went.
+    run = launch_with_launcher(2, f"checkpoint:{optimizer}:{save_layout}:{load_layout}:{tmp_path / 'ckpt'}",
+                               timeout=300, worker="embedding_workers.py")
+    assert run.ok, run.describe()
+    got = torch.load(os.path.join(run.out_dir, "rank0.pt"))
+    assert got["resumed"] == pytest.approx(got["uninterrupted"][2:], rel=1e-6)
+    for name, table in got["tables"].items():
+        assert torch.allclose(got["resumed_tables"][name], table, rtol=1e-6, atol=1e-7), name
+    _, index = checkpoint.read_index(tmp_path / "ckpt")
+    weight = index["tensors"]["emb.tables.odd.weight"]
+    assert weight["shape"] == [97, 16]
+    if save_layout == "row_wise":
+        assert len(weight["slices"]) == 2  # each rank wrote its rows
+        assert "optimizer.emb.tables.odd.weight.sum" in index["tensors"]
+    else:
+        assert "optimizer.emb.tables.odd.weight.exp_avg" in index["tensors"]
+        assert "optimizer.emb.tables.step" in index["tensors"]

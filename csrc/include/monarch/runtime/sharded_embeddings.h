@@ -77,6 +77,19 @@ class ShardedEmbeddingTables {
 
   // This rank's shards: "table/rows r0+n/cols c0+m" -> weight [n, m].
   std::map<std::string, at::Tensor> local_shards() const;
+  // This rank's shards with their optimizer state, as the engine's own tensors (writing into
+  // them changes the tables: a checkpoint loads through them). `state`: row-wise Adagrad's
+  // accumulator [rows], Adam's moments [2, rows, cols], undefined for SGD.
+  struct ShardView {
+    std::string table;
+    planner::EmbeddingShard where;
+    at::Tensor weight;
+    at::Tensor state;
+  };
+  std::vector<ShardView> shard_views();
+  // Adam's step count (the same on every shard and rank: every lookup's backward advances it).
+  int64_t adam_step() const { return shards_.empty() ? adam_step_ : shards_.front().adam_step; }
+  void set_adam_step(int64_t step);
   int64_t local_bytes() const;
   const planner::EmbeddingPlan& plan() const { return plan_; }
 
@@ -120,6 +133,7 @@ class ShardedEmbeddingTables {
   std::vector<std::vector<Segment>> segments_;       // per destination rank
   at::Tensor anchor_;                                // requires grad: connects outputs to autograd
   std::shared_ptr<int> pending_ = std::make_shared<int>(0);  // lookups whose backward has not run
+  int64_t adam_step_ = 0;  // a rank without shards still counts steps (adam_step())
 };
 
 }  // namespace monarch
