@@ -202,7 +202,7 @@ def _embedding_entries(module):
     and the fused optimizer's state under ``optimizer.<that name>.<key>``: row-wise Adagrad's
     accumulator ``sum`` [rows], Adam's ``exp_avg`` / ``exp_avg_sq`` [rows, dim] and its step
     count ``optimizer.<prefix>.tables.step``. The engine's own tensors: loading writes into
-    the tables."""
+    the tables (what cannot be, _restore_embedding_state copies after the load)."""
     from .embeddings import ShardedEmbeddingCollection
     out = []
     for prefix, sec in module.named_modules():
@@ -210,7 +210,9 @@ def _embedding_entries(module):
             continue
         base = f"{prefix}.tables" if prefix else "tables"
         dims = {t.name: (t.rows, t.dim) for t in sec.configs}
-        adam = False
+        # Column chunks of the same rows on one rank hold equal Adagrad accumulators (each
+        # gets the whole row's gradient): one entry, copied into the others after a load.
+        sums, aliases = {}, []
         for table, r0, rows, c0, cols, weight, state in sec._engine.shard_views():
             shape = dims[table]
             box = Placement(shape, [[(0, r0, rows)], [(0, c0, cols)]])
@@ -218,27 +220,50 @@ def _embedding_entries(module):
             out.append((name, weight, box, "param"))
             if state is None:
                 continue
-            if state.dim() == 1:  # row-wise Adagrad: one accumulator per row (equal over column chunks)
+            if state.dim() == 1:
+                key = (table, r0, rows)
+                if key in sums:
+                    aliases.append((sums[key], state))
+                    continue
+                sums[key] = state
                 out.append((f"optimizer.{name}.sum", state, Placement((shape[0],), [[(0, r0, rows)]]), "optimizer"))
             else:  # Adam's two moments
-                adam = True
                 out.append((f"optimizer.{name}.exp_avg", state[0], box, "optimizer"))
                 out.append((f"optimizer.{name}.exp_avg_sq", state[1], box, "optimizer"))
-        if adam or (sec._engine.adam_step > 0):
+        sec._checkpoint_aliases = aliases
+        sec._checkpoint_step = None
+        if str(sec.plan.optimizer) == "adam":
+            # Every rank counts Adam's steps (shards or not) and declares the count, so the
+            # count written is every rank's and every rank's is restored.
             step = torch.tensor(sec._engine.adam_step, dtype=torch.int64)
-            sec._checkpoint_step = step  # read back into the engine after a load (_restore_embedding_steps)
+            sec._checkpoint_step = step
             out.append((f"optimizer.{base}.step", step, Placement((), []), "optimizer"))
     return out
 
 
-def _restore_embedding_steps(module):
+def _restore_embedding_state(model):
+    """After a load: Adam's step count into the engines, Adagrad accumulators into the column
+    chunks that share one entry."""
     from .data_parallel import DataParallel
     from .embeddings import ShardedEmbeddingCollection
-    module = module.module if isinstance(module, DataParallel) else module
+    module = model.module if isinstance(model, DataParallel) else model
     for sec in module.modules():
+        if not isinstance(sec, ShardedEmbeddingCollection):
+            continue
+        for primary, alias in getattr(sec, "_checkpoint_aliases", ()):
+            alias.copy_(primary)
         step = getattr(sec, "_checkpoint_step", None)
-        if isinstance(sec, ShardedEmbeddingCollection) and step is not None:
+        if step is not None:
             sec._engine.adam_step = int(step)
+        sec._checkpoint_aliases, sec._checkpoint_step = (), None
+
+
+def _distributed_parts(model):
+    """Submodules that exist only across ranks (sharded tables, fully_shard units)."""
+    from .embeddings import ShardedEmbeddingCollection
+    from .sharded import FullyShardedModule
+    return [n or "the model" for n, m in model.named_modules()
+            if isinstance(m, (ShardedEmbeddingCollection, FullyShardedModule))]
 
 
 def _persistent_buffers(module):
@@ -292,6 +317,16 @@ class _Job:
         self.rank, self.size = 0, 1
         # What parallelize returns (ParallelModel) or DataParallel: a model spread over a mesh.
         mesh = getattr(model, "mesh", None)
+        if not isinstance(mesh, _runtime.DeviceMesh):
+            from . import distributed
+            parts = _distributed_parts(model) if isinstance(model, torch.nn.Module) else []
+            if parts and distributed._world is not None and distributed._world.size > 1:
+                # Every rank holds part of it and calls save: without the job's mesh each rank
+                # would take itself for a single process and they would write over each other.
+                raise CheckpointError(
+                    f"checkpoint: {', '.join(parts[:3])} {'is' if len(parts) == 1 else 'are'} spread over the ranks but "
+                    "the model has no mesh: save what parallelize() returned, or DataParallel(model) around the "
+                    "whole model")
         if isinstance(mesh, _runtime.DeviceMesh) and mesh.size > 1:
             group = getattr(model, "_monarch_checkpoint_group", None)
             if group is None:
@@ -792,7 +827,9 @@ def load(model, optimizer, path, *, strict=True, restore_rng=True):
         try:
             entries = _entries(model)
             for name, t, placement, kind in entries:
-                if not strict and name not in index["tensors"]:
+                # The tables' fused optimizer state is optional (a weights-only checkpoint, from
+                # monarch-ckpt import, has none): absent, it keeps its current value.
+                if name not in index["tensors"] and (not strict or kind == "optimizer"):
                     continue
                 staged.append((t, reader.fill(name, t, placement)))
             if optimizer is not None:
@@ -808,7 +845,8 @@ def load(model, optimizer, path, *, strict=True, restore_rng=True):
                 target(value)
             else:
                 target.copy_(value)
-    _restore_embedding_steps(model)
+    with torch.no_grad():
+        _restore_embedding_state(model)
     rng = (index.get("rng") or {}).get("cpu")
     if restore_rng and rng and index.get("world_size") == job.size and rng[job.rank] is not None:
         torch.set_rng_state(torch.tensor(rng[job.rank], dtype=torch.uint8))

@@ -584,15 +584,20 @@ std::string fit_section(const Plan& plan) {
     levers.push_back({"recompute=full", "blocks re-run in backward; about a third more compute",
                       m.activations * 32.0 / 34.0, [](Pins& q) { q.recompute = Recompute::full; }});
   // More model parallelism on the same devices: dp halves (the global batch is unchanged).
+  // What ZeRO shards over dp stays the same per rank (half the model over half the ranks);
+  // the rest halves.
   const bool halvable = plan.mesh.dp % 2 == 0;
+  const double unsharded = (plan.zero_stage >= 1 ? 0 : m.optimizer) + (plan.zero_stage >= 2 ? 0 : m.grads) +
+                           (plan.zero_stage >= 3 ? 0 : m.params);
   levers.push_back({"pp x 2, dp / 2", "half the layers per rank (more in-flight activations on early ranks)",
-                    (m.params + m.grads + m.optimizer) / 2, halvable ? std::function<void(Pins&)>([&plan](Pins& q) {
+                    unsharded / 2, halvable ? std::function<void(Pins&)>([&plan](Pins& q) {
                       q.pp = plan.mesh.pp * 2;
                       q.dp = plan.mesh.dp / 2;
                       if (plan.schedule == ScheduleKind::none) q.schedule = ScheduleKind::one_f_one_b;
                     })
                                                                     : nullptr});
-  levers.push_back({"tp x 2, dp / 2", "every layer split in two; more tensor-parallel traffic", total / 2 - m.buffers / 2,
+  levers.push_back({"tp x 2, dp / 2", "every layer split in two; more tensor-parallel traffic",
+                    (unsharded + m.activations) / 2,
                     halvable ? std::function<void(Pins&)>([&plan](Pins& q) {
                       q.tp = plan.mesh.tp * 2;
                       q.dp = plan.mesh.dp / 2;
@@ -600,19 +605,24 @@ std::string fit_section(const Plan& plan) {
                              : nullptr});
   // With the model's own description (plans of transformers carry it), each change is scored
   // by the cost model itself; otherwise the saving is estimated from the breakdown.
+  // A plan timed from a measured profile is not rescored with the analytic model (its own
+  // numbers would not compare): it gets the estimates too.
   std::optional<ModelGraph> graph;
-  if (plan.transformer) {
+  std::string why_estimated = "the plan carries no model description to score it with";
+  if (plan.transformer && plan.prediction.estimator == "analytic") {
     try {
       graph = build_transformer(*plan.transformer);
-    } catch (const PlannerError&) {
-      graph.reset();
+    } catch (const std::exception& e) {
+      why_estimated = std::string("its transformer description does not build: ") + e.what();
     }
+  } else if (plan.transformer) {
+    why_estimated = "its times come from a measured profile (" + plan.prediction.estimator + ")";
   }
   std::ostringstream o;
   o << "<p>The most loaded rank needs " << esc(format_bytes(total)) << ", " << esc(format_bytes(over))
     << " more than the " << esc(format_bytes(limit)) << " usable. Each change alone"
-    << (graph ? ", scored by the cost model (the plan describes its transformer):"
-              : ", estimated from this breakdown (the plan carries no model description to score it with):")
+    << (graph ? std::string(", scored by the cost model (the plan describes its transformer):")
+              : ", estimated from this breakdown (" + why_estimated + "):")
     << "</p>";
   o << "<table class=\"fit\"><tr><th>change</th><th>what it does</th><th>then needs</th><th>predicted step</th>"
        "<th>fits?</th></tr>";
@@ -631,7 +641,7 @@ std::string fit_section(const Plan& plan) {
         need = format_bytes(after);
         step = format_seconds(changed.prediction.step_time_s);
         fits = after <= limit ? "yes" : "no";
-      } catch (const PlannerError& e) {
+      } catch (const std::exception& e) {
         need = "not possible";
         fits = std::string("no: ") + e.what();
       }

@@ -330,6 +330,16 @@ def main():
         results = dlrm(world, via_parallelize=True)
     elif parts[0] == "checkpoint":
         results = checkpointed(world, mesh, parts[1], parts[2], parts[3], parts[4])
+    elif parts[0] == "checkpoint_without_mesh":
+        # Sharded tables inside a model that has no mesh: refused on every rank, nothing written.
+        from torch_monarch import checkpoint
+        sharded = shard_embeddings(make_collection(), batch_per_rank=GLOBAL_BATCH // world.size, optimizer="sgd", lr=LR,
+                                   cluster=planner.cluster("a100-80gb", world.size), world=world)
+        try:
+            checkpoint.save(Recommender(sharded, make_head()), None, parts[1])
+            results = {"error": None}
+        except checkpoint.CheckpointError as e:
+            results = {"error": str(e)}
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]}")
     torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{world.rank}.pt"))

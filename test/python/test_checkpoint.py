@@ -355,14 +355,17 @@ def test_inspect_consolidate_and_import(tmp_path):
     assert proc.returncode == 1 and proc.stderr.startswith("monarch-ckpt: error: checkpoint: no complete checkpoint")
 
 
-@pytest.mark.parametrize("optimizer,save_layout,load_layout", [("rowwise_adagrad", "row_wise", "column_wise"),
-                                                               ("adam", "table_wise", "row_wise")])
-def test_sharded_embedding_tables_and_their_optimizer_state_resume_in_another_sharding(optimizer, save_layout,
+@pytest.mark.parametrize("ranks,optimizer,save_layout,load_layout", [
+    (2, "rowwise_adagrad", "row_wise", "column_wise"),
+    (2, "rowwise_adagrad", "column_wise", "row_wise"),  # a rank holds two chunks of a table's rows
+    (4, "adam", "table_wise", "row_wise"),  # 3 tables on 4 ranks: one rank holds none
+])
+def test_sharded_embedding_tables_and_their_optimizer_state_resume_in_another_sharding(ranks, optimizer, save_layout,
                                                                                        load_layout, tmp_path):
-    # 2 ranks: tables sharded one way with a fused sparse optimizer, the head data-parallel;
-    # the checkpoint holds each rank's shards (no gather) and the optimizer state, and a model
+    # Tables sharded one way with a fused sparse optimizer, the head data-parallel; the
+    # checkpoint holds each rank's shards (no gather) and the optimizer state, and a model
     # sharded another way resumes exactly where the uninterrupted run went.
-    run = launch_with_launcher(2, f"checkpoint:{optimizer}:{save_layout}:{load_layout}:{tmp_path / 'ckpt'}",
+    run = launch_with_launcher(ranks, f"checkpoint:{optimizer}:{save_layout}:{load_layout}:{tmp_path / 'ckpt'}",
                                timeout=300, worker="embedding_workers.py")
     assert run.ok, run.describe()
     got = torch.load(os.path.join(run.out_dir, "rank0.pt"))
@@ -374,7 +377,18 @@ def test_sharded_embedding_tables_and_their_optimizer_state_resume_in_another_sh
     assert weight["shape"] == [97, 16]
     if save_layout == "row_wise":
         assert len(weight["slices"]) == 2  # each rank wrote its rows
+    if optimizer == "rowwise_adagrad":
         assert "optimizer.emb.tables.odd.weight.sum" in index["tensors"]
     else:
         assert "optimizer.emb.tables.odd.weight.exp_avg" in index["tensors"]
         assert "optimizer.emb.tables.step" in index["tensors"]
+
+
+def test_sharded_tables_in_a_model_without_a_mesh_are_refused_on_every_rank(tmp_path):
+    run = launch_with_launcher(2, f"checkpoint_without_mesh:{tmp_path / 'ckpt'}", timeout=300,
+                               worker="embedding_workers.py")
+    assert run.ok, run.describe()
+    for rank in range(2):
+        got = torch.load(os.path.join(run.out_dir, f"rank{rank}.pt"))
+        assert got["error"] and "spread over the ranks but the model has no mesh" in got["error"], got
+    assert not os.path.exists(tmp_path / "ckpt") and not os.path.exists(str(tmp_path / "ckpt") + ".partial")

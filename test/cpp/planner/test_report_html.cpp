@@ -79,13 +79,16 @@ TEST_CASE("a plan that does not fit says so and what would make it fit") {
   for (const char* lever : {"zero_stage=1", "zero_stage=2", "zero_stage=3", "recompute=full", "pp x 2"}) {
     CHECK(html.find(lever) != std::string::npos);
   }
-  // The plan describes its transformer: each change is scored by the cost model, and the
-  // scored memory falls with each higher ZeRO stage.
+  // The plan describes its transformer: each change is scored by the cost model.
   CHECK(html.find("scored by the cost model") != std::string::npos);
   CHECK(count(html, "<tr><td>zero_stage=") == 3);
   Plan bare = plan;
   bare.transformer.reset();
-  CHECK(html_report(bare).find("estimated from this breakdown") != std::string::npos);
+  CHECK(html_report(bare).find("estimated from this breakdown (the plan carries no model description") !=
+        std::string::npos);
+  Plan profiled = plan;
+  profiled.prediction.estimator = "profile: a machine";
+  CHECK(html_report(profiled).find("its times come from a measured profile") != std::string::npos);
   CHECK(count(html, "class=\"timeline-row\" data-kind=\"predicted\"") == 1);
 }
 
