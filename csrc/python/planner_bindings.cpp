@@ -558,15 +558,6 @@ void bind_plan(py::module_& m) {
       .def(py::pickle([](const Plan& p) { return to_json(p, 2); },
                       [](const std::string& text) { return plan_from_json(text); }));
 
-  m.def(
-      "html_report",
-      [](const Plan& p, std::optional<std::string> trace, int64_t trace_step) {
-        HtmlReportOptions options;
-        if (trace) options.trace = load_measured_trace(*trace);
-        options.trace_step = trace_step;
-        return html_report(p, options);
-      },
-      py::arg("plan"), py::arg("trace") = py::none(), py::arg("trace_step") = -1);
   m.def("diff_plans", &diff_plans, py::arg("a"), py::arg("b"));
   m.def("to_json", &to_json, py::arg("plan"), py::arg("indent") = 2);
   m.def("plan_from_json", &plan_from_json, py::arg("text"));

@@ -351,7 +351,7 @@ std::string timeline_svg(const std::vector<TimelineRow>& rows, double span) {
 }
 
 struct PhaseTotals {
-  double forward = 0, backward = 0, weight = 0, wait = 0;
+  double forward = 0, backward = 0, weight = 0;  // idle time comes from the makespan
 };
 
 PhaseTotals totals(const std::vector<TimelineEvent>& events) {
@@ -363,8 +363,6 @@ PhaseTotals totals(const std::vector<TimelineEvent>& events) {
       case ActionType::backward:
       case ActionType::backward_input: t.backward += d; break;
       case ActionType::backward_weight: t.weight += d; break;
-      case ActionType::recv_activation:
-      case ActionType::recv_gradient: t.wait += d; break;
       default: break;
     }
   }

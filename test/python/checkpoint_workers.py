@@ -71,7 +71,7 @@ def write(name, value):
 def main(argv):
     torch.set_num_threads(1)
     mode = argv[0]
-    if mode == "save":
+    if mode in ("save", "async"):
         layout, directory, k = argv[1], argv[2], int(argv[3])
         model, opt, step_fn = build(layout, 1234)
         first = train(opt, step_fn, 0, k)
@@ -79,20 +79,13 @@ def main(argv):
         # runs start from make_optimizer's).
         for g in opt.param_groups:
             g["lr"] *= 0.5
-        checkpoint.save(model, opt, directory, step=k, extra={"layout": layout})
-        rest = train(opt, step_fn, k, k)
-        write("uninterrupted.pt", {"losses": first + rest, "state": model.state_dict()})
-    elif mode == "async":
-        # As "save", but the save is asynchronous: training goes on while the files are
-        # written, and the checkpoint must still hold step K's state.
-        layout, directory, k = argv[1], argv[2], int(argv[3])
-        model, opt, step_fn = build(layout, 1234)
-        first = train(opt, step_fn, 0, k)
-        for g in opt.param_groups:
-            g["lr"] *= 0.5
-        pending = checkpoint.save_async(model, opt, directory, step=k, extra={"layout": layout})
-        rest = train(opt, step_fn, k, k)
-        pending.wait()
+        if mode == "save":
+            checkpoint.save(model, opt, directory, step=k, extra={"layout": layout})
+            rest = train(opt, step_fn, k, k)
+        else:  # training goes on while the files are written; the checkpoint holds step K
+            pending = checkpoint.save_async(model, opt, directory, step=k, extra={"layout": layout})
+            rest = train(opt, step_fn, k, k)
+            pending.wait()
         write("uninterrupted.pt", {"losses": first + rest, "state": model.state_dict()})
     elif mode == "elastic":
         import signal

@@ -34,6 +34,14 @@ Plan pipelined_plan(int64_t pp, int64_t dp, int64_t tp, ScheduleKind schedule, i
   return evaluate_layout(graph, cluster_preset("a100-80gb", gpus), training, pins, true);
 }
 
+// GPT-3 175B scored in exactly the given layout (over memory allowed).
+Plan gpt3_plan(int64_t global_batch, const Pins& pins, int64_t gpus) {
+  const ModelGraph graph = build_transformer(transformer_config(96, 12288, 96, 2048, 51200));
+  TrainingConfig training;
+  training.global_batch = global_batch;
+  return evaluate_layout(graph, cluster_preset("a100-80gb", gpus), training, pins, true);
+}
+
 }  // namespace
 
 TEST_CASE("a pipelined plan's report holds a timeline row per pipeline rank, a memory bar per rank class and the limit") {
@@ -66,12 +74,7 @@ TEST_CASE("a pipelined plan's report holds a timeline row per pipeline rank, a m
 }
 
 TEST_CASE("a plan that does not fit says so and what would make it fit") {
-  TransformerConfig c = transformer_config(96, 12288, 96, 2048, 51200);
-  const ModelGraph graph = build_transformer(c);
-  TrainingConfig training;
-  training.global_batch = 64;
-  Pins pins = layout_pins(1, 1, 8, 0, 1, ScheduleKind::none);
-  const Plan plan = evaluate_layout(graph, cluster_preset("a100-80gb", 8), training, pins, true);
+  const Plan plan = gpt3_plan(64, layout_pins(1, 1, 8, 0, 1, ScheduleKind::none), 8);
   REQUIRE(plan.prediction.memory_bytes_per_device > plan.cluster.usable_memory_bytes());
   const std::string html = html_report(plan);
   CHECK(html.find("This plan does not fit") != std::string::npos);
@@ -217,13 +220,9 @@ TEST_CASE("a plan with embedding tables lists each rank's shards") {
 }
 
 TEST_CASE("a schedule of many actions is drawn at pixel resolution and the page stays small") {
-  TransformerConfig c = transformer_config(96, 12288, 96, 2048, 51200);
-  const ModelGraph graph = build_transformer(c);
-  TrainingConfig training;
-  training.global_batch = 3072;
   Pins pins = layout_pins(8, 8, 16, 1, 1, ScheduleKind::interleaved_1f1b);
   pins.virtual_stages = 6;
-  const Plan plan = evaluate_layout(graph, cluster_preset("a100-80gb", 1024), training, pins, true);
+  const Plan plan = gpt3_plan(3072, pins, 1024);
   REQUIRE(plan.num_micro_batches == 192);  // per rank 192 micro-batches x 6 chunks x (F + B) and the transfers
   const std::string html = html_report(plan);
   CHECK(count(html, "class=\"timeline-row\" data-kind=\"predicted\"") == 8);
