@@ -42,13 +42,15 @@ def _spec():
 class _RankFilter(logging.Filter):
     def filter(self, record):
         rank = _state["rank"]
-        record.monarch_rank = "?" if rank is None else rank
+        # Before init() (or in one process without it): the launcher's RANK, else rank 0.
+        record.monarch_rank = os.environ.get("RANK", "0") if rank is None else rank
         return True
 
 
 def configure(rank=None):
     """Sets the rank shown in every line and the levels from the environment (called by
-    ``torch_monarch.init()`` once the rank is known; before, lines say ``rank ?``)."""
+    ``torch_monarch.init()`` once the rank is known; before, lines show the launcher's
+    ``RANK``, or 0 in a process started without one)."""
     if rank is not None:
         _state["rank"] = rank
     root = logging.getLogger(ROOT)
