@@ -1,5 +1,7 @@
 #include "monarch/planner/collectives.h"
 
+#include <algorithm>
+
 namespace monarch::planner {
 
 std::string to_string(Collective c) {
@@ -61,6 +63,129 @@ Link axis_link(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp, Axis 
   link.bytes_per_s = one_node ? cluster.intra_node_bytes_per_s : cluster.inter_node_bytes_per_s;
   link.latency_s = one_node ? cluster.intra_node_latency_s : cluster.inter_node_latency_s;
   return link;
+}
+
+double compressed_value_bytes(Compression c, double element_bytes) {
+  switch (c) {
+    case Compression::none: return element_bytes;
+    case Compression::bf16: return std::min(element_bytes, 2.0);
+    case Compression::int8: return std::min(element_bytes, 1.0 + 4.0 / 256.0);
+  }
+  return element_bytes;
+}
+
+double compressed_bytes(double bytes, Compression c, double element_bytes) {
+  if (element_bytes <= 0) return bytes;
+  return bytes / element_bytes * compressed_value_bytes(c, element_bytes);
+}
+
+LevelBytes hierarchical_bytes_per_rank(Collective c, double bytes, int64_t ranks_per_node,
+                                       int64_t nodes, Compression compression,
+                                       double element_bytes) {
+  LevelBytes b;
+  const int64_t L = std::max<int64_t>(ranks_per_node, 1), N = std::max<int64_t>(nodes, 1);
+  const double shard = bytes / static_cast<double>(L);
+  switch (c) {
+    case Collective::all_reduce:
+      b.intra = ring_bytes_per_rank(Collective::reduce_scatter, bytes, L) +
+                ring_bytes_per_rank(Collective::all_gather, bytes, L);
+      if (compression == Compression::none) {
+        b.inter = ring_bytes_per_rank(Collective::all_reduce, shard, N);
+      } else {  // all-gather of the N compressed shards: (N-1) C(S/L)
+        const double compressed = compressed_bytes(shard, compression, element_bytes);
+        b.inter = ring_bytes_per_rank(Collective::all_gather, compressed * static_cast<double>(N), N);
+      }
+      break;
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
+      b.intra = ring_bytes_per_rank(c, bytes, L);
+      b.inter = ring_bytes_per_rank(c, shard, N);
+      break;
+    case Collective::broadcast:
+    case Collective::send_recv:
+      b.inter = ring_bytes_per_rank(c, bytes, L * N);
+      break;
+  }
+  return b;
+}
+
+double hierarchical_seconds(Collective c, double bytes, const Link& intra, const Link& inter,
+                            Compression compression, double element_bytes) {
+  if (bytes <= 0) return 0;
+  const double shard = bytes / static_cast<double>(std::max<int64_t>(intra.ranks, 1));
+  switch (c) {
+    case Collective::all_reduce: {
+      double across = 0;
+      if (compression == Compression::none) {
+        across = collective_seconds(Collective::all_reduce, shard, inter);
+      } else {
+        const double compressed = compressed_bytes(shard, compression, element_bytes);
+        across = collective_seconds(Collective::all_gather, compressed * static_cast<double>(inter.ranks), inter);
+      }
+      return collective_seconds(Collective::reduce_scatter, bytes, intra) + across +
+             collective_seconds(Collective::all_gather, bytes, intra);
+    }
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
+      return collective_seconds(c, bytes, intra) + collective_seconds(c, shard, inter);
+    case Collective::broadcast:
+    case Collective::send_recv: {
+      Link flat = inter;
+      flat.ranks = intra.ranks * inter.ranks;
+      return collective_seconds(c, bytes, flat);
+    }
+  }
+  return 0;
+}
+
+NodeSplit dp_node_split(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp) {
+  NodeSplit s;
+  const int64_t per_node = cluster.devices_per_node;
+  if (dp <= 1) return s;
+  if (!axis_link(cluster, pp, dp, tp, Axis::dp).inter_node) {  // the group is on one node
+    s.ranks_per_node = dp;
+    return s;
+  }
+  if (tp >= 1 && per_node % tp == 0 && dp % (per_node / tp) == 0) {
+    s.ranks_per_node = per_node / tp;
+    s.nodes = dp / s.ranks_per_node;
+    return s;
+  }
+  s.nodes = dp;  // tp spans nodes, or the groups do not tile the nodes: every rank on its own
+  return s;
+}
+
+double DpGroup::seconds(Collective c, double bytes, double element_bytes) const {
+  if (!hierarchical()) return collective_seconds(c, bytes, flat);
+  return hierarchical_seconds(c, bytes, intra, inter, compression, element_bytes);
+}
+
+LevelBytes DpGroup::bytes_per_rank(Collective c, double bytes, double element_bytes) const {
+  if (hierarchical()) {
+    return hierarchical_bytes_per_rank(c, bytes, split.ranks_per_node, split.nodes, compression,
+                                       element_bytes);
+  }
+  LevelBytes b;
+  (flat.inter_node ? b.inter : b.intra) = ring_bytes_per_rank(c, bytes, flat.ranks);
+  return b;
+}
+
+DpGroup dp_group(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp,
+                 DpReduction reduction, Compression compression) {
+  DpGroup g;
+  g.flat = axis_link(cluster, pp, dp, tp, Axis::dp);
+  g.split = dp_node_split(cluster, pp, dp, tp);
+  g.reduction = reduction;
+  g.compression = compression;
+  g.intra.ranks = g.split.ranks_per_node;
+  g.intra.bytes_per_s = cluster.intra_node_bytes_per_s;
+  g.intra.latency_s = cluster.intra_node_latency_s;
+  g.intra.inter_node = false;
+  g.inter.ranks = g.split.nodes;
+  g.inter.bytes_per_s = cluster.inter_node_bytes_per_s;
+  g.inter.latency_s = cluster.inter_node_latency_s;
+  g.inter.inter_node = true;
+  return g;
 }
 
 }  // namespace monarch::planner

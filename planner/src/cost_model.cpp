@@ -289,25 +289,32 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   // the cluster's contention while they do (overlapped_seconds). The dp collectives hide
   // behind tp collectives only when those use another link: two collectives on one link take
   // turns. ZeRO-1/2 reduce once per step (predict).
-  const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
+  // A hierarchical dp reduction (DpGroup) runs partly on the intra-node link: it then takes
+  // turns with tp's collectives there too.
+  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.dp, layout.tp, layout.dp_reduction,
+                                   layout.inter_node_compression);
   const Link tp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::tp);
-  const bool tp_shares_link = layout.tp > 1 && tp_link.inter_node == dp_link.inter_node;
+  const bool tp_shares_link =
+      layout.tp > 1 && (tp_link.inter_node == dp_comm.flat.inter_node || dp_comm.hierarchical());
   double exposed_forward = 0, exposed_backward_input = 0, exposed_backward_weight = 0;
   if (layout.dp > 1 && layout.zero_stage >= 3) {
+    auto gather = [&](double params) {
+      return dp_comm.seconds(Collective::all_gather, params * training.param_bytes, training.param_bytes);
+    };
+    auto reduce = [&](double params) {
+      return dp_comm.seconds(Collective::reduce_scatter, params * training.grad_bytes, training.grad_bytes);
+    };
     double ag = 0, rs = 0, forward_tp = 0;
     for (int64_t i = first; i <= last; ++i) {
-      ag += collective_seconds(Collective::all_gather, costs[i].params * training.param_bytes, dp_link);
-      rs += collective_seconds(Collective::reduce_scatter, costs[i].params * training.grad_bytes, dp_link);
+      ag += gather(costs[i].params);
+      rs += reduce(costs[i].params);
       forward_tp += costs[i].forward_tp_s;
     }
     // Forward runs first to last; backward gathers the last layer first and reduces the
     // first layer last.
-    const double first_ag = collective_seconds(Collective::all_gather,
-                                               costs[first].params * training.param_bytes, dp_link);
-    const double backward_first_ag = collective_seconds(
-        Collective::all_gather, costs[last].params * training.param_bytes, dp_link);
-    const double last_rs = collective_seconds(Collective::reduce_scatter,
-                                              costs[first].params * training.grad_bytes, dp_link);
+    const double first_ag = gather(costs[first].params);
+    const double backward_first_ag = gather(costs[last].params);
+    const double last_rs = reduce(costs[first].params);
     const double kappa = cluster.overlap_contention;
     const double forward_hiding = forward - (tp_shares_link ? forward_tp : 0.0);
     const double backward_hiding = backward - (tp_shares_link ? tp_comm - forward_tp : 0.0);
@@ -414,6 +421,8 @@ Layout layout_of(const Plan& plan) {
   l.virtual_stages = plan.virtual_stages;
   l.recompute = plan.recompute;
   l.sequence_parallel = plan.sequence_parallel;
+  l.dp_reduction = plan.dp_reduction;
+  l.inter_node_compression = plan.inter_node_compression;
   return l;
 }
 
@@ -510,7 +519,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   // Data-parallel gradient reduction at the end of the step (ZeRO 0/1/2), overlapped with the
   // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
   // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
-  const Link dp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::dp);
+  // Flat rings, or the hierarchical decomposition the plan asks for (DpGroup).
+  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.dp, layout.tp, layout.dp_reduction,
+                                   layout.inter_node_compression);
+  const double g = training.grad_bytes;
   double worst_end = 0, worst_optimizer = 0;
   for (int64_t r = 0; r < layout.pp; ++r) {
     const RankLoad& load = ranks[r];
@@ -520,14 +532,14 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       const double bucket = std::min(grads, training.dp_bucket_bytes);
       if (layout.zero_stage <= 2) {
         const Collective c = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
-        const double reduce = collective_seconds(c, grads, dp_link);
+        const double reduce = dp_comm.seconds(c, grads, g);
         const double last_micro_batch_backward = load.backward_s;
-        const double last_bucket = collective_seconds(c, bucket, dp_link);
+        const double last_bucket = dp_comm.seconds(c, bucket, g);
         end += last_bucket + overlapped_seconds(last_micro_batch_backward, reduce - last_bucket,
                                                 cluster.overlap_contention) - last_micro_batch_backward;
       }
       if (layout.zero_stage == 1 || layout.zero_stage == 2) {
-        end += collective_seconds(Collective::all_gather, load.params * training.param_bytes, dp_link);
+        end += dp_comm.seconds(Collective::all_gather, load.params * training.param_bytes, training.param_bytes);
       }
     }
     end += load.tied_all_reduce_s;

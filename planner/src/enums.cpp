@@ -54,6 +54,18 @@ const NameTable<Recompute>& recompute_names() {
   return t;
 }
 
+const NameTable<DpReduction>& dp_reduction_names() {
+  static const NameTable<DpReduction> t = {{DpReduction::flat, "flat"},
+                                           {DpReduction::hierarchical, "hierarchical"}};
+  return t;
+}
+
+const NameTable<Compression>& compression_names() {
+  static const NameTable<Compression> t = {
+      {Compression::none, "none"}, {Compression::bf16, "bf16"}, {Compression::int8, "int8"}};
+  return t;
+}
+
 template <typename E>
 std::string name_of(const NameTable<E>& table, E value) {
   for (const auto& [v, name] : table) {
@@ -121,6 +133,16 @@ AttentionKernel attention_kernel_from_string(const std::string& name, const std:
 std::string to_string(Recompute r) { return name_of(recompute_names(), r); }
 Recompute recompute_from_string(const std::string& name, const std::string& field) {
   return parse_name(recompute_names(), "recompute mode", name, field);
+}
+
+std::string to_string(DpReduction r) { return name_of(dp_reduction_names(), r); }
+DpReduction dp_reduction_from_string(const std::string& name, const std::string& field) {
+  return parse_name(dp_reduction_names(), "dp reduction", name, field);
+}
+
+std::string to_string(Compression c) { return name_of(compression_names(), c); }
+Compression compression_from_string(const std::string& name, const std::string& field) {
+  return parse_name(compression_names(), "compression", name, field);
 }
 
 }  // namespace monarch::planner

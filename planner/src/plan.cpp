@@ -36,7 +36,9 @@ bool TrainingConfig::operator==(const TrainingConfig& o) const {
          allow_pipeline_parallel == o.allow_pipeline_parallel && allow_zero == o.allow_zero &&
          allow_recompute == o.allow_recompute && recompute_modes == o.recompute_modes &&
          allow_sequence_parallel == o.allow_sequence_parallel && schedules == o.schedules &&
-         max_micro_batch_size == o.max_micro_batch_size && dp_bucket_bytes == o.dp_bucket_bytes;
+         max_micro_batch_size == o.max_micro_batch_size && dp_bucket_bytes == o.dp_bucket_bytes &&
+         allow_hierarchical_dp == o.allow_hierarchical_dp &&
+         inter_node_compression == o.inter_node_compression;
 }
 
 namespace {
@@ -71,7 +73,8 @@ bool Prediction::operator==(const Prediction& o) const {
 
 bool RankPrediction::operator==(const RankPrediction& o) const {
   return memory == o.memory && busy_s == o.busy_s && idle_s == o.idle_s && dp_bytes == o.dp_bytes &&
-         tp_bytes == o.tp_bytes && pp_bytes == o.pp_bytes && ends_bytes == o.ends_bytes;
+         tp_bytes == o.tp_bytes && pp_bytes == o.pp_bytes && ends_bytes == o.ends_bytes &&
+         dp_inter_node_bytes == o.dp_inter_node_bytes;
 }
 
 bool Alternative::operator==(const Alternative& o) const {
@@ -86,6 +89,7 @@ bool Plan::operator==(const Plan& o) const {
          num_micro_batches == o.num_micro_batches && schedule == o.schedule &&
          virtual_stages == o.virtual_stages && recompute == o.recompute &&
          sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
+         dp_reduction == o.dp_reduction && inter_node_compression == o.inter_node_compression &&
          layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
          alternatives == o.alternatives && tie_break == o.tie_break;
 }
@@ -101,6 +105,8 @@ std::string Plan::summary() const {
   }
   s += " recompute=" + to_string(recompute);
   s += sequence_parallel ? " sp=on" : " sp=off";
+  if (dp_reduction != DpReduction::flat) s += " dp_reduction=" + to_string(dp_reduction);
+  if (inter_node_compression != Compression::none) s += " compression=" + to_string(inter_node_compression);
   return s;
 }
 

@@ -83,6 +83,8 @@ std::string diff_plans(const Plan& a, const Plan& b) {
   field("recompute", to_string(a.recompute), to_string(b.recompute));
   field("sequence_parallel", a.sequence_parallel ? "on" : "off", b.sequence_parallel ? "on" : "off");
   field("dp_bucket_bytes", format_bytes(a.dp_bucket_bytes), format_bytes(b.dp_bucket_bytes));
+  field("dp_reduction", to_string(a.dp_reduction), to_string(b.dp_reduction));
+  field("inter_node_compression", to_string(a.inter_node_compression), to_string(b.inter_node_compression));
   field("embedding tables", a.embeddings ? "sharded" : "none", b.embeddings ? "sharded" : "none");
   if (o.tellp() == layout_mark) o << "  same\n";
 

@@ -2,6 +2,7 @@
 // plans diff well; reading is strict: every field required (except model.transformer),
 // unknown keys refused, types checked, and errors name the field path.
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
@@ -15,6 +16,7 @@
 #include "monarch/planner/errors.h"
 #include "embedding_json.h"
 #include "json_fields.h"
+#include "monarch/planner/collectives.h"
 #include "monarch/planner/embeddings.h"
 #include "monarch/planner/plan.h"
 
@@ -102,6 +104,8 @@ Json training_to_json(const TrainingConfig& t) {
   j["schedules"] = schedules;
   j["max_micro_batch_size"] = t.max_micro_batch_size;
   j["dp_bucket_bytes"] = t.dp_bucket_bytes;
+  j["allow_hierarchical_dp"] = t.allow_hierarchical_dp;
+  j["inter_node_compression"] = to_string(t.inter_node_compression);
   return j;
 }
 
@@ -185,6 +189,7 @@ Json prediction_to_json(const Prediction& p) {
       bytes["tp"] = r.tp_bytes;
       bytes["pp"] = r.pp_bytes;
       bytes["ends"] = r.ends_bytes;
+      bytes["dp_inter_node"] = r.dp_inter_node_bytes;
       rj["bytes_sent"] = bytes;
       ranks.push_back(rj);
     }
@@ -217,6 +222,8 @@ Json plan_to_json_value(const Plan& p) {
   j["recompute"] = to_string(p.recompute);
   j["sequence_parallel"] = p.sequence_parallel;
   j["dp_bucket_bytes"] = p.dp_bucket_bytes;
+  j["dp_reduction"] = to_string(p.dp_reduction);
+  j["inter_node_compression"] = to_string(p.inter_node_compression);
   Json layers = Json::array();
   for (const auto& l : p.layers) layers.push_back(layer_to_json(l));
   j["layers"] = layers;
@@ -313,6 +320,13 @@ TrainingConfig training_from_json(const Fields& f) {
   }
   t.max_micro_batch_size = f.integer("max_micro_batch_size");
   t.dp_bucket_bytes = f.number("dp_bucket_bytes");
+  // Optional: plans written before these options existed allowed hierarchical reduction
+  // (the default) and no compression.
+  if (f.has("allow_hierarchical_dp")) t.allow_hierarchical_dp = f.boolean("allow_hierarchical_dp");
+  if (f.has("inter_node_compression")) {
+    t.inter_node_compression =
+        compression_from_string(f.string("inter_node_compression"), f.path("inter_node_compression"));
+  }
   return t;
 }
 
@@ -394,11 +408,14 @@ Prediction prediction_from_json(const Fields& f) {
       r.memory = memory_from_json(rf, "memory");
       r.busy_s = rf.number("busy_s");
       r.idle_s = rf.number("idle_s");
-      const Fields bytes = rf.object("bytes_sent", {"dp", "tp", "pp", "ends"});
+      const Fields bytes = rf.object("bytes_sent", {"dp", "tp", "pp", "ends", "dp_inter_node"});
       r.dp_bytes = bytes.number("dp");
       r.tp_bytes = bytes.number("tp");
       r.pp_bytes = bytes.number("pp");
       r.ends_bytes = bytes.number("ends");
+      // Optional: absent in plans written before it existed (filled in by plan_from_value).
+      r.dp_inter_node_bytes = bytes.has("dp_inter_node") ? bytes.number("dp_inter_node")
+                                                         : std::numeric_limits<double>::quiet_NaN();
       p.ranks.push_back(r);
     }
   }
@@ -496,7 +513,8 @@ Plan plan_from_value(const Json& root) {
   const Fields f(root, "",
                  {"version", "model", "cluster", "training", "mesh", "zero_stage",
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
-                  "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "embeddings",
+                  "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
+                  "inter_node_compression", "layers", "embeddings",
                   "prediction", "alternatives", "tie_break"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
@@ -510,7 +528,7 @@ Plan plan_from_value(const Json& root) {
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
                    "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",
-                   "dp_bucket_bytes"}));
+                   "dp_bucket_bytes", "allow_hierarchical_dp", "inter_node_compression"}));
   p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "order"}));
   p.zero_stage = f.integer("zero_stage");
   p.micro_batch_size = f.integer("micro_batch_size");
@@ -520,6 +538,12 @@ Plan plan_from_value(const Json& root) {
   p.recompute = recompute_from_string(f.string("recompute"), f.path("recompute"));
   p.sequence_parallel = f.boolean("sequence_parallel");
   p.dp_bucket_bytes = f.number("dp_bucket_bytes");
+  // Optional: plans written before they existed reduce flat, uncompressed.
+  if (f.has("dp_reduction")) p.dp_reduction = dp_reduction_from_string(f.string("dp_reduction"), f.path("dp_reduction"));
+  if (f.has("inter_node_compression")) {
+    p.inter_node_compression =
+        compression_from_string(f.string("inter_node_compression"), f.path("inter_node_compression"));
+  }
   const Json& layers = f.array("layers");
   for (size_t i = 0; i < layers.size(); ++i) {
     p.layers.push_back(layer_from_json(Fields(
@@ -533,6 +557,12 @@ Plan plan_from_value(const Json& root) {
       "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",
                      "tokens_per_s", "bubble_fraction", "estimator", "memory", "time", "stages",
                      "ranks"}));
+  // Plans written before ranks carried dp_inter_node reduced flat: all of dp crosses nodes
+  // when the dp group spans them.
+  const bool dp_inter = axis_link(p.cluster, p.mesh.pp, p.mesh.dp, p.mesh.tp, Axis::dp).inter_node;
+  for (RankPrediction& r : p.prediction.ranks) {
+    if (std::isnan(r.dp_inter_node_bytes)) r.dp_inter_node_bytes = dp_inter ? r.dp_bytes : 0.0;
+  }
   const Json& alternatives = f.array("alternatives");
   for (size_t i = 0; i < alternatives.size(); ++i) {
     p.alternatives.push_back(alternative_from_json(

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "monarch/planner/collectives.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/plan.h"
 
@@ -109,6 +110,31 @@ void check_options(const Plan& p) {
                               std::to_string(p.dp_bucket_bytes));
   }
   require_at_least(p.model_params, 0, "model.params");
+}
+
+// The hierarchical reduction needs a dp group on several nodes with several of its ranks on
+// each (collectives.h, dp_node_split); compression is of its inter-node hop.
+void check_dp_reduction(const Plan& p) {
+  if (p.dp_reduction == DpReduction::hierarchical) {
+    const NodeSplit split = dp_node_split(p.cluster, p.mesh.pp, p.mesh.dp, p.mesh.tp);
+    if (!split.hierarchical_possible()) {
+      const int64_t n = p.cluster.nodes;
+      throw ValidationError(
+          "dp_reduction",
+          "hierarchical needs the dp group to span nodes with >1 rank per node; dp=" + str(p.mesh.dp) +
+              " tp=" + str(p.mesh.tp) + " on " +
+              (split.nodes == 1 ? std::string("1 node") : str(split.nodes) + " nodes") + " of " +
+              str(p.cluster.devices_per_node) + " devices (" + str(split.ranks_per_node) +
+              " dp rank" + (split.ranks_per_node == 1 ? "" : "s") + " per node; the cluster has " +
+              str(n) + " node" + (n == 1 ? "" : "s") + ")");
+    }
+  }
+  if (p.inter_node_compression != Compression::none && p.dp_reduction != DpReduction::hierarchical) {
+    throw ValidationError("inter_node_compression",
+                          to_string(p.inter_node_compression) +
+                              " compresses the inter-node hop of a hierarchical dp reduction; needs "
+                              "dp_reduction hierarchical, got " + to_string(p.dp_reduction));
+  }
 }
 
 // tp must divide `value` (0 = no constraint); `what` is "heads", `owner` names the layer.
@@ -277,7 +303,7 @@ void check_prediction(const Plan& p) {
           {"memory.optimizer", r.memory.optimizer}, {"memory.activations", r.memory.activations},
           {"memory.buffers", r.memory.buffers}, {"busy_s", r.busy_s}, {"idle_s", r.idle_s},
           {"bytes_sent.dp", r.dp_bytes}, {"bytes_sent.tp", r.tp_bytes}, {"bytes_sent.pp", r.pp_bytes},
-          {"bytes_sent.ends", r.ends_bytes}}) {
+          {"bytes_sent.ends", r.ends_bytes}, {"bytes_sent.dp_inter_node", r.dp_inter_node_bytes}}) {
       check(at + name, value);
     }
   }
@@ -294,6 +320,7 @@ void validate(const Plan& plan) {
   check_batch(plan);
   check_schedule(plan);
   check_options(plan);
+  check_dp_reduction(plan);
   check_stages(plan);
   check_layer_names(plan);
   for (size_t i = 0; i < plan.layers.size(); ++i) check_layer(plan, i);

@@ -175,8 +175,17 @@ std::string mesh_section(const Plan& plan) {
   const std::pair<const char*, Axis> axes[] = {{"pp", Axis::pp}, {"dp", Axis::dp}, {"tp", Axis::tp}};
   for (const auto& [name, axis] : axes) {
     const int64_t size = axis == Axis::pp ? m.pp : axis == Axis::dp ? m.dp : m.tp;
-    o << "<tr><td>" << name << "</td><td class=\"n\">" << size << "</td><td>"
-      << esc(link_text(axis_link(c, m.pp, m.dp, m.tp, axis))) << "</td></tr>";
+    std::string link = link_text(axis_link(c, m.pp, m.dp, m.tp, axis));
+    if (axis == Axis::dp && plan.dp_reduction == DpReduction::hierarchical) {
+      const NodeSplit split = dp_node_split(c, m.pp, m.dp, m.tp);
+      link = "hierarchical: " + std::to_string(split.ranks_per_node) + " ranks per node (intra-node) x " +
+             std::to_string(split.nodes) + " nodes (inter-node" +
+             (plan.inter_node_compression != Compression::none
+                  ? ", " + to_string(plan.inter_node_compression) + " compressed"
+                  : std::string()) +
+             ")";
+    }
+    o << "<tr><td>" << name << "</td><td class=\"n\">" << size << "</td><td>" << esc(link) << "</td></tr>";
   }
   o << "</table>";
   const int64_t world = m.world_size();
@@ -706,10 +715,16 @@ std::string time_section(const Plan& plan) {
     const RankPrediction& q = ranks[r];
     const double bytes[] = {q.dp_bytes, q.tp_bytes, q.pp_bytes + q.ends_bytes};
     double intra = 0, inter = 0, seconds = 0;
-    for (int a = 0; a < 3; ++a) {
+    for (int a = 1; a < 3; ++a) {
       (links[a].inter_node ? inter : intra) += bytes[a];
       if (bytes[a] > 0) seconds += bytes[a] / links[a].bytes_per_s;
     }
+    // dp: the part that crosses nodes is recorded (a hierarchical reduction uses both links).
+    const double dp_inter = std::min(q.dp_inter_node_bytes, q.dp_bytes), dp_intra = q.dp_bytes - dp_inter;
+    intra += dp_intra;
+    inter += dp_inter;
+    if (dp_intra > 0) seconds += dp_intra / c.intra_node_bytes_per_s;
+    if (dp_inter > 0) seconds += dp_inter / c.inter_node_bytes_per_s;
     o << "<tr><td>" << r << "</td>";
     for (double b : bytes) o << "<td class=\"n\">" << esc(format_bytes(b)) << "</td>";
     o << "<td class=\"n\">" << esc(format_bytes(intra)) << "</td><td class=\"n\">" << esc(format_bytes(inter))

@@ -461,12 +461,27 @@ class Searcher {
     }
     Candidate c;
     c.plan = make_plan(l, *partition);
-    const auto prediction =
-        predict_if_faster(graph_, c.plan, &sims_, over ? kInf : prune_threshold(mesh), &estimator_);
+    // The dp reductions change no memory: the fastest of them is the layout's (the first on
+    // a tie, flat before hierarchical before compressed).
+    std::optional<Prediction> prediction;
+    std::pair<DpReduction, Compression> chosen{DpReduction::flat, Compression::none};
+    double threshold = over ? kInf : prune_threshold(mesh);
+    for (const auto& option : dp_reductions(l)) {
+      c.plan.dp_reduction = option.first;
+      c.plan.inter_node_compression = option.second;
+      auto scored = predict_if_faster(graph_, c.plan, &sims_, threshold, &estimator_);
+      if (scored && (!prediction || scored->step_time_s < prediction->step_time_s)) {
+        prediction = std::move(scored);
+        chosen = option;
+        threshold = std::min(threshold, prediction->step_time_s);
+      }
+    }
     if (!prediction) {
       ++stats_.pruned;
       return;
     }
+    c.plan.dp_reduction = chosen.first;
+    c.plan.inter_node_compression = chosen.second;
     c.plan.prediction = *prediction;
     c.over_memory = over || c.plan.prediction.memory_bytes_per_device > limit;
     c.key = c.plan.summary();
@@ -480,6 +495,20 @@ class Searcher {
     }
     auto [it, inserted] = best_per_mesh_.emplace(mesh, c);
     if (!inserted && better(c, it->second)) it->second = std::move(c);
+  }
+
+  // The dp reductions to score for a layout: flat; and where the training config allows it and
+  // the dp group spans nodes with more than one of its ranks on each, hierarchical, plain and
+  // with the one lossy compression the config allows.
+  std::vector<std::pair<DpReduction, Compression>> dp_reductions(const Layout& l) const {
+    std::vector<std::pair<DpReduction, Compression>> out = {{DpReduction::flat, Compression::none}};
+    if (!training_.allow_hierarchical_dp || l.dp <= 1) return out;
+    if (!dp_node_split(cluster_, l.pp, l.dp, l.tp).hierarchical_possible()) return out;
+    out.push_back({DpReduction::hierarchical, Compression::none});
+    if (training_.inter_node_compression != Compression::none) {
+      out.push_back({DpReduction::hierarchical, training_.inter_node_compression});
+    }
+    return out;
   }
 
   std::optional<Partition> partition_for(const Layout& l, const std::vector<LayerCost>& costs,
@@ -548,6 +577,8 @@ class Searcher {
     plan.recompute = l.recompute;
     plan.sequence_parallel = l.sequence_parallel;
     plan.dp_bucket_bytes = training_.dp_bucket_bytes;
+    plan.dp_reduction = l.dp_reduction;
+    plan.inter_node_compression = l.inter_node_compression;
     for (size_t i = 0; i < graph_.layers.size(); ++i) {
       const Layer& layer = graph_.layers[i];
       LayerPlacement lp;
@@ -592,7 +623,7 @@ class Searcher {
     for (const AxisBytes& r : bytes_per_step(graph_, plan)) {
       // The ends' all-reduce runs between the first and last pipeline rank: the pp link.
       const double slow = m.slow_link_inter_node
-                              ? (inter[0] ? r.pp + r.ends : 0) + (inter[1] ? r.dp : 0) + (inter[2] ? r.tp : 0)
+                              ? (inter[0] ? r.pp + r.ends : 0) + r.dp_inter_node + (inter[2] ? r.tp : 0)
                               : r.total();
       m.slow_link_bytes = std::max(m.slow_link_bytes, slow);
     }

@@ -15,6 +15,8 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   const size_t n = plan.layers.size();
   validate(plan, graph);  // stages in range and non-empty, the plan made for this graph
   std::vector<AxisBytes> out(pp);
+  const DpGroup group = dp_group(plan.cluster, pp, d, plan.mesh.tp, plan.dp_reduction,
+                                 plan.inter_node_compression);
 
   std::vector<int64_t> first(stages, -1), last(stages, -1);
   for (size_t i = 0; i < n; ++i) {
@@ -55,17 +57,25 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
     }
     const double engine = units + root;
     if (d > 1) {
-      auto ring = [d](Collective c, double bytes) { return ring_bytes_per_rank(c, bytes, d); };
+      auto bytes = [&](Collective c, double size, double element_bytes) {
+        return group.bytes_per_rank(c, size, element_bytes);
+      };
+      auto sum = [](const LevelBytes& x, const LevelBytes& y, double times = 1) {
+        return LevelBytes{times * (x.intra + y.intra), times * (x.inter + y.inter)};
+      };
+      const double g = training.grad_bytes, w = training.param_bytes;
+      LevelBytes dp;
       if (plan.zero_stage == 0) {
-        b.dp += ring(Collective::all_reduce, engine * training.grad_bytes);
+        dp = bytes(Collective::all_reduce, engine * g, g);
       } else if (plan.zero_stage <= 2) {
-        b.dp += ring(Collective::reduce_scatter, engine * training.grad_bytes) +
-                ring(Collective::all_gather, engine * training.param_bytes);
+        dp = sum(bytes(Collective::reduce_scatter, engine * g, g), bytes(Collective::all_gather, engine * w, w));
       } else {
-        b.dp += m * (ring(Collective::all_gather, (2 * units + root) * training.param_bytes) +
-                     ring(Collective::reduce_scatter, engine * training.grad_bytes));
+        dp = sum(bytes(Collective::all_gather, (2 * units + root) * w, w),
+                 bytes(Collective::reduce_scatter, engine * g, g), m);
       }
-      b.dp += ring(Collective::all_reduce, tied * training.grad_bytes);
+      dp = sum(dp, bytes(Collective::all_reduce, tied * g, g));
+      b.dp += dp.total();
+      b.dp_inter_node += dp.inter;
     }
     if (tied > 0) b.ends = ring_bytes_per_rank(Collective::all_reduce, tied * training.grad_bytes, 2);
     for (int64_t s = r; s < stages; s += pp) {
@@ -85,6 +95,7 @@ void add_traffic(const ModelGraph& graph, Plan& plan) {
     ranks[r].tp_bytes = bytes[r].tp;
     ranks[r].pp_bytes = bytes[r].pp;
     ranks[r].ends_bytes = bytes[r].ends;
+    ranks[r].dp_inter_node_bytes = bytes[r].dp_inter_node;
   }
 }
 

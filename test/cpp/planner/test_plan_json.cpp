@@ -213,8 +213,12 @@ TEST_CASE("plan JSON writes keys in schema order", "[plan_json]") {
   CHECK(keys == std::vector<std::string>{
                     "version", "model", "cluster", "training", "mesh", "zero_stage",
                     "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
-                    "recompute", "sequence_parallel", "dp_bucket_bytes", "layers", "prediction",
-                    "alternatives"});
+                    "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
+                    "inter_node_compression", "layers", "prediction", "alternatives"});
+  CHECK(j["dp_reduction"] == "flat");
+  CHECK(j["inter_node_compression"] == "none");
+  CHECK(j["training"]["allow_hierarchical_dp"] == true);
+  CHECK(j["training"]["inter_node_compression"] == "none");
   CHECK(j["mesh"]["order"] == Json::array({"pp", "dp", "tp"}));
   CHECK(j["schedule"] == "1f1b");
   CHECK(j["layers"][0]["kind"] == "embedding");

@@ -90,6 +90,9 @@ struct Layout {
   int64_t virtual_stages = 1;
   Recompute recompute = Recompute::none;
   bool sequence_parallel = false;
+  // How the dp collectives run (collectives.h, DpGroup); no effect on memory.
+  DpReduction dp_reduction = DpReduction::flat;
+  Compression inter_node_compression = Compression::none;
 };
 
 std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,

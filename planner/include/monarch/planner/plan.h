@@ -64,6 +64,9 @@ struct RankPrediction {
   double idle_s = 0;  // waiting within the simulated step (bubble and transfers)
   // Bytes this rank sends per optimizer step on each mesh axis (traffic.h).
   double dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, ends_bytes = 0;
+  // The part of dp_bytes sent over the inter-node link: all of it when a flat dp group spans
+  // nodes, none when it stays on one node, the cross-node hop under a hierarchical reduction.
+  double dp_inter_node_bytes = 0;
   bool operator==(const RankPrediction& o) const;
 };
 
@@ -114,6 +117,10 @@ struct Plan {
   Recompute recompute = Recompute::none;
   bool sequence_parallel = false;
   double dp_bucket_bytes = 25.0 * 1024 * 1024;
+  // How the dp axis reduces (training_config.h): hierarchical needs the dp group to span
+  // nodes with more than one of its ranks per node; compression needs hierarchical.
+  DpReduction dp_reduction = DpReduction::flat;
+  Compression inter_node_compression = Compression::none;
   std::vector<LayerPlacement> layers;
   // Embedding tables of a recommendation model, sharded over all the plan's ranks (absent for
   // models without them).

@@ -17,6 +17,9 @@ struct AxisBytes {
   double tp = 0;    // Megatron's all-reduces (or all-gather + reduce-scatter with SP)
   double pp = 0;    // activations sent downstream and gradients sent upstream
   double ends = 0;  // all-reduce of weights tied between the pipeline's first and last rank
+  // The part of `dp` sent over the inter-node link (DpGroup::bytes_per_rank): all of it when a
+  // flat dp group spans nodes, none on one node, the cross-node hop of a hierarchical reduction.
+  double dp_inter_node = 0;
   double total() const { return dp + tp + pp + ends; }
 };
 
@@ -37,7 +40,10 @@ struct AxisBytes {
 //   pp:           per micro-batch, each stage's output to the next stage and the gradient of
 //                 its input to the previous one (stage_p2p_bytes)
 // Gradients travel at grad_bytes, gathered parameters at param_bytes; padding of shards is
-// not counted.
+// not counted. Under plan.dp_reduction = hierarchical each dp collective is the two-level
+// decomposition of collectives.h (hierarchical_bytes_per_rank): dp is the sum of both levels
+// (what the rank's dp communicator sends), dp_inter_node the cross-node part, compressed
+// as plan.inter_node_compression says (all-reduces only).
 std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan);
 
 // Writes bytes_per_step into plan.prediction.ranks (one entry per pipeline rank, as

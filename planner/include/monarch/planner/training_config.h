@@ -19,6 +19,21 @@ enum class Recompute { none, selective, full };
 std::string to_string(Recompute r);
 Recompute recompute_from_string(const std::string& name, const std::string& field = "recompute");
 
+// How the data-parallel axis reduces gradients (collectives.h, DpGroup; docs/cost_model.md,
+// "Hierarchical data-parallel reduction"). flat: one ring over the whole dp group.
+// hierarchical: reduce-scatter among the group's ranks on one node, all-reduce of each 1/L
+// shard across the nodes (ranks with the same local index), all-gather inside the node.
+enum class DpReduction { flat, hierarchical };
+std::string to_string(DpReduction r);
+DpReduction dp_reduction_from_string(const std::string& name, const std::string& field = "dp_reduction");
+
+// Lossy compression of the inter-node hop of a hierarchical all-reduce: none, bf16 (2 bytes
+// per value), int8 (1 byte per value plus one fp32 scale per block of 256 values).
+enum class Compression { none, bf16, int8 };
+std::string to_string(Compression c);
+Compression compression_from_string(const std::string& name,
+                                    const std::string& field = "inter_node_compression");
+
 // Choices a user fixes; unset ones are searched.
 struct Pins {
   std::optional<int64_t> tp, pp, dp, zero_stage, micro_batch_size, virtual_stages;
@@ -50,6 +65,12 @@ struct TrainingConfig {
                                          ScheduleKind::zero_bubble_h1};
   int64_t max_micro_batch_size = 64;
   double dp_bucket_bytes = 25.0 * 1024 * 1024;  // DDP's default bucket_cap_mb = 25
+  // The search may reduce the dp axis hierarchically where the dp group spans nodes with more
+  // than one of its ranks per node, when that is predicted faster (it changes no memory).
+  bool allow_hierarchical_dp = true;
+  // The lossy compression the search may use on the inter-node hop of a hierarchical
+  // all-reduce (it then compares it with none and keeps the faster); none: never compressed.
+  Compression inter_node_compression = Compression::none;
   bool operator==(const TrainingConfig& o) const;
 };
 
