@@ -4,8 +4,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "monarch/kernels/adamw.h"
+#include "monarch/kernels/cross_entropy.h"
+#include "monarch/kernels/pack.h"
 #include "monarch/kernels/quantize.h"
 
 namespace mk = monarch::kernels;
@@ -180,4 +184,274 @@ TEST_CASE("int8 error feedback: the running mean of dequantized values converges
   const float dev_plain = ((sum_plain / steps) - x).abs().max().item<float>();
   INFO("with feedback " << dev_fb << ", without " << dev_plain);
   CHECK(dev_plain > 20 * dev_fb);
+}
+
+// ---- bf16 conversion and bucket pack/unpack ----------------------------------------------------
+
+namespace {
+
+at::Tensor bits_as_bf16(const at::Tensor& u16) {  // int16 tensor of bf16 bit patterns
+  return u16.view(at::kBFloat16);
+}
+
+mk::DType kdtype(at::ScalarType t) { return t == at::kFloat ? mk::DType::Float32 : mk::DType::BFloat16; }
+
+}  // namespace
+
+TEST_CASE("bf16 conversion matches c10::BFloat16 bit for bit, NaN preserved", "[kernels][pack]") {
+  at::manual_seed(4);
+  std::vector<float> special = {0.0f, -0.0f, 1.0f, -1.0f, 1.00390625f /* tie */, 1.01171875f,
+                                3.4028235e38f, -3.4028235e38f, 1e-40f, -1e-45f,
+                                std::numeric_limits<float>::infinity(),
+                                -std::numeric_limits<float>::infinity(),
+                                std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()};
+  at::Tensor x = at::cat({at::from_blob(special.data(), {(int64_t)special.size()}, at::kFloat).clone(),
+                          randn(5000, 100.0), randn(3000, 1e-3),
+                          // every tie pattern: low 16 bits 0x8000 with both parities of bit 16
+                          (at::randint(0, 1 << 15, {2000}, at::kInt) * 65536 + 0x8000).view(at::kFloat)});
+  const int64_t n = x.numel();
+  at::Tensor got = at::empty({n}, at::kShort);
+  mk::float_to_bf16_cpu(x.data_ptr<float>(), reinterpret_cast<uint16_t*>(got.data_ptr<int16_t>()), n);
+  at::Tensor ref = x.to(at::kBFloat16);
+  at::Tensor nan = x.isnan();
+  CHECK(at::equal(bits_as_bf16(got).isnan(), nan));
+  CHECK(at::equal(got.masked_select(~nan), ref.view(at::kShort).masked_select(~nan)));
+  CHECK(at::equal(got.masked_select(nan), at::full({nan.sum().item<int64_t>()}, 0x7FC0, at::kShort)));
+  at::Tensor back = at::empty({n}, at::kFloat);
+  mk::bf16_to_float_cpu(reinterpret_cast<const uint16_t*>(got.data_ptr<int16_t>()), back.data_ptr<float>(), n);
+  CHECK(at::equal(back.masked_select(~nan), ref.to(at::kFloat).masked_select(~nan)));
+  CHECK(back.isnan().equal(nan));
+}
+
+TEST_CASE("bucket pack/unpack match at::cat / .to with scale, both wire dtypes", "[kernels][pack]") {
+  at::manual_seed(5);
+  for (auto wire_t : {at::kFloat, at::kBFloat16}) {
+    for (std::vector<int64_t> sizes : {std::vector<int64_t>{}, {0}, {1}, {7, 0, 13}, {1000, 1, 257, 3, 4099}}) {
+      INFO("wire " << wire_t << " tensors " << sizes.size());
+      std::vector<at::Tensor> src;
+      std::vector<mk::PackSource> ps;
+      int64_t i = 0;
+      for (int64_t n : sizes) {
+        at::Tensor t = randn(n, 5.0);
+        if (i++ % 2) t = t.to(at::kBFloat16);
+        src.push_back(t);
+        ps.push_back({t.data_ptr(), n, kdtype(t.scalar_type())});
+      }
+      const float scale = 0.125f + 1.0f / 3.0f;
+      const int64_t total = mk::bucket_numel(ps.data(), (int64_t)ps.size());
+      at::Tensor wire = at::empty({total}, wire_t);
+      mk::bucket_pack_cpu(ps.data(), (int64_t)ps.size(), wire.data_ptr(), kdtype(wire_t), scale);
+      std::vector<at::Tensor> scaled;
+      for (auto& t : src) scaled.push_back(t.to(at::kFloat) * scale);
+      at::Tensor ref = scaled.empty() ? at::empty({0}, wire_t) : at::cat(scaled).to(wire_t);
+      REQUIRE(total == ref.numel());
+      CHECK(at::equal(wire, ref));
+      // unpack into fresh tensors (plain) and into existing ones (accumulate)
+      for (bool accumulate : {false, true}) {
+        std::vector<at::Tensor> dst;
+        std::vector<mk::UnpackDest> ds;
+        for (auto& t : src) {
+          at::Tensor d = randn(t.numel()).to(t.scalar_type());
+          dst.push_back(d);
+          ds.push_back({d.data_ptr(), d.numel(), kdtype(d.scalar_type())});
+        }
+        std::vector<at::Tensor> before;
+        for (auto& d : dst) before.push_back(d.clone());
+        const float uscale = 0.5f;
+        mk::bucket_unpack_cpu(wire.data_ptr(), kdtype(wire_t), ds.data(), (int64_t)ds.size(), uscale, accumulate);
+        int64_t off = 0;
+        for (size_t k = 0; k < dst.size(); ++k) {
+          at::Tensor v = wire.narrow(0, off, dst[k].numel()).to(at::kFloat) * uscale;
+          at::Tensor expect = (accumulate ? before[k].to(at::kFloat) + v : v).to(dst[k].scalar_type());
+          CHECK(at::equal(dst[k], expect));
+          off += dst[k].numel();
+        }
+      }
+    }
+  }
+}
+
+// ---- AdamW -------------------------------------------------------------------------------------
+
+TEST_CASE("fused AdamW matches torch::optim::AdamW over several steps, bf16 copies exact",
+          "[kernels][adamw]") {
+  at::manual_seed(6);
+  const std::vector<int64_t> sizes = {1, 0, 17, 1000, 4099};
+  for (double wd : {0.0, 0.1}) {
+    std::vector<at::Tensor> ref_params, p, m, v, out;
+    for (int64_t n : sizes) {
+      at::Tensor t = randn(n);
+      ref_params.push_back(t.clone().requires_grad_(true));
+      p.push_back(t.clone());
+      m.push_back(at::zeros({n}));
+      v.push_back(at::zeros({n}));
+      out.push_back(at::zeros({n}, at::kShort));
+    }
+    torch::optim::AdamWOptions opts(3e-2);
+    opts.betas({0.9, 0.95}).eps(1e-8).weight_decay(wd);
+    torch::optim::AdamW opt(ref_params, opts);
+    mk::AdamWHyper h;
+    h.lr = 3e-2f;
+    h.beta1 = 0.9f;
+    h.beta2 = 0.95f;
+    h.eps = 1e-8f;
+    h.weight_decay = static_cast<float>(wd);
+    for (int step = 1; step <= 6; ++step) {
+      std::vector<at::Tensor> g;
+      for (int64_t n : sizes) g.push_back(randn(n, step % 2 ? 1.0 : 1e-3));
+      for (size_t k = 0; k < sizes.size(); ++k) ref_params[k].mutable_grad() = g[k].clone();
+      opt.step();
+      std::vector<float*> pp, mp, vp;
+      std::vector<const float*> gp;
+      std::vector<uint16_t*> op;
+      std::vector<int64_t> counts;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        pp.push_back(p[k].data_ptr<float>());
+        gp.push_back(g[k].data_ptr<float>());
+        mp.push_back(m[k].data_ptr<float>());
+        vp.push_back(v[k].data_ptr<float>());
+        // tensor 2 without a bf16 copy
+        op.push_back(k == 2 ? nullptr : reinterpret_cast<uint16_t*>(out[k].data_ptr<int16_t>()));
+        counts.push_back(sizes[k]);
+      }
+      h.step = step;
+      mk::adamw_cpu(pp.data(), gp.data(), mp.data(), vp.data(), op.data(), counts.data(),
+                    (int64_t)sizes.size(), h);
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        INFO("wd " << wd << " step " << step << " tensor " << k);
+        at::Tensor r = ref_params[k].detach();
+        auto& st = static_cast<torch::optim::AdamWParamState&>(
+            *opt.state().at(c10::guts::to_string(ref_params[k].unsafeGetTensorImpl())));
+        CHECK(at::allclose(p[k], r, 1e-6, 1e-7));
+        CHECK(at::allclose(m[k], st.exp_avg(), 1e-6, 1e-7));  // ulps of terms that cancel
+        CHECK(at::allclose(v[k], st.exp_avg_sq(), 1e-6, 1e-12));
+        if (k == 2)
+          CHECK(out[k].abs().sum().item<int64_t>() == 0);
+        else
+          CHECK(at::equal(out[k].view(at::kBFloat16), p[k].to(at::kBFloat16)));
+      }
+    }
+    // no bf16 copies at all
+    std::vector<float*> pp = {p[4].data_ptr<float>()}, mp = {m[4].data_ptr<float>()}, vp = {v[4].data_ptr<float>()};
+    at::Tensor g = randn(sizes[4]);
+    std::vector<const float*> gp = {g.data_ptr<float>()};
+    h.step = 7;
+    mk::adamw_cpu(pp.data(), gp.data(), mp.data(), vp.data(), nullptr, &sizes[4], 1, h);
+    CHECK(p[4].isfinite().all().item<bool>());
+  }
+}
+
+TEST_CASE("fused AdamW follows the formula with at:: ops exactly (one step, odd hyperparameters)",
+          "[kernels][adamw]") {
+  at::manual_seed(7);
+  const int64_t n = 1013;
+  at::Tensor p = randn(n), g = randn(n), m = randn(n, 0.1), v = randn(n, 0.1).abs();
+  mk::AdamWHyper h;
+  h.lr = 1e-3f;
+  h.beta1 = 0.8f;
+  h.beta2 = 0.99f;
+  h.eps = 1e-6f;
+  h.weight_decay = 0.05f;
+  h.step = 11;
+  const double bc1 = 1 - std::pow(double(h.beta1), 11.0), bc2 = 1 - std::pow(double(h.beta2), 11.0);
+  at::Tensor rp = p.clone().mul_(1 - double(h.lr) * double(h.weight_decay));
+  at::Tensor rm = m.clone().mul_(double(h.beta1)).add_(g, 1 - double(h.beta1));
+  at::Tensor rv = v.clone().mul_(double(h.beta2)).addcmul_(g, g, 1 - double(h.beta2));
+  at::Tensor denom = (rv.sqrt() / std::sqrt(bc2)).add_(double(h.eps));
+  rp.addcdiv_(rm, denom, -double(h.lr) / bc1);
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  mk::adamw_cpu(&pp, &gp, &mp, &vp, nullptr, &n, 1, h);
+  CHECK(at::allclose(p, rp, 1e-6, 1e-8));
+  CHECK(at::allclose(m, rm, 1e-6, 1e-9));
+  CHECK(at::allclose(v, rv, 1e-6, 1e-9));
+}
+
+// ---- vocab-parallel cross-entropy ----------------------------------------------------------------
+
+TEST_CASE("vocab-parallel cross-entropy over 1-3 shards matches at::cross_entropy_loss and autograd",
+          "[kernels][cross_entropy]") {
+  at::manual_seed(8);
+  const int64_t vocab = 1009;  // prime
+  for (int64_t rows : {1, 5, 37}) {
+    for (std::vector<int64_t> shard_sizes : {std::vector<int64_t>{vocab}, {500, 509}, {331, 1, 677}}) {
+      INFO("rows " << rows << " shards " << shard_sizes.size());
+      at::Tensor logits = randn(rows * vocab, 4.0).view({rows, vocab});
+      at::Tensor targets = at::randint(0, vocab, {rows}, at::kLong);
+      if (rows > 1) targets[1] = mk::kIgnoreIndex;
+      if (rows > 2) targets[2] = shard_sizes.size() > 1 ? shard_sizes[0] : 0;  // first id of a shard
+      if (rows > 3) targets[3] = vocab - 1;
+      const int64_t valid = (targets != mk::kIgnoreIndex).sum().item<int64_t>();
+      const float grad_scale = 1.0f / static_cast<float>(std::max<int64_t>(valid, 1));
+      // reference: mean loss over non-ignored rows, per-row losses, and autograd's gradient
+      at::Tensor lref = logits.clone().requires_grad_(true);
+      at::Tensor per_row = at::cross_entropy_loss(lref, targets, {}, at::Reduction::None, mk::kIgnoreIndex);
+      at::Tensor mean = at::cross_entropy_loss(lref, targets, {}, at::Reduction::Mean, mk::kIgnoreIndex);
+      mean.backward();
+      at::Tensor grad_ref = lref.grad();
+      // the split: pass 1 per shard, MAX "all-reduce", pass 2 per shard, SUM "all-reduce", pass 3
+      std::vector<at::Tensor> shards;
+      std::vector<int64_t> starts;
+      int64_t start = 0;
+      for (int64_t s : shard_sizes) {
+        shards.push_back(logits.narrow(1, start, s).contiguous());
+        starts.push_back(start);
+        start += s;
+      }
+      at::Tensor gmax = at::full({rows}, -std::numeric_limits<float>::infinity());
+      for (auto& sh : shards) {
+        at::Tensor lm = at::empty({rows});
+        mk::ce_local_max_cpu(sh.data_ptr<float>(), rows, sh.size(1), lm.data_ptr<float>());
+        CHECK(at::equal(lm, std::get<0>(sh.max(1))));
+        gmax = at::maximum(gmax, lm);
+      }
+      at::Tensor gsum = at::zeros({rows}), gtarget = at::zeros({rows});
+      for (size_t k = 0; k < shards.size(); ++k) {
+        at::Tensor se = at::empty({rows}), tl = at::empty({rows});
+        mk::ce_local_sumexp_cpu(shards[k].data_ptr<float>(), targets.data_ptr<int64_t>(), rows,
+                                shards[k].size(1), starts[k], gmax.data_ptr<float>(),
+                                se.data_ptr<float>(), tl.data_ptr<float>());
+        CHECK(at::allclose(se, (shards[k] - gmax.unsqueeze(1)).exp().sum(1), 1e-5, 1e-7));
+        gsum += se;
+        gtarget += tl;
+      }
+      at::Tensor loss_total = at::zeros({rows});
+      std::vector<at::Tensor> grads;
+      for (size_t k = 0; k < shards.size(); ++k) {
+        at::Tensor loss = at::empty({rows});
+        const bool in_place = k % 2 == 1;
+        at::Tensor grad = in_place ? shards[k].clone() : at::empty_like(shards[k]);
+        mk::ce_loss_grad_cpu(shards[k].data_ptr<float>(), targets.data_ptr<int64_t>(), rows,
+                             shards[k].size(1), starts[k], gmax.data_ptr<float>(), gsum.data_ptr<float>(),
+                             gtarget.data_ptr<float>(), grad_scale, mk::kIgnoreIndex, loss.data_ptr<float>(),
+                             in_place ? grad.data_ptr<float>() : grad.data_ptr<float>());
+        if (in_place) {
+          // in place: the logits buffer itself becomes the gradient
+          at::Tensor buf = shards[k].clone();
+          mk::ce_loss_grad_cpu(buf.data_ptr<float>(), targets.data_ptr<int64_t>(), rows, buf.size(1),
+                               starts[k], gmax.data_ptr<float>(), gsum.data_ptr<float>(),
+                               gtarget.data_ptr<float>(), grad_scale, mk::kIgnoreIndex, nullptr,
+                               buf.data_ptr<float>());
+          CHECK(at::equal(buf, grad));
+        }
+        if (k == 0) loss_total = loss;
+        else CHECK(at::equal(loss, loss_total));  // every rank computes the same loss
+        grads.push_back(grad);
+      }
+      CHECK(at::allclose(loss_total, per_row.detach(), 1e-5, 1e-5));
+      CHECK(at::allclose(loss_total.sum() * grad_scale, mean.detach(), 1e-5, 1e-6));
+      at::Tensor grad = at::cat(grads, 1);
+      CHECK(at::allclose(grad, grad_ref, 1e-5, 1e-7));
+      if (rows > 1) {
+        CHECK(loss_total[1].item<float>() == 0.0f);
+        CHECK(grad[1].abs().sum().item<float>() == 0.0f);
+      }
+    }
+  }
+  // rows = 0: nothing read or written
+  mk::ce_local_max_cpu(nullptr, 0, 10, nullptr);
+  mk::ce_local_sumexp_cpu(nullptr, nullptr, 0, 10, 0, nullptr, nullptr, nullptr);
+  mk::ce_loss_grad_cpu(nullptr, nullptr, 0, 10, 0, nullptr, nullptr, nullptr, 1.0f, -100, nullptr, nullptr);
 }
