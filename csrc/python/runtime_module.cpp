@@ -449,7 +449,17 @@ PYBIND11_MODULE(_runtime, m) {
       .def("coordinate", &DeviceMesh::coordinate)
       .def("group", &DeviceMesh::group, py::return_value_policy::reference_internal)
       .def_property_readonly("has_pipeline_ends_group", &DeviceMesh::has_pipeline_ends_group)
-      .def("pipeline_ends_group", &DeviceMesh::pipeline_ends_group, py::return_value_policy::reference_internal);
+      .def("pipeline_ends_group", &DeviceMesh::pipeline_ends_group, py::return_value_policy::reference_internal)
+      .def_property_readonly("ranks_per_node", &DeviceMesh::ranks_per_node)
+      .def(
+          "node_groups",
+          [](DeviceMesh& d, const std::string& axis) {
+            py::gil_scoped_release release;
+            NodeGroups& g = d.node_groups(axis);
+            return std::make_pair(g.intra.get(), g.inter.get());
+          },
+          py::arg("axis"), py::return_value_policy::reference_internal,
+          "(intra, inter): the axis's group split by node (collective the first time)");
 
   m.def(
       "crc32c",
@@ -475,7 +485,15 @@ PYBIND11_MODULE(_runtime, m) {
       .def(py::init<>())
       .def_readwrite("bucket_bytes", &DataParallelOptions::bucket_bytes)
       .def_readwrite("broadcast_from_root", &DataParallelOptions::broadcast_from_root)
-      .def_readwrite("bf16_compression", &DataParallelOptions::bf16_compression);
+      .def_readwrite("bf16_compression", &DataParallelOptions::bf16_compression)
+      .def_readwrite("hierarchical", &DataParallelOptions::hierarchical)
+      .def_property(
+          "inter_node_compression",
+          [](const DataParallelOptions& o) { return to_string(o.inter_node_compression); },
+          [](DataParallelOptions& o, const std::string& name) {
+            o.inter_node_compression = wire_compression_from_name(name, "inter_node_compression");
+          },
+          "'none', 'bf16' or 'int8' (the slow hop of a hierarchical reduction)");
 
   // The engine keeps a reference to the mesh's group: keep_alive ties the mesh's lifetime
   // to the engine's.
@@ -484,8 +502,9 @@ PYBIND11_MODULE(_runtime, m) {
                        std::shared_ptr<DeviceMesh> mesh, const std::string& axis,
                        DataParallelOptions options) {
              py::gil_scoped_release release;
+             NodeGroups* nodes = options.hierarchical ? &mesh->node_groups(axis) : nullptr;
              return std::make_unique<DataParallelEngine>(std::move(params), std::move(buffers),
-                                                         mesh->group(axis), options);
+                                                         mesh->group(axis), options, nodes);
            }),
            py::arg("params"), py::arg("buffers"), py::arg("mesh"), py::arg("axis") = "dp",
            py::arg("options") = DataParallelOptions(), py::keep_alive<1, 4>())

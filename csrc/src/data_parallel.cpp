@@ -20,19 +20,32 @@ int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.
 }  // namespace
 
 DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
-                                       Communicator& group, DataParallelOptions options)
-    : params_(std::move(params)), group_(group), options_(options) {
+                                       Communicator& group, DataParallelOptions options, NodeGroups* nodes)
+    : params_(std::move(params)), group_(group), options_(options), nodes_(nodes) {
   TORCH_CHECK(options_.bucket_bytes > 0, "monarch::DataParallel: bucket_bytes must be > 0");
+  TORCH_CHECK(!options_.hierarchical || nodes_ != nullptr,
+              "monarch::DataParallel: a hierarchical reduction needs the group's node groups (DeviceMesh::node_groups)");
+  TORCH_CHECK(options_.hierarchical || options_.inter_node_compression == WireCompression::none,
+              "monarch::DataParallel: inter_node_compression='", to_string(options_.inter_node_compression),
+              "' compresses the slow hop of a hierarchical reduction: it needs dp_reduction='hierarchical'");
+  TORCH_CHECK(!(options_.hierarchical && options_.bf16_compression),
+              "monarch::DataParallel: gradient_compression='bf16' compresses the flat all-reduce; with a hierarchical "
+              "reduction use inter_node_compression='bf16' instead");
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].requires_grad(), "monarch::DataParallel: parameter ", i,
                 " does not require grad");
     TORCH_CHECK(params_[i].is_floating_point(), "monarch::DataParallel: parameter ", i,
                 " is not floating point");
+    TORCH_CHECK(!options_.hierarchical || params_[i].scalar_type() == at::kFloat, "monarch::DataParallel: parameter ",
+                i, " is ", params_[i].scalar_type(), ": the hierarchical reduction takes fp32 gradients");
   }
   check_same_parameters(params_, group_, "monarch::DataParallel");
   check_same_options({{"bucket_cap_mb", static_cast<double>(options_.bucket_bytes) / (1024.0 * 1024.0)},
                       {"gradient_compression (bf16)", options_.bf16_compression ? 1.0 : 0.0},
-                      {"broadcast_from_rank0", options_.broadcast_from_root ? 1.0 : 0.0}},
+                      {"broadcast_from_rank0", options_.broadcast_from_root ? 1.0 : 0.0},
+                      {"dp_reduction (hierarchical)", options_.hierarchical ? 1.0 : 0.0},
+                      {"inter_node_compression (none 0, bf16 1, int8 2)",
+                       static_cast<double>(options_.inter_node_compression)}},
                      group_, "monarch::DataParallel");
   if (options_.broadcast_from_root) {
     std::vector<at::Tensor> state = params_;
@@ -52,6 +65,10 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
 }
 
 DataParallelEngine::~DataParallelEngine() {
+  // The worker's jobs use the buckets' error feedback: let queued ones finish first.
+  for (auto& b : buckets_) {
+    if (b.reduced.valid()) b.reduced.wait();
+  }
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
@@ -77,7 +94,13 @@ void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
   for (size_t i = 0; i < buckets_.size(); ++i) {
     Bucket& b = buckets_[i];
     const auto& first = params_[b.params.front()];
-    b.flat = at::zeros({bytes[i] / static_cast<int64_t>(first.element_size())}, first.options().requires_grad(false));
+    int64_t numel = bytes[i] / static_cast<int64_t>(first.element_size());
+    // The hierarchical reduce-scatter takes equal chunks: pad with zeros (they stay zero).
+    if (options_.hierarchical) {
+      const int64_t local = nodes_->intra->size();
+      numel = (numel + local - 1) / local * local;
+    }
+    b.flat = at::zeros({numel}, first.options().requires_grad(false));
     if (options_.bf16_compression) {
       b.error = at::zeros_like(b.flat);
       b.wire = at::empty(b.flat.sizes(), b.flat.options().dtype(at::kBFloat16));
@@ -115,7 +138,17 @@ void DataParallelEngine::launch_ready_buckets() {
   Communicator::Phase phase(group_, "DataParallel backward (gradient all-reduce)");
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
-    if (options_.bf16_compression) {
+    if (options_.hierarchical) {
+      // Off this thread, in bucket order (the worker is shared by every engine on the group).
+      NodeGroups* nodes = nodes_;
+      at::Tensor flat = b.flat;
+      ErrorFeedback* feedback = &b.feedback;
+      const WireCompression compression = options_.inter_node_compression;
+      b.reduced = nodes_->worker.submit([nodes, flat, feedback, compression] {
+        at::NoGradGuard no_grad;
+        hierarchical_all_reduce(*nodes->intra, *nodes->inter, flat, compression, *feedback);
+      });
+    } else if (options_.bf16_compression) {
       auto corrected = b.flat + b.error;
       b.wire.copy_(corrected);
       b.error.copy_(corrected - b.wire.to(corrected.scalar_type()));
@@ -144,7 +177,7 @@ void DataParallelEngine::finish_backward() {
   launch_ready_buckets();
   const double n = static_cast<double>(group_.size());
   for (auto& b : buckets_) {
-    b.handle.wait();  // on failure the state stays: the next backward or forward resets it
+    wait_bucket(b);  // on failure the state stays: the next backward or forward resets it
     if (options_.bf16_compression) b.flat.copy_(b.wire);
     b.flat.div_(n);
     for (size_t k : b.params) {
@@ -161,10 +194,19 @@ void DataParallelEngine::finish_backward() {
   reset_backward_state();
 }
 
+void DataParallelEngine::wait_bucket(Bucket& b) {
+  if (b.reduced.valid()) {
+    b.reduced.get();  // rethrows the worker's error
+  } else {
+    b.handle.wait();
+  }
+}
+
 void DataParallelEngine::reset_backward_state() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.handle = Handle();
+    b.reduced = {};
   }
   std::fill(ready_.begin(), ready_.end(), false);
   next_launch_ = 0;
@@ -176,7 +218,7 @@ void DataParallelEngine::recover_if_abandoned() {
   std::string error;
   for (size_t i = 0; i < next_launch_; ++i) {
     try {
-      buckets_[i].handle.wait();
+      wait_bucket(buckets_[i]);
     } catch (const std::exception& e) {
       if (error.empty()) error = e.what();
     }

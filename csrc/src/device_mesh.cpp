@@ -23,7 +23,18 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   // otherwise pair with a real collective).
   const char* checks = std::getenv("MONARCH_CHECK_COLLECTIVES");
   request << " MONARCH_CHECK_COLLECTIVES=" << (checks != nullptr && *checks ? checks : "all");
+  // Ranks per node: part of the agreement, so nodes of different sizes are one clear error.
+  ranks_per_node_ = world_->size();
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr && *local) {
+    char* end = nullptr;
+    const long value = std::strtol(local, &end, 10);
+    TORCH_CHECK(*end == '\0' && value >= 1, "monarch: LOCAL_WORLD_SIZE='", local, "' is not a positive integer");
+    ranks_per_node_ = static_cast<int>(value);
+  }
+  request << " LOCAL_WORLD_SIZE=" << ranks_per_node_;
   world_->agree("mesh", request.str());
+  TORCH_CHECK(world_->size() % ranks_per_node_ == 0, "monarch: LOCAL_WORLD_SIZE=", ranks_per_node_,
+              " does not divide the world size ", world_->size(), " (every node must run as many ranks)");
   std::vector<std::string> sorted = mesh.order;
   std::sort(sorted.begin(), sorted.end());
   TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}),
@@ -113,6 +124,45 @@ int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {
     rank = rank * sizes_[i] + coordinates[i];
   }
   return rank;
+}
+
+NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
+  auto found = node_groups_.find(axis);
+  if (found != node_groups_.end()) return *found->second;
+  Communicator& whole = group(axis);
+  const auto node_of = [this](int r) { return r / ranks_per_node_; };
+  const int my_node = node_of(rank());
+  // Group members per node, in group order.
+  std::map<int, std::vector<int>> by_node;
+  for (int r : whole.ranks()) by_node[node_of(r)].push_back(r);
+  const std::vector<int>& mine = by_node.at(my_node);
+  std::ostringstream counts;
+  bool even = true;
+  for (const auto& [node, ranks] : by_node) {
+    counts << (counts.tellp() > 0 ? ", " : "") << "node " << node << ": " << ranks.size();
+    even = even && ranks.size() == mine.size();
+  }
+  TORCH_CHECK(even, "monarch: the ", axis, " group ", whole.name(), " has different numbers of ranks per node (",
+              counts.str(), "): a hierarchical reduction needs the same number on every node");
+  const int index = static_cast<int>(std::find(mine.begin(), mine.end(), rank()) - mine.begin());
+  std::vector<int> across;
+  for (const auto& [node, ranks] : by_node) across.push_back(ranks[index]);
+  auto groups = std::make_unique<NodeGroups>();
+  const auto make = [&](const std::vector<int>& ranks, const std::string& kind) {
+    std::ostringstream name;
+    name << axis << "." << kind << "[";
+    for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
+    name << "]";
+    auto pg = world_->new_group(ranks, name.str());
+    return std::make_unique<Communicator>(pg, ranks, rank(), axis + "." + kind, world_->store(),
+                                          "monarch/group/" + std::to_string(world_->groups_created()) + "/" +
+                                              name.str());
+  };
+  groups->intra = make(mine, "intra");
+  groups->inter = make(across, "inter");
+  log::get("mesh").info("{} split by node: {} rank(s) on this node ({}), {} node(s) ({})", axis, mine.size(),
+                        groups->intra->name(), across.size(), groups->inter->name());
+  return *node_groups_.emplace(axis, std::move(groups)).first->second;
 }
 
 Communicator& DeviceMesh::group(const std::string& axis) {

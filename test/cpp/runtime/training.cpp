@@ -69,10 +69,11 @@ TrainRecord load_record(const std::string& path) {
 namespace {
 
 // Data-parallel training on this rank's slice of every global batch.
-TrainRecord train_data_parallel(Communicator& dp, const TrainOptions& o, DataParallelOptions dpo) {
+TrainRecord train_data_parallel(Communicator& dp, const TrainOptions& o, DataParallelOptions dpo,
+                                NodeGroups* nodes = nullptr) {
   GptConfig config;
   TinyGpt model = make_model(config, /*seed=*/1234 + dp.group_rank());  // broadcast fixes it
-  DataParallelEngine engine(model->parameters(), model->buffers(), dp, dpo);
+  DataParallelEngine engine(model->parameters(), model->buffers(), dp, dpo, nodes);
   auto optimizer = make_optimizer(model->parameters(), o.lr);
   const int64_t local = o.global_batch / dp.size();
   const int64_t micro = local / o.accumulation;
@@ -237,6 +238,25 @@ int run_worker(const std::string& scenario) {
     auto record = train_data_parallel(dp, o, dpo);
     record.params.insert(record.params.begin(),
                          torch::tensor({dp.counters().bytes(CollectiveKind::all_reduce)}, torch::kDouble));
+    save_record(record, out);
+  } else if (scenario.rfind("dp_hier_", 0) == 0) {
+    // Hierarchical reduction (LOCAL_WORLD_SIZE from the driver sets the nodes); the record
+    // starts with [bytes sent inside the node, bytes sent between nodes, flat all-reduce bytes
+    // of the same buckets on this group].
+    dpo.hierarchical = true;
+    dpo.inter_node_compression = wire_compression_from_name(scenario.substr(8), "scenario");
+    NodeGroups& nodes = mesh.node_groups("dp");
+    auto record = train_data_parallel(dp, o, dpo, &nodes);
+    double flat = 0;
+    {
+      GptConfig config;
+      for (const auto& p : make_model(config, 0)->parameters()) flat += 4.0 * p.numel();
+    }
+    const double n = dp.size();
+    flat *= 2 * (n - 1) / n * o.steps;
+    record.params.insert(record.params.begin(),
+                         torch::tensor({nodes.intra->counters().total(), nodes.inter->counters().total(), flat},
+                                       torch::kDouble));
     save_record(record, out);
   } else if (scenario == "dp_bytes") {
     auto record = train_data_parallel(dp, o, dpo);

@@ -16,6 +16,7 @@ class BackwardCallback;
 }
 
 #include "monarch/runtime/communicator.h"
+#include "monarch/runtime/hierarchical.h"
 
 namespace monarch {
 
@@ -26,14 +27,21 @@ struct DataParallelOptions {
   // error of each step is added back before the next one is rounded (Seide et al. 2014,
   // "1-bit SGD"; Karimireddy et al. 2019, "Error feedback fixes SignSGD").
   bool bf16_compression = false;
+  // The Plan's dp_reduction = hierarchical: each bucket is reduced inside the node, across
+  // nodes, then gathered inside the node (hierarchical.h), on the node groups' worker thread
+  // while backward goes on; the constructor then needs the group's NodeGroups.
+  bool hierarchical = false;
+  // The Plan's inter_node_compression: the slow hop only, with error feedback (hierarchical).
+  WireCompression inter_node_compression = WireCompression::none;
 };
 
 class DataParallelEngine {
  public:
   // `params` in registration order (module.parameters()); `buffers` are broadcast too.
   // Refuses (on every rank) parameters whose count or shapes differ across the group.
+  // `nodes`: `group` split by node (DeviceMesh::node_groups), needed when options.hierarchical.
   DataParallelEngine(std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
-                     Communicator& group, DataParallelOptions options = {});
+                     Communicator& group, DataParallelOptions options = {}, NodeGroups* nodes = nullptr);
   ~DataParallelEngine();
   DataParallelEngine(const DataParallelEngine&) = delete;
   DataParallelEngine& operator=(const DataParallelEngine&) = delete;
@@ -63,6 +71,8 @@ class DataParallelEngine {
     at::Tensor wire;             // what goes over the wire (bf16 compression)
     size_t pending = 0;
     Handle handle;
+    std::shared_future<void> reduced;  // hierarchical: the worker's job
+    ErrorFeedback feedback;            // hierarchical with a compressed slow hop
   };
 
   void build_buckets(int64_t bucket_bytes);
@@ -74,10 +84,13 @@ class DataParallelEngine {
   // the reductions it launched (every rank that failed at the same point launched the same
   // ones), drop the partial results, and rethrow a collective's failure if there was one.
   void recover_if_abandoned();
+  // Waits for bucket b's reduction, whichever path launched it.
+  void wait_bucket(Bucket& b);
 
   std::vector<at::Tensor> params_;
   Communicator& group_;
   DataParallelOptions options_;
+  NodeGroups* nodes_ = nullptr;
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
   std::vector<bool> ready_;

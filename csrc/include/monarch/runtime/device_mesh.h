@@ -8,6 +8,7 @@
 
 #include "monarch/planner/plan.h"
 #include "monarch/runtime/communicator.h"
+#include "monarch/runtime/hierarchical.h"
 #include "monarch/runtime/world.h"
 
 namespace monarch {
@@ -34,6 +35,13 @@ class DeviceMesh {
   bool has_pipeline_ends_group() const;
   Communicator& pipeline_ends_group();
   const std::shared_ptr<World>& world() const { return world_; }
+  // The ranks on one node: LOCAL_WORLD_SIZE (torchrun numbers the ranks of a node
+  // consecutively), checked equal on every rank; the world size when it is not set.
+  int ranks_per_node() const { return ranks_per_node_; }
+  // `axis`'s group split by node (hierarchical.h). Collective on the whole world the first
+  // time (every rank creates its two groups); refuses a group whose nodes hold different
+  // numbers of its ranks.
+  NodeGroups& node_groups(const std::string& axis);
 
  private:
   int axis_index(const std::string& axis) const;
@@ -43,6 +51,8 @@ class DeviceMesh {
   std::vector<int> coords_;  // in mesh_.order
   std::map<std::string, std::unique_ptr<Communicator>> groups_;
   std::unique_ptr<Communicator> ends_;
+  int ranks_per_node_ = 1;
+  std::map<std::string, std::unique_ptr<NodeGroups>> node_groups_;
 };
 
 }  // namespace monarch
