@@ -69,7 +69,7 @@ double compressed_value_bytes(Compression c, double element_bytes) {
   switch (c) {
     case Compression::none: return element_bytes;
     case Compression::bf16: return std::min(element_bytes, 2.0);
-    case Compression::int8: return std::min(element_bytes, 1.0 + 4.0 / 256.0);
+    case Compression::int8: return std::min(element_bytes, 1.0 + 4.0 / static_cast<double>(kInt8CompressionBlock));
   }
   return element_bytes;
 }

@@ -581,3 +581,103 @@ TEST_CASE("plan JSON carries an embeddings section, checked against the mesh", "
   j["embeddings"]["placements"][0]["shards"][0]["rows"] = 999;
   CHECK_THROWS_WITH(validate(from_value(j)), Contains("embeddings.placements.user_id.shards"));
 }
+
+namespace {
+// make_plan() with pp=1 dp=4 tp=2 on its 2 nodes x 4 devices (2 dp ranks per node), reduced
+// hierarchically with int8 on the inter-node hop.
+Plan hierarchical_plan() {
+  Plan p = make_plan();
+  p.mesh = Mesh{1, 4, 2, {"pp", "dp", "tp"}};
+  p.num_micro_batches = 2;
+  p.schedule = ScheduleKind::none;
+  for (auto& l : p.layers) l.stage = 0;
+  p.prediction.stages.resize(1);
+  p.prediction.ranks.resize(1);
+  p.prediction.ranks[0].dp_inter_node_bytes = 0.125e9;
+  p.dp_reduction = DpReduction::hierarchical;
+  p.inter_node_compression = Compression::int8;
+  p.training.allow_hierarchical_dp = false;
+  p.training.inter_node_compression = Compression::bf16;
+  return p;
+}
+}  // namespace
+
+TEST_CASE("plan JSON carries the dp reduction and its compression", "[plan_json][hierarchical]") {
+  const Plan p = hierarchical_plan();
+  const std::string text = to_json(p);
+  CHECK_THAT(text, Contains("\"dp_reduction\": \"hierarchical\","));
+  CHECK_THAT(text, Contains("\"inter_node_compression\": \"int8\","));
+  CHECK_THAT(text, Contains("\"allow_hierarchical_dp\": false,"));
+  CHECK_THAT(text, Contains("\"inter_node_compression\": \"bf16\"\n"));
+  CHECK_THAT(text, Contains("\"dp_inter_node\": 125000000.0"));
+  const Plan back = plan_from_json(text);
+  CHECK(back == p);
+  CHECK(to_json(back) == text);
+  for (Compression c : {Compression::none, Compression::bf16, Compression::int8}) {
+    CHECK(compression_from_string(to_string(c)) == c);
+  }
+  for (DpReduction r : {DpReduction::flat, DpReduction::hierarchical}) CHECK(dp_reduction_from_string(to_string(r)) == r);
+
+  Plan q = p;
+  q.dp_reduction = DpReduction::flat;
+  CHECK_FALSE(q == p);
+  q = p;
+  q.inter_node_compression = Compression::bf16;
+  CHECK_FALSE(q == p);
+  q = p;
+  q.training.inter_node_compression = Compression::none;
+  CHECK_FALSE(q == p);
+  q = p;
+  q.training.allow_hierarchical_dp = true;
+  CHECK_FALSE(q == p);
+  q = p;
+  q.prediction.ranks[0].dp_inter_node_bytes = 0;
+  CHECK_FALSE(q == p);
+  CHECK(p.summary() == "pp=1 dp=4 tp=2 zero=1 mbs=2 m=2 none recompute=selective sp=on dp_reduction=hierarchical "
+                       "compression=int8");
+}
+
+TEST_CASE("plan JSON: the dp reduction fields are optional, defaults flat and none", "[plan_json][hierarchical]") {
+  Json j = to_value(hierarchical_plan());
+  j.erase("dp_reduction");
+  j.erase("inter_node_compression");
+  j["training"].erase("allow_hierarchical_dp");
+  j["training"].erase("inter_node_compression");
+  j["prediction"]["ranks"][0]["bytes_sent"].erase("dp_inter_node");
+  const Plan old = from_value(j);
+  CHECK(old.dp_reduction == DpReduction::flat);
+  CHECK(old.inter_node_compression == Compression::none);
+  CHECK(old.training.allow_hierarchical_dp);
+  CHECK(old.training.inter_node_compression == Compression::none);
+  // A plan written before ranks carried it reduced flat: its dp group spans both nodes, so
+  // all of dp crossed them.
+  CHECK(old.prediction.ranks[0].dp_inter_node_bytes == old.prediction.ranks[0].dp_bytes);
+  // make_plan's dp groups stay on one node: none crossed.
+  j = to_value(make_plan());
+  j["prediction"]["ranks"][0]["bytes_sent"].erase("dp_inter_node");
+  CHECK(from_value(j).prediction.ranks[0].dp_inter_node_bytes == 0);
+}
+
+TEST_CASE("plan JSON names an unknown dp reduction or compression", "[plan_json][hierarchical]") {
+  const Json good = to_value(hierarchical_plan());
+  Json j = good;
+  j["dp_reduction"] = "tree";
+  REQUIRE_THROWS_WITH(from_value(j), "dp_reduction: unknown dp reduction 'tree' (expected one of flat, hierarchical)");
+  j = good;
+  j["inter_node_compression"] = "fp8";
+  REQUIRE_THROWS_WITH(from_value(j),
+                      "inter_node_compression: unknown compression 'fp8' (expected one of none, bf16, int8)");
+  j = good;
+  j["training"]["inter_node_compression"] = "zstd";
+  CHECK(validation_error_of(j).field() == "training.inter_node_compression");
+  j = good;
+  j["training"]["allow_hierarchical_dp"] = "yes";
+  CHECK(validation_error_of(j).field() == "training.allow_hierarchical_dp");
+  j = good;
+  j["prediction"]["ranks"][0]["bytes_sent"]["dp_inter_node"] = -1.0;
+  CHECK(validation_error_of(j).field() == "prediction.ranks[0].bytes_sent.dp_inter_node");
+  // Validation after parsing: compression without the hierarchical reduction.
+  j = good;
+  j["dp_reduction"] = "flat";
+  REQUIRE_THROWS_WITH(from_value(j), Contains("inter_node_compression: int8 compresses the inter-node hop"));
+}

@@ -455,3 +455,60 @@ TEST_CASE("plan JSON: a key twice in one object is refused; save never writes an
   CHECK(f == nullptr);  // nothing written
   if (f) std::fclose(f);
 }
+
+namespace {
+// valid_plan() with pp=1 dp=4 tp=2 on its 2 nodes x 4 devices: each dp group has 2 ranks on
+// each of the 2 nodes.
+Plan two_level_plan() {
+  Plan p = valid_plan();
+  p.mesh = Mesh{1, 4, 2, {"pp", "dp", "tp"}};
+  p.num_micro_batches = 2;
+  p.schedule = ScheduleKind::none;
+  for (auto& l : p.layers) l.stage = 0;
+  return p;
+}
+}  // namespace
+
+TEST_CASE("validate: hierarchical dp reduction needs a dp group over nodes with >1 rank on each",
+          "[plan_validate][hierarchical]") {
+  Plan p = two_level_plan();
+  p.dp_reduction = DpReduction::hierarchical;
+  validate(p);
+  p.inter_node_compression = Compression::int8;
+  validate(p);
+  p.inter_node_compression = Compression::bf16;
+  validate(p);
+  p.mesh = Mesh{1, 8, 1, {"pp", "dp", "tp"}};  // 4 dp ranks per node
+  p.num_micro_batches = 1;
+  validate(p);
+
+  // pp=2 dp=2 tp=2: each dp group sits on one node.
+  Plan q = valid_plan();
+  q.dp_reduction = DpReduction::hierarchical;
+  CHECK(failing_field(q) == "dp_reduction");
+  REQUIRE_THROWS_WITH(validate(q), "dp_reduction: hierarchical needs the dp group to span nodes with >1 rank per "
+                                   "node; dp=2 tp=2 on 1 node of 4 devices (2 dp ranks per node; the cluster "
+                                   "has 2 nodes)");
+  // pp=1 dp=2 tp=4: one dp rank per node.
+  q = two_level_plan();
+  q.mesh = Mesh{1, 2, 4, {"pp", "dp", "tp"}};
+  q.num_micro_batches = 4;
+  q.dp_reduction = DpReduction::hierarchical;
+  REQUIRE_THROWS_WITH(validate(q), Contains("dp=2 tp=4 on 2 nodes of 4 devices (1 dp rank per node"));
+  // One node.
+  q = two_level_plan();
+  q.cluster.nodes = 1;
+  q.cluster.devices_per_node = 8;
+  q.dp_reduction = DpReduction::hierarchical;
+  REQUIRE_THROWS_WITH(validate(q), StartsWith("dp_reduction: hierarchical needs the dp group to span nodes"));
+}
+
+TEST_CASE("validate: inter-node compression needs the hierarchical reduction", "[plan_validate][hierarchical]") {
+  Plan p = two_level_plan();
+  p.inter_node_compression = Compression::bf16;
+  CHECK(failing_field(p) == "inter_node_compression");
+  REQUIRE_THROWS_WITH(validate(p), "inter_node_compression: bf16 compresses the inter-node hop of a hierarchical "
+                                   "dp reduction; needs dp_reduction hierarchical, got flat");
+  p.dp_reduction = DpReduction::hierarchical;
+  validate(p);
+}

@@ -289,3 +289,89 @@ TEST_CASE("interleaved chunks share their rank's buffers", "[search][memory]") {
   const Plan tight = evaluate_layout(g, cluster, batch(256), pins);
   CHECK(tight.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes());
 }
+
+// ---- Hierarchical dp reduction ---------------------------------------------------------------
+
+namespace {
+
+// A model whose gradient reduction matters: 4 blocks of hidden 2048, short sequences.
+ModelGraph comm_heavy() { return build_transformer(transformer_config(4, 2048, 16, 128, 32000)); }
+
+// Pure data parallelism over every device, ZeRO stage pinned; the dp reduction is searched.
+Plan data_parallel(const Cluster& cluster, const TrainingConfig& training, int64_t zero) {
+  const int64_t world = cluster.world_size();
+  Pins pins = layout_pins(1, 1, world, zero, 1, ScheduleKind::none);
+  pins.recompute = Recompute::none;
+  return evaluate_layout(comm_heavy(), cluster, training, pins);
+}
+
+}  // namespace
+
+TEST_CASE("search reduces dp hierarchically across nodes with >1 rank per node", "[search][hierarchical]") {
+  const Cluster two_nodes = cluster_preset("a100-80gb", 16);  // 2 x 8: 8 dp ranks per node
+  const Plan hier = data_parallel(two_nodes, batch(16), 0);
+  CHECK(hier.dp_reduction == DpReduction::hierarchical);
+  CHECK(hier.inter_node_compression == Compression::none);  // lossy compression not allowed
+  validate(hier, comm_heavy());
+
+  // Not allowed: flat, and predicted slower.
+  TrainingConfig no_hier = batch(16);
+  no_hier.allow_hierarchical_dp = false;
+  const Plan flat = data_parallel(two_nodes, no_hier, 0);
+  CHECK(flat.dp_reduction == DpReduction::flat);
+  CHECK(hier.prediction.step_time_s < flat.prediction.step_time_s);
+  CHECK(hier.prediction.time.dp_comm < flat.prediction.time.dp_comm);
+  CHECK(hier.prediction.time.compute == flat.prediction.time.compute);
+  CHECK(hier.prediction.memory == flat.prediction.memory);  // it changes no memory
+
+  // The bytes each rank sends (traffic.h): S = the rank's gradients; all-reduce
+  // 2 (L-1)/L S inside the node, 2 (N-1)/N S/L across (L = 8, N = 2), vs the flat ring's
+  // 2 (15/16) S, all across.
+  const double S = static_cast<double>(comm_heavy().total_params()) * hier.training.grad_bytes;
+  REQUIRE(hier.prediction.ranks.size() == 1);
+  CHECK(hier.prediction.ranks[0].dp_bytes == Approx(2.0 * 7 / 8 * S + 2.0 * 1 / 2 * S / 8));
+  CHECK(hier.prediction.ranks[0].dp_inter_node_bytes == Approx(S / 8));
+  CHECK(flat.prediction.ranks[0].dp_bytes == Approx(2.0 * 15 / 16 * S));
+  CHECK(flat.prediction.ranks[0].dp_inter_node_bytes == flat.prediction.ranks[0].dp_bytes);
+  // Re-scoring the plan gives what it carries.
+  CHECK(predict(comm_heavy(), hier).step_time_s == Approx(hier.prediction.step_time_s).epsilon(1e-12));
+
+  // ZeRO's reduce-scatter and all-gather decompose too.
+  const Plan zero1 = data_parallel(two_nodes, batch(16), 1);
+  CHECK(zero1.dp_reduction == DpReduction::hierarchical);
+  CHECK(zero1.inter_node_compression == Compression::none);
+  const Plan zero3 = data_parallel(two_nodes, batch(16), 3);
+  CHECK(zero3.dp_reduction == DpReduction::hierarchical);
+}
+
+TEST_CASE("search keeps the flat reduction on one node or with one dp rank per node", "[search][hierarchical]") {
+  const Plan one_node = data_parallel(cluster_preset("a100-80gb", 8), batch(8), 0);
+  CHECK(one_node.dp_reduction == DpReduction::flat);
+  CHECK(one_node.prediction.ranks[0].dp_inter_node_bytes == 0);
+  // tp=8 fills each node: one dp rank per node.
+  Pins pins = layout_pins(8, 1, 2, 0, 1, ScheduleKind::none);
+  const Plan tp8 = evaluate_layout(comm_heavy(), cluster_preset("a100-80gb", 16), batch(8), pins);
+  CHECK(tp8.dp_reduction == DpReduction::flat);
+  // Unpinned search on one node: never hierarchical.
+  CHECK(search(comm_heavy(), cluster_preset("a100-80gb", 8), batch(16)).dp_reduction == DpReduction::flat);
+}
+
+TEST_CASE("search compresses the inter-node hop only when allowed and faster", "[search][hierarchical]") {
+  TrainingConfig int8 = batch(16);
+  int8.grad_bytes = 4;  // fp32 gradients: int8 is a quarter of them (plus scales)
+  int8.inter_node_compression = Compression::int8;
+  // 2 nodes: the compressed all-gather sends (N-1) C(S/L) = 0.254 S/L vs 2 (N-1)/N S/L = S/L.
+  const Plan two = data_parallel(cluster_preset("a100-80gb", 16), int8, 0);
+  CHECK(two.dp_reduction == DpReduction::hierarchical);
+  CHECK(two.inter_node_compression == Compression::int8);
+  const double S = static_cast<double>(comm_heavy().total_params()) * 4;
+  CHECK(two.prediction.ranks[0].dp_inter_node_bytes == Approx(S / 8 * (0.25 + 1.0 / 256)));
+  // 16 nodes: 15 x 0.254 S/L > 2 (15/16) S/L: uncompressed is faster.
+  int8.global_batch = 128;
+  const Plan sixteen = data_parallel(cluster_preset("a100-80gb", 128), int8, 0);
+  CHECK(sixteen.dp_reduction == DpReduction::hierarchical);
+  CHECK(sixteen.inter_node_compression == Compression::none);
+  // ZeRO-1's collectives are not compressed: no reason to pick it.
+  int8.global_batch = 16;
+  CHECK(data_parallel(cluster_preset("a100-80gb", 16), int8, 1).inter_node_compression == Compression::none);
+}

@@ -57,6 +57,9 @@ Link axis_link(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp, Axis 
 // inter (N-1)/N S/L. Compression applies to all-reduces only (gradients); ZeRO's
 // reduce-scatter and all-gather run uncompressed.
 
+// Values per fp32 scale of the int8 compression (the runtime's quantizer block).
+inline constexpr int64_t kInt8CompressionBlock = 256;
+
 // Bytes one value takes on the wire: none keeps the element width, bf16 2, int8 1 plus one
 // fp32 scale per 256-value block (1 + 4/256); never more than the element itself.
 double compressed_value_bytes(Compression c, double element_bytes);
