@@ -35,11 +35,15 @@ const char* kUsage = R"(usage:
                            [--attention flash|materialized]
                            [--alternatives N] [--json]
                            [--profile profile.json] [--tie-tolerance T]
+                           [--hierarchical-dp on|off] [--inter-node-compression none|bf16|int8]
       Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
       scores exactly that layout) and prints a summary; -o writes the plan as JSON.
       --profile: per-layer times measured on the machine (torch_monarch.profile) instead
       of the analytic model's; --tie-tolerance: layouts within this fraction of the
       fastest are tied and the simplest wins (default 0.05, 0 = always the fastest).
+      --hierarchical-dp: may reduce dp in two levels where a dp group spans nodes with
+      several ranks on each (default on); --inter-node-compression: the lossy compression
+      its inter-node hop may use when faster (default none).
   monarch-plan show plan.json       print the summary of a saved plan
   monarch-plan report plan.json -o plan.html [--trace trace.json] [--trace-step K]
       one self-contained HTML page: mesh, pipeline timeline, memory per rank, step
@@ -129,7 +133,7 @@ int cmd_transformer(int argc, char** argv) {
                    "--dtype", "--name", "--global-batch", "--gpus", "--cluster", "--output",
                    "--tp", "--pp", "--dp", "--zero", "--micro-batch", "--schedule",
                    "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives", "--attention",
-                   "--profile", "--tie-tolerance"},
+                   "--profile", "--tie-tolerance", "--hierarchical-dp", "--inter-node-compression"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -151,6 +155,13 @@ int cmd_transformer(int argc, char** argv) {
   mp::TrainingConfig training;
   training.global_batch = args.required("--global-batch");
   training.compute_dtype = tc.dtype;
+  if (args.has("--hierarchical-dp")) {
+    training.allow_hierarchical_dp = on_off("--hierarchical-dp", args.str("--hierarchical-dp"));
+  }
+  if (args.has("--inter-node-compression")) {
+    training.inter_node_compression =
+        mp::compression_from_string(args.str("--inter-node-compression"), "--inter-node-compression");
+  }
 
   mp::Pins pins;
   pins.tp = args.integer("--tp");

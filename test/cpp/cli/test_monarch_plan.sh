@@ -168,5 +168,34 @@ expect_error "report of a foreign trace" "otherData.format" \
   bad "diff: $(cat "$TMP/out")"
 expect_error "diff of one plan" "diff needs exactly two plan files" "$MP" diff "$TMP/plan.json"
 
+# 8. Hierarchical dp reduction: chosen across 2 nodes x 8 with 8 dp ranks per node, compressed
+# only when allowed, flat when switched off; validation of a hand-edited plan.
+DP16="--layers 2 --hidden 64 --heads 4 --seq 16 --vocab 100 --global-batch 16 --gpus 16 --cluster a100-80gb
+  --tp 1 --pp 1 --dp 16 --zero 0 --micro-batch 1 --schedule none"
+if "$MP" transformer $DP16 -o "$TMP/hier.json" >"$TMP/out" 2>"$TMP/err"; then
+  grep -q '"dp_reduction": "hierarchical"' "$TMP/hier.json" && grep -q "dp_reduction=hierarchical" "$TMP/out" &&
+    [ "$(grep -c '"inter_node_compression": "none"' "$TMP/hier.json")" -eq 2 ] && ok || bad "hierarchical: $(cat "$TMP/out")"
+else
+  bad "hierarchical plan failed: $(cat "$TMP/err")"
+fi
+"$MP" validate "$TMP/hier.json" >"$TMP/out" 2>&1 && ok || bad "validate hierarchical: $(cat "$TMP/out")"
+"$MP" transformer $DP16 --inter-node-compression int8 --json >"$TMP/int8.json" 2>"$TMP/err" &&
+  [ "$(grep -c '"inter_node_compression": "int8"' "$TMP/int8.json")" -eq 2 ] && ok || bad "int8: $(cat "$TMP/err")"
+"$MP" transformer $DP16 --hierarchical-dp off --json >"$TMP/flat.json" 2>"$TMP/err" &&
+  grep -q '"dp_reduction": "flat"' "$TMP/flat.json" && grep -q '"allow_hierarchical_dp": false' "$TMP/flat.json" && ok ||
+  bad "hierarchical off: $(cat "$TMP/err")"
+"$MP" diff "$TMP/flat.json" "$TMP/hier.json" >"$TMP/out" 2>&1 && grep -q "dp_reduction: flat -> hierarchical" "$TMP/out" && ok ||
+  bad "diff of the reductions: $(cat "$TMP/out")"
+expect_error "unknown compression" "--inter-node-compression: unknown compression 'zstd' (expected one of none, bf16, int8)" \
+  "$MP" transformer $DP16 --inter-node-compression zstd
+# The 2-GPU plan of section 1's kind, edited to hierarchical: one node.
+"$MP" transformer $TINY --global-batch 8 --gpus 2 --dp 2 --tp 1 --pp 1 -o "$TMP/one_node.json" >/dev/null 2>&1
+sed 's/"dp_reduction": "flat"/"dp_reduction": "hierarchical"/' "$TMP/one_node.json" >"$TMP/one_node_hier.json"
+expect_error "hierarchical on one node" "dp_reduction: hierarchical needs the dp group to span nodes with >1 rank per node; dp=2 tp=1 on 1 node of 2 devices" \
+  "$MP" validate "$TMP/one_node_hier.json"
+sed 's/"inter_node_compression": "none",/"inter_node_compression": "bf16",/' "$TMP/one_node.json" >"$TMP/one_node_bf16.json"
+expect_error "compression without hierarchical" "inter_node_compression: bf16 compresses the inter-node hop" \
+  "$MP" validate "$TMP/one_node_bf16.json"
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
