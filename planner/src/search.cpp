@@ -502,7 +502,8 @@ class Searcher {
   // with the one lossy compression the config allows.
   std::vector<std::pair<DpReduction, Compression>> dp_reductions(const Layout& l) const {
     std::vector<std::pair<DpReduction, Compression>> out = {{DpReduction::flat, Compression::none}};
-    if (!training_.allow_hierarchical_dp || l.dp <= 1) return out;
+    // ZeRO engines reduce flat in the runtime (plan_validate.cpp): only ZeRO 0 is offered.
+    if (!training_.allow_hierarchical_dp || l.dp <= 1 || l.zero_stage != 0) return out;
     if (!dp_node_split(cluster_, l.pp, l.dp, l.tp).hierarchical_possible()) return out;
     out.push_back({DpReduction::hierarchical, Compression::none});
     if (training_.inter_node_compression != Compression::none) {

@@ -594,6 +594,7 @@ Plan hierarchical_plan() {
   p.prediction.stages.resize(1);
   p.prediction.ranks.resize(1);
   p.prediction.ranks[0].dp_inter_node_bytes = 0.125e9;
+  p.zero_stage = 0;  // the runtime reduces hierarchically under ZeRO 0 only
   p.dp_reduction = DpReduction::hierarchical;
   p.inter_node_compression = Compression::int8;
   p.training.allow_hierarchical_dp = false;
@@ -633,7 +634,7 @@ TEST_CASE("plan JSON carries the dp reduction and its compression", "[plan_json]
   q = p;
   q.prediction.ranks[0].dp_inter_node_bytes = 0;
   CHECK_FALSE(q == p);
-  CHECK(p.summary() == "pp=1 dp=4 tp=2 zero=1 mbs=2 m=2 none recompute=selective sp=on dp_reduction=hierarchical "
+  CHECK(p.summary() == "pp=1 dp=4 tp=2 zero=0 mbs=2 m=2 none recompute=selective sp=on dp_reduction=hierarchical "
                        "compression=int8");
 }
 

@@ -501,6 +501,12 @@ TEST_CASE("validate: hierarchical dp reduction needs a dp group over nodes with 
   q.cluster.devices_per_node = 8;
   q.dp_reduction = DpReduction::hierarchical;
   REQUIRE_THROWS_WITH(validate(q), StartsWith("dp_reduction: hierarchical needs the dp group to span nodes"));
+  // ZeRO engines reduce flat in the runtime.
+  q = two_level_plan();
+  q.dp_reduction = DpReduction::hierarchical;
+  q.zero_stage = 1;
+  REQUIRE_THROWS_WITH(validate(q), "dp_reduction: hierarchical is run for zero_stage 0 (DataParallel) only; the "
+                                   "plan has zero_stage 1");
 }
 
 TEST_CASE("validate: inter-node compression needs the hierarchical reduction", "[plan_validate][hierarchical]") {
