@@ -13,6 +13,10 @@
 
 #include <c10/util/Exception.h>
 
+#ifdef MONARCH_WITH_NCCL
+#include "monarch/runtime/nccl_backend.h"
+#endif
+
 namespace monarch {
 
 std::string to_string(CollectiveKind kind) {
@@ -42,15 +46,26 @@ Handle::Handle(compat::WorkPtr work, std::string what, std::function<void()> fin
                std::shared_ptr<std::string> failure)
     : work_(std::move(work)), what_(std::move(what)), finish_(std::move(finish)), failure_(std::move(failure)) {}
 
+Handle Handle::completion(std::function<void()> waiter, std::string what, std::function<void()> finish,
+                          std::shared_ptr<std::string> failure) {
+  Handle handle(compat::WorkPtr(), std::move(what), std::move(finish), std::move(failure));
+  handle.waiter_ = std::move(waiter);
+  return handle;
+}
+
 void Handle::wait() {
-  if (waited_ || !work_) return;
+  if (waited_ || (!work_ && !waiter_)) return;
   waited_ = true;
   if (failure_ && !failure_->empty()) {
     TORCH_CHECK(false, what_, " abandoned: the group failed earlier: ", *failure_);
   }
   std::string error;
   try {
-    work_->wait();
+    if (work_) {
+      work_->wait();
+    } else {
+      waiter_();
+    }
     if (finish_) finish_();  // may run a second phase (bf16 all-reduce)
     if (trace_kind_ != nullptr) {
       trace::Event e;
@@ -77,7 +92,7 @@ void Handle::wait() {
 }
 
 Handle Handle::traced(const char* kind, double bytes, const std::string& group) && {
-  if (work_ && trace::Recorder::instance().enabled()) {
+  if ((work_ || waiter_) && trace::Recorder::instance().enabled()) {
     trace_kind_ = kind;
     trace_bytes_ = bytes;
     trace_group_ = group;
@@ -135,6 +150,7 @@ constexpr int64_t kMagic = 0x4d4f4e4152434821;  // tells a fingerprint from garb
 constexpr int kWords = 16;
 constexpr int kCompared = 8;  // magic, collective number, step, op, dtype, numel, root, phase hash
 constexpr int kTextBytes = (kWords - kCompared) * 8;
+constexpr int64_t kCudaFlag = int64_t{1} << 16;  // or-ed into the dtype word for CUDA tensors
 
 int64_t phase_hash(const char* text) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -161,7 +177,10 @@ std::string describe_fingerprint(const int64_t* w) {
   if (w[0] != kMagic) return "sent something that is not a collective fingerprint (a call outside monarch on this group?)";
   std::ostringstream out;
   out << op_name(w[3]);
-  if (w[3] != 8) out << " of " << w[5] << " " << c10::toString(static_cast<at::ScalarType>(w[4]));
+  if (w[3] != 8) {
+    out << " of " << w[5] << " " << c10::toString(static_cast<at::ScalarType>(w[4] & (kCudaFlag - 1)));
+    if (w[4] >= 0 && (w[4] & kCudaFlag) != 0) out << " on CUDA";
+  }
   if (w[3] == 6) out << " from group rank " << w[6];
   char text[kTextBytes + 1] = {};
   std::memcpy(text, w + kCompared, kTextBytes);
@@ -171,7 +190,7 @@ std::string describe_fingerprint(const int64_t* w) {
 
 }  // namespace
 
-void Communicator::agree(Op op, const at::Tensor& t, int64_t root) {
+void Communicator::agree(Op op, const at::Tensor& t, int64_t root, bool cuda) {
   if (!check_ || size() == 1) return;
   auto mine = at::zeros({kWords}, at::kLong);
   int64_t* w = mine.data_ptr<int64_t>();
@@ -179,7 +198,7 @@ void Communicator::agree(Op op, const at::Tensor& t, int64_t root) {
   w[1] = checked_++;
   w[2] = step_;
   w[3] = static_cast<int64_t>(op);
-  w[4] = t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1;
+  w[4] = t.defined() ? static_cast<int64_t>(t.scalar_type()) | ((cuda || t.is_cuda()) ? kCudaFlag : 0) : -1;
   w[5] = t.defined() ? t.numel() : 0;
   w[6] = root;
   w[7] = phase_hash(phase_);
@@ -291,16 +310,120 @@ at::Tensor transport(const at::Tensor& t) {
   return alias.scalar_type() == at::kBFloat16 ? alias.view(at::kHalf) : alias;
 }
 
+// Latches the group's failure (once) with `message`, as Handle::wait() does.
+void latch(const std::shared_ptr<std::string>& failure, const std::string& message) {
+  if (failure && failure->empty()) {
+    *failure = message;
+    log::get("comm").error("{}", message);
+  }
+}
+
+std::string error_text(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
+  return e.what();
+}
+
 }  // namespace
+
+// ---- CUDA tensors: NCCL ------------------------------------------------------------------
+
+bool Communicator::on_cuda(const char* op, std::initializer_list<const at::Tensor*> tensors) const {
+  int cuda = 0, cpu = 0;
+  at::Device device(at::kCPU);
+  for (const at::Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if (t->is_cuda()) {
+      if (cuda > 0) {
+        TORCH_CHECK(t->device() == device, "monarch: rank ", global_rank(), ": ", op, " on group '", name_,
+                    "' got tensors on ", device, " and ", t->device(), ": one call's tensors must share a device");
+      }
+      device = t->device();
+      ++cuda;
+    } else {
+      ++cpu;
+    }
+  }
+  TORCH_CHECK(cuda == 0 || cpu == 0, "monarch: rank ", global_rank(), ": ", op, " on group '", name_,
+              "' got both CPU and CUDA tensors: one call's tensors must be all CPU (Gloo) or all CUDA (NCCL)");
+#ifndef MONARCH_WITH_NCCL
+  TORCH_CHECK(cuda == 0, "monarch: rank ", global_rank(), ": ", op, " on group '", name_,
+              "' got CUDA tensors, but torch_monarch was built without NCCL: rebuild with CUDA and NCCL "
+              "(MONARCH_WITH_CUDA=ON, nccl.h and libnccl found), or move the tensors to the CPU");
+#endif
+  return cuda > 0;
+}
+
+std::shared_ptr<NcclBackend> Communicator::nccl(const at::Tensor& t, const std::string& what) {
+#ifdef MONARCH_WITH_NCCL
+  const int device = t.device().has_index() ? t.device().index() : 0;
+  if (nccl_) {
+    TORCH_CHECK(nccl_->device() == device, "monarch: ", what, ": the tensors are on cuda:", device,
+                " but this group's NCCL communicator is on cuda:", nccl_->device(),
+                " (one device per process and group)");
+    return nccl_;
+  }
+  try {
+    TORCH_CHECK(store_, "monarch: ", what, ": group '", name_, "' was created without a store, which NCCL needs "
+                "to exchange its unique id");
+    nccl_ = NcclBackend::create(ranks_, group_rank_, device, store_, key_ + "/nccl", name_,
+                                std::chrono::milliseconds(group_->getOptions()->timeout));
+  } catch (const std::exception& e) {
+    // Some members may have their communicator and others not: the group is unusable.
+    const std::string message = what + " failed: " + error_text(e);
+    latch(failure_, message);
+    TORCH_CHECK(false, message);
+  }
+  return nccl_;
+#else
+  TORCH_CHECK(false, "monarch: ", what, ": built without NCCL");
+  return nullptr;
+#endif
+}
+
+#ifdef MONARCH_WITH_NCCL
+namespace {
+
+// Enqueues an NCCL operation (`enqueue` returns its NcclWorkPtr) and wraps it in a Handle:
+// an error while enqueueing latches the group like a failed wait.
+template <class F>
+Handle nccl_handle(const std::shared_ptr<std::string>& failure, const std::string& what, F&& enqueue,
+                   std::function<void()> finish = {}) {
+  NcclWorkPtr work;
+  try {
+    work = enqueue();
+  } catch (const std::exception& e) {
+    latch(failure, what + " failed: " + error_text(e));
+    throw;
+  }
+  return Handle::completion([work]() { work->wait(); }, what, std::move(finish), failure);
+}
+
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+}  // namespace
+#endif
 
 Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
   check_usable();
   require_flat(buffer, "all_reduce buffer");
+  [[maybe_unused]] const bool cuda = on_cuda("all_reduce", {&buffer});
   agree(average ? Op::all_reduce_average : Op::all_reduce, buffer);
   const double n = size();
   const double sent = 2 * (n - 1) / n * bytes_of(buffer);
   counters_.add(CollectiveKind::all_reduce, sent);
   if (size() == 1) return {};
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    // bf16 is reduced by NCCL natively (each hop adds in fp32 and rounds to bf16).
+    const std::string what = describe(CollectiveKind::all_reduce, buffer);
+    auto backend = nccl(buffer, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->all_reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(),
+                                        nccl_dtype(buffer.scalar_type()), average ? ncclAvg : ncclSum,
+                                        as_stream(cuda_stream_));
+           }).traced("all_reduce", sent, name_);
+  }
+#endif
   if (buffer.scalar_type() == at::kBFloat16) return all_reduce_bf16(buffer, average).traced("all_reduce", sent, name_);
   std::vector<at::Tensor> tensors{buffer.detach()};
   auto work = group_->allreduce(tensors);
@@ -314,11 +437,22 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
   require_flat(buffer, "all_reduce_max buffer");
   TORCH_CHECK(buffer.scalar_type() == at::kFloat || buffer.scalar_type() == at::kDouble,
               "monarch: all_reduce_max takes fp32 or fp64 buffers, got ", buffer.scalar_type());
+  [[maybe_unused]] const bool cuda = on_cuda("all_reduce_max", {&buffer});
   agree(Op::all_reduce_max, buffer);
   const double n = size();
   const double sent = 2 * (n - 1) / n * bytes_of(buffer);
   counters_.add(CollectiveKind::all_reduce, sent);
   if (size() == 1) return {};
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    const std::string what = describe(CollectiveKind::all_reduce, buffer);
+    auto backend = nccl(buffer, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->all_reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(),
+                                        nccl_dtype(buffer.scalar_type()), ncclMax, as_stream(cuda_stream_));
+           }).traced("all_reduce", sent, name_);
+  }
+#endif
   std::vector<at::Tensor> tensors{buffer.detach()};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
@@ -366,6 +500,7 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   require_flat(input, "reduce_scatter input");
   TORCH_CHECK(input.numel() == output.numel() * size(), "monarch: reduce_scatter input has ",
               input.numel(), " elements, expected ", size(), " x ", output.numel());
+  [[maybe_unused]] const bool cuda = on_cuda("reduce_scatter", {&output, &input});
   agree(Op::reduce_scatter, input);
   const double n = size();
   const double sent = (n - 1) / n * bytes_of(input);
@@ -374,6 +509,22 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
     output.copy_(input.view(output.sizes()));
     return {};
   }
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    // NCCL reduces in the input's dtype (low precision: each hop adds in fp32 and rounds);
+    // a wider output receives the reduced chunk cast after the wait.
+    const std::string what = describe(CollectiveKind::reduce_scatter, input);
+    auto backend = nccl(input, what);
+    const bool same = output.scalar_type() == input.scalar_type();
+    at::Tensor target = same ? output : at::empty({output.numel()}, input.options());
+    std::function<void()> finish;
+    if (!same) finish = [output, target]() mutable { output.view({-1}).copy_(target); };
+    return nccl_handle(failure_, what, [&] {
+             return backend->reduce_scatter(input.data_ptr(), target.data_ptr(), output.numel(),
+                                            nccl_dtype(input.scalar_type()), ncclSum, as_stream(cuda_stream_));
+           }, std::move(finish)).traced("reduce_scatter", sent, name_);
+  }
+#endif
   // Split sizes count rows of dim 0: move flat views so they count elements.
   auto flat_input = input.detach().view({-1});
   auto received = at::empty_like(flat_input);
@@ -398,6 +549,7 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
   require_flat(input, "all_gather input");
   TORCH_CHECK(output.numel() == input.numel() * size(), "monarch: all_gather output has ",
               output.numel(), " elements, expected ", size(), " x ", input.numel());
+  [[maybe_unused]] const bool cuda = on_cuda("all_gather", {&output, &input});
   agree(Op::all_gather, input);
   const double n = size();
   const double sent = (n - 1) / n * bytes_of(output);
@@ -406,6 +558,18 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
     output.view({-1}).copy_(input.view({-1}));
     return {};
   }
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    const std::string what = describe(CollectiveKind::all_gather, output);
+    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "monarch: ", what, ": input is ", input.scalar_type(),
+                ", output ", output.scalar_type(), " (NCCL all-gather moves one dtype)");
+    auto backend = nccl(input, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->all_gather(input.data_ptr(), output.data_ptr(), input.numel(),
+                                        nccl_dtype(input.scalar_type()), as_stream(cuda_stream_));
+           }).traced("all_gather", sent, name_);
+  }
+#endif
   std::vector<std::vector<at::Tensor>> outputs(1);
   const auto chunks = transport(output.detach().view({-1})).chunk(size());
   outputs[0].assign(chunks.begin(), chunks.end());
@@ -418,9 +582,20 @@ Handle Communicator::broadcast(at::Tensor buffer, int root) {
   check_usable();
   require_flat(buffer, "broadcast buffer");
   TORCH_CHECK(root >= 0 && root < size(), "monarch: broadcast root ", root, " not in group '", name_, "'");
+  [[maybe_unused]] const bool cuda = on_cuda("broadcast", {&buffer});
   agree(Op::broadcast, buffer, root);
   if (group_rank_ == root) counters_.add(CollectiveKind::broadcast, bytes_of(buffer));
   if (size() == 1) return {};
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    const std::string what = describe(CollectiveKind::broadcast, buffer);
+    auto backend = nccl(buffer, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->broadcast(buffer.data_ptr(), buffer.numel(), nccl_dtype(buffer.scalar_type()), root,
+                                       as_stream(cuda_stream_));
+           }).traced("broadcast", group_rank_ == root ? bytes_of(buffer) : 0.0, name_);
+  }
+#endif
   std::vector<at::Tensor> tensors{transport(buffer)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -432,7 +607,19 @@ Handle Communicator::send(at::Tensor buffer, int peer, int tag) {
   check_usable();
   require_flat(buffer, "send buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad send peer ", peer);
+  [[maybe_unused]] const bool cuda = on_cuda("send", {&buffer});
   counters_.add(CollectiveKind::send, bytes_of(buffer));
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    // NCCL has no tags: sends and receives between two ranks pair in the order they are made.
+    const std::string what = describe(CollectiveKind::send, buffer);
+    auto backend = nccl(buffer, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->send(buffer.data_ptr(), buffer.numel(), nccl_dtype(buffer.scalar_type()), peer,
+                                  as_stream(cuda_stream_));
+           }).traced("send", bytes_of(buffer), name_);
+  }
+#endif
   std::vector<at::Tensor> tensors{transport(buffer)};
   return make(group_->send(tensors, peer, tag), describe(CollectiveKind::send, buffer))
       .traced("send", bytes_of(buffer), name_);
@@ -442,6 +629,17 @@ Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
   check_usable();
   require_flat(buffer, "recv buffer");
   TORCH_CHECK(peer >= 0 && peer < size() && peer != group_rank_, "monarch: bad recv peer ", peer);
+  [[maybe_unused]] const bool cuda = on_cuda("recv", {&buffer});
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    const std::string what = describe(CollectiveKind::recv, buffer);
+    auto backend = nccl(buffer, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->recv(buffer.data_ptr(), buffer.numel(), nccl_dtype(buffer.scalar_type()), peer,
+                                  as_stream(cuda_stream_));
+           }).traced("recv", 0, name_);
+  }
+#endif
   std::vector<at::Tensor> tensors{transport(buffer)};
   return make(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer)).traced("recv", 0, name_);
 }
@@ -452,6 +650,7 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   require_flat(input, "all_to_all input");
   TORCH_CHECK(input.numel() == output.numel() && input.numel() % size() == 0,
               "monarch: all_to_all needs equal input and output sizes divisible by the group size");
+  [[maybe_unused]] const bool cuda = on_cuda("all_to_all", {&output, &input});
   agree(Op::all_to_all, input);
   const double n = size();
   const double sent = (n - 1) / n * bytes_of(input);
@@ -460,6 +659,17 @@ Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
     output.copy_(input);
     return {};
   }
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    const std::string what = describe(CollectiveKind::all_to_all, input);
+    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "monarch: ", what, ": input and output dtypes differ");
+    auto backend = nccl(input, what);
+    return nccl_handle(failure_, what, [&] {
+             return backend->all_to_all(input.data_ptr(), output.data_ptr(), input.numel() / size(),
+                                        nccl_dtype(input.scalar_type()), as_stream(cuda_stream_));
+           }).traced("all_to_all", sent, name_);
+  }
+#endif
   std::vector<int64_t> splits(size(), input.numel() / size());
   auto out_bytes = transport(output.detach().view({-1}));  // split sizes count elements of flat views
   auto in_bytes = transport(input.detach().view({-1}));
@@ -484,8 +694,9 @@ Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std
   TORCH_CHECK(in_total == input.numel() && out_total == output.numel(), "monarch: all_to_all_v: splits sum to ",
               in_total, " in / ", out_total, " out, the tensors hold ", input.numel(), " / ", output.numel());
   TORCH_CHECK(input.scalar_type() == output.scalar_type(), "monarch: all_to_all_v: input and output dtypes differ");
-  // Sizes differ by rank: the agreement compares the operation and dtype only.
-  agree(Op::all_to_all_v, at::empty({0}, input.options()));
+  [[maybe_unused]] const bool cuda = on_cuda("all_to_all_v", {&output, &input});
+  // Sizes differ by rank: the agreement compares the operation, dtype and device only.
+  agree(Op::all_to_all_v, at::empty({0}, input.options().device(at::kCPU)), -1, cuda);
   const double element = static_cast<double>(input.element_size());
   const double sent = static_cast<double>(in_total - input_splits[group_rank()]) * element;
   counters_.add(CollectiveKind::all_to_all, sent);
@@ -493,6 +704,31 @@ Handle Communicator::all_to_all_v(at::Tensor output, at::Tensor input, const std
     output.copy_(input);
     return {};
   }
+#ifdef MONARCH_WITH_NCCL
+  if (cuda) {
+    // Grouped ncclSend/ncclRecv with uneven counts (the own chunk included: NCCL sends to self).
+    const std::string what = describe(CollectiveKind::all_to_all, input);
+    auto backend = nccl(input, what);
+    const ncclDataType_t dtype = nccl_dtype(input.scalar_type());
+    const int64_t bytes = input.element_size();
+    std::vector<NcclP2P> ops;
+    int64_t in_offset = 0, out_offset = 0;
+    for (int j = 0; j < size(); ++j) {
+      if (input_splits[j] > 0) {
+        ops.push_back({true, static_cast<char*>(input.data_ptr()) + in_offset * bytes,
+                       static_cast<size_t>(input_splits[j]), dtype, j});
+      }
+      if (output_splits[j] > 0) {
+        ops.push_back({false, static_cast<char*>(output.data_ptr()) + out_offset * bytes,
+                       static_cast<size_t>(output_splits[j]), dtype, j});
+      }
+      in_offset += input_splits[j];
+      out_offset += output_splits[j];
+    }
+    return nccl_handle(failure_, what, [&] { return backend->send_recv_group(ops, as_stream(cuda_stream_)); })
+        .traced("all_to_all", sent, name_);
+  }
+#endif
   auto out_bytes = transport(output.detach().view({-1}));
   auto in_bytes = transport(input.detach().view({-1}));
   return make(group_->alltoall_base(out_bytes, in_bytes, const_cast<std::vector<int64_t>&>(output_splits),

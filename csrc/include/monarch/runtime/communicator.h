@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,6 +42,8 @@ class ByteCounters {
   std::array<std::atomic<double>, kCollectiveKinds> bytes_{};
 };
 
+class NcclBackend;  // nccl_backend.h (MONARCH_WITH_NCCL builds)
+
 // A collective in flight. Contract: until wait() returns, the input and output buffers
 // belong to the collective (do not read the output, do not modify the input). wait()
 // returns once the output holds the result, or throws an error naming the rank, the
@@ -52,14 +55,19 @@ class Handle {
   // writes its error there; once set, wait() fails at once with it instead of waiting.
   Handle(compat::WorkPtr work, std::string what, std::function<void()> finish = {},
          std::shared_ptr<std::string> failure = {});
+  // A collective that is not a c10d Work (the NCCL path): `waiter` blocks until it
+  // completed or throws; otherwise the same contract, latch and tracing.
+  static Handle completion(std::function<void()> waiter, std::string what, std::function<void()> finish = {},
+                           std::shared_ptr<std::string> failure = {});
   void wait();
-  bool done() const { return waited_ || !work_; }
+  bool done() const { return waited_ || (!work_ && !waiter_); }
   // Records the collective in the trace (trace.h) once wait() succeeds, from now until then:
   // `kind` a string literal, `bytes` what this rank sent, `group` the group's name.
   Handle traced(const char* kind, double bytes, const std::string& group) &&;
 
  private:
   compat::WorkPtr work_;
+  std::function<void()> waiter_;  // instead of work_
   std::string what_;
   std::function<void()> finish_;
   std::shared_ptr<std::string> failure_;
@@ -81,6 +89,15 @@ class Handle {
 // members are at different points of the program). One extra small collective per
 // collective: measured in bench/collective_checks.py. MONARCH_CHECK_COLLECTIVES=off turns
 // it off (then a mismatch aborts, as plain Gloo does).
+//
+// CUDA tensors: in a build with NCCL (MONARCH_WITH_NCCL), collectives and point-to-point
+// calls on CUDA tensors run over NCCL (nccl_backend.h), on a communicator created the first
+// time a CUDA tensor reaches this group (every member must reach that call: for collectives
+// the fingerprint, which records the device type, checks it; the fingerprint exchange stays
+// on Gloo). Same byte counters, tracing, failure latch and errors; wait() blocks the host
+// until the device finished (deadline: the Gloo group's timeout), then orders the stream set
+// by set_cuda_stream after it. Tensors of one call must all be CPU or all CUDA. Built without
+// NCCL, a CUDA tensor is an error.
 class Communicator {
  public:
   // `ranks`: the group's global ranks in group order; `rank`: this process's global rank.
@@ -118,6 +135,15 @@ class Communicator {
   Handle all_to_all_v(at::Tensor output, at::Tensor input, const std::vector<int64_t>& output_splits,
                       const std::vector<int64_t>& input_splits);
   void barrier();
+
+  // The CUDA stream the caller's kernels run on (a cudaStream_t), which NCCL operations are
+  // ordered after and which waits for them. Default nullptr: the legacy default stream,
+  // torch's current stream unless the caller switched streams (with torch's CUDA API:
+  // set_cuda_stream(at::cuda::getCurrentCUDAStream().stream()) before the call).
+  void set_cuda_stream(void* stream) { cuda_stream_ = stream; }
+  void* cuda_stream() const { return cuda_stream_; }
+  // Whether this group has created its NCCL communicator (a CUDA tensor reached it).
+  bool uses_nccl() const { return static_cast<bool>(nccl_); }
 
   ByteCounters& counters() { return counters_; }
   const ByteCounters& counters() const { return counters_; }
@@ -166,11 +192,19 @@ class Communicator {
   std::string describe(CollectiveKind kind, const at::Tensor& t) const;
   void check_usable() const;
   // The fingerprint exchange (see the class comment); throws on a mismatch.
-  void agree(Op op, const at::Tensor& t, int64_t root = -1);
+  // `cuda`: the call's tensors are CUDA tensors (t.is_cuda() also counts), recorded in the
+  // fingerprint so that a rank on CUDA and one on CPU fail here instead of hanging.
+  void agree(Op op, const at::Tensor& t, int64_t root = -1, bool cuda = false);
   Handle make(compat::WorkPtr work, std::string what, std::function<void()> finish = {}) const {
     return Handle(std::move(work), std::move(what), std::move(finish), failure_);
   }
   Handle all_reduce_bf16(at::Tensor buffer, bool average);
+  // CUDA path (communicator.cpp). on_cuda: whether the call's tensors are CUDA tensors
+  // (throws, naming `op`, when CPU and CUDA are mixed, or on a build without NCCL).
+  bool on_cuda(const char* op, std::initializer_list<const at::Tensor*> tensors) const;
+  std::shared_ptr<NcclBackend> nccl(const at::Tensor& t, const std::string& what);
+  std::shared_ptr<NcclBackend> nccl_;
+  void* cuda_stream_ = nullptr;
   compat::GlooPtr group_;
   std::vector<int> ranks_;
   int group_rank_ = 0;
