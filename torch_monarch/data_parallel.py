@@ -16,19 +16,34 @@ class DataParallel(nn.Module):
     ``torch.optim`` optimizer over ``model.parameters()`` as usual. Gradients are packed in
     buckets of ``bucket_cap_mb`` in reverse registration order and all-reduced from autograd
     hooks. ``gradient_compression="bf16"`` halves the bytes, with error feedback.
+
+    ``reduction="hierarchical"`` (for jobs over several nodes, where the link between nodes
+    is the slow one) reduces each bucket inside the node, then between nodes 1/L of it per
+    rank (L ranks per node, from ``LOCAL_WORLD_SIZE``), then gathers it inside the node;
+    ``inter_node_compression="bf16"`` or ``"int8"`` (per-256-value scales) rounds only that
+    slow hop, with error feedback. The plan's ``dp_reduction`` and
+    ``inter_node_compression`` fields say the same.
     """
 
     def __init__(self, module: nn.Module, mesh=None, bucket_cap_mb: float = 25.0,
-                 gradient_compression: str = None, broadcast_from_rank0: bool = True, exclude=()):
+                 gradient_compression: str = None, broadcast_from_rank0: bool = True, exclude=(),
+                 reduction: str = "flat", inter_node_compression: str = None):
         super().__init__()
         if gradient_compression not in (None, "bf16"):
             raise ValueError(f"gradient_compression: expected None or 'bf16', got {gradient_compression!r}")
+        if reduction not in ("flat", "hierarchical"):
+            raise ValueError(f"reduction: expected 'flat' or 'hierarchical', got {reduction!r}")
+        if inter_node_compression not in (None, "none", "bf16", "int8"):
+            raise ValueError("inter_node_compression: expected None, 'bf16' or 'int8', "
+                             f"got {inter_node_compression!r}")
         self.module = module
         self.mesh = mesh if mesh is not None else device_mesh()
         options = _runtime.DataParallelOptions()
         options.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
         options.bf16_compression = gradient_compression == "bf16"
         options.broadcast_from_root = broadcast_from_rank0
+        options.hierarchical = reduction == "hierarchical"
+        options.inter_node_compression = inter_node_compression or "none"
         # ``exclude``: ids of parameters someone else synchronises (pipeline-tied weights).
         params = [p for p in module.parameters() if id(p) not in set(exclude)]
         self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)

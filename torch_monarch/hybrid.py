@@ -158,7 +158,8 @@ class ParallelModel(nn.Module):
         for s, m in modules.items():
             if self.dp > 1 and zero_stage == 0:
                 self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=layout.bucket_bytes / (1024 * 1024),
-                                                exclude=tied_ids)
+                                                exclude=tied_ids, reduction=layout.dp_reduction,
+                                                inter_node_compression=layout.inter_node_compression)
                 self._composition.set_data_parallel(s, self._wrapped[s]._engine)
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
@@ -486,7 +487,10 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 sequence_parallel=plan.sequence_parallel if sequence_parallel is None else bool(sequence_parallel),
                 bucket_bytes=int(bucket_cap_mb * mib) if bucket_cap_mb else int(plan.dp_bucket_bytes),
                 block_names=block_names,
-                recompute=_recompute_kind(recompute if recompute is not None else plan.recompute))
+                recompute=_recompute_kind(recompute if recompute is not None else plan.recompute),
+                # The plan's dp reduction holds while the override keeps the replicated engine.
+                **({"dp_reduction": plan.dp_reduction, "inter_node_compression": plan.inter_node_compression}
+                   if zero_stage in (None, 0) and plan.zero_stage == 0 else {}))
         if mesh is None:
             mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
         elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):

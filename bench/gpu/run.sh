@@ -8,19 +8,23 @@
 #   --build-dir   build directory (default build-gpu, or build-gpu-dry with --dry-run)
 #   --skip-build  reuse an existing build directory
 #   --out         JSON results (default bench/results/gpu.json, bench/results/gpu-dry.json with --dry-run)
+#   --no-nccl     skip the last step: building test_runtime and running its [nccl] tests (the
+#                 NCCL backend on one GPU: all-reduce, all-gather, grouped send/recv); that step
+#                 runs only on a GPU and only when the whole project configured
 # PYTHON selects the interpreter (default: .venv/bin/python if present, else python3).
 # If the whole project does not configure here (e.g. no nlohmann_json/spdlog/Catch2), kernels/
 # is configured on its own: the C ABI and CUDA library build, the Catch2 kernel tests are skipped.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-dry=0 skip=0 build="" out=""
+dry=0 skip=0 nccl=1 build="" out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --skip-build) skip=1 ;;
+    --no-nccl) nccl=0 ;;
     --build-dir) build=$2; shift ;;
     --out) out=$2; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -73,4 +77,10 @@ fi
 lib=$build/lib/libmonarch_kernels_capi.so
 echo "== kernels.py ${mode[*]:-}"
 "$PYTHON" "$root/bench/gpu/kernels.py" --lib "$lib" "${mode[@]}" --out "$out"
+if [ $nccl = 1 ] && [ $dry = 0 ] && [ $tests = 1 ]; then
+  # Last, so the kernel results are written even if this build or a test fails.
+  echo "== NCCL backend: build test_runtime, run [nccl]"
+  cmake --build "$build" --target test_runtime -j"$jobs"
+  "$build/bin/test_runtime" "[nccl]"
+fi
 echo "== done: build $((t1 - t0)) s, tests and bench $(($(date +%s) - t1)) s"

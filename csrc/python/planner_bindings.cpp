@@ -27,6 +27,7 @@
 #include "monarch/planner/report.h"
 #include "monarch/planner/report_html.h"
 #include "monarch/planner/cost_model.h"
+#include "monarch/planner/collectives.h"
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/search.h"
 #include "monarch/planner/training_config.h"
@@ -354,6 +355,15 @@ void bind_cluster_training(py::module_& m) {
                      "A copy: assign a new list to change it (appending to the copy has no effect).")
       .def_readwrite("max_micro_batch_size", &TrainingConfig::max_micro_batch_size)
       .def_readwrite("dp_bucket_bytes", &TrainingConfig::dp_bucket_bytes)
+      .def_readwrite("allow_hierarchical_dp", &TrainingConfig::allow_hierarchical_dp,
+                     "The search may reduce dp gradients hierarchically across nodes (ZeRO 0).")
+      .def_property(
+          "inter_node_compression",
+          [](const TrainingConfig& t) { return to_string(t.inter_node_compression); },
+          [](TrainingConfig& t, const std::string& name) {
+            t.inter_node_compression = compression_from_string(name, "training.inter_node_compression");
+          },
+          "Lossy compression the search may put on the inter-node hop: 'none', 'bf16' or 'int8'.")
       .def(py::self == py::self)
       .def("__repr__", [](const TrainingConfig& t) {
         return "<TrainingConfig global_batch=" + std::to_string(t.global_batch) +
@@ -529,6 +539,14 @@ void bind_plan(py::module_& m) {
       .def_readwrite("recompute", &Plan::recompute)
       .def_readwrite("sequence_parallel", &Plan::sequence_parallel)
       .def_readwrite("dp_bucket_bytes", &Plan::dp_bucket_bytes)
+      .def_property(
+          "dp_reduction", [](const Plan& p) { return to_string(p.dp_reduction); },
+          [](Plan& p, const std::string& name) { p.dp_reduction = dp_reduction_from_string(name); },
+          "'flat' or 'hierarchical' (reduce inside the node, across nodes, gather inside).")
+      .def_property(
+          "inter_node_compression", [](const Plan& p) { return to_string(p.inter_node_compression); },
+          [](Plan& p, const std::string& name) { p.inter_node_compression = compression_from_string(name); },
+          "'none', 'bf16' or 'int8': the inter-node hop of a hierarchical reduction.")
       .def_readwrite("layers", &Plan::layers)
       .def_readwrite("embeddings", &Plan::embeddings)
       .def_readwrite("prediction", &Plan::prediction)
@@ -558,6 +576,18 @@ void bind_plan(py::module_& m) {
       .def(py::pickle([](const Plan& p) { return to_json(p, 2); },
                       [](const std::string& text) { return plan_from_json(text); }));
 
+  m.def(
+      "dp_reduction_seconds",
+      [](const Cluster& cluster, int64_t dp, double bytes, bool hierarchical, const std::string& compression,
+         double element_bytes) {
+        return dp_group(cluster, 1, dp, 1, hierarchical ? DpReduction::hierarchical : DpReduction::flat,
+                        compression_from_string(compression))
+            .seconds(Collective::all_reduce, bytes, element_bytes);
+      },
+      py::arg("cluster"), py::arg("dp"), py::arg("bytes"), py::arg("hierarchical"), py::arg("compression") = "none",
+      py::arg("element_bytes") = 4.0,
+      "The cost model's time for a data-parallel gradient all-reduce of `bytes` over dp ranks (pp = tp = 1) on "
+      "`cluster`'s links: flat ring, or hierarchical with the inter-node hop compressed (collectives.h).");
   m.def("diff_plans", &diff_plans, py::arg("a"), py::arg("b"));
   m.def("to_json", &to_json, py::arg("plan"), py::arg("indent") = 2);
   m.def("plan_from_json", &plan_from_json, py::arg("text"));

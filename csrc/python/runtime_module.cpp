@@ -190,6 +190,9 @@ void bind_composition(py::module_& m) {
       .def_readonly("sequence_parallel", &Layout::sequence_parallel)
       .def_readonly("bucket_bytes", &Layout::bucket_bytes)
       .def_readonly("recompute", &Layout::recompute)
+      .def_property_readonly("dp_reduction", [](const Layout& l) { return planner::to_string(l.dp_reduction); })
+      .def_property_readonly("inter_node_compression",
+                             [](const Layout& l) { return planner::to_string(l.inter_node_compression); })
       .def_property_readonly("num_stages", &Layout::num_stages)
       .def("stages_of", &Layout::stages_of, arg("pp_rank"))
       .def("summary", &Layout::summary)
@@ -203,8 +206,10 @@ void bind_composition(py::module_& m) {
       [](int64_t num_blocks, int64_t world_size, int64_t pp, int64_t dp, int64_t tp, int64_t virtual_stages,
          std::vector<int64_t> block_stage, std::optional<planner::ScheduleKind> schedule, int64_t micro_batches,
          int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names,
-         planner::Recompute recompute) {
+         planner::Recompute recompute, const std::string& dp_reduction, const std::string& inter_node_compression) {
         LayoutPins p;
+        p.dp_reduction = planner::dp_reduction_from_string(dp_reduction);
+        p.inter_node_compression = planner::compression_from_string(inter_node_compression);
         p.pp = pp;
         p.dp = dp;
         p.tp = tp;
@@ -221,7 +226,8 @@ void bind_composition(py::module_& m) {
       arg("num_blocks"), arg("world_size"), arg("pp") = 1, arg("dp") = 0, arg("tp") = 1, arg("virtual_stages") = 1,
       arg("block_stage") = std::vector<int64_t>{}, arg("schedule") = py::none(), arg("micro_batches") = 1,
       arg("zero_stage") = 0, arg("sequence_parallel") = false, arg("bucket_bytes") = 25 * 1024 * 1024,
-      arg("block_names") = std::vector<std::string>{}, arg("recompute") = planner::Recompute::none);
+      arg("block_names") = std::vector<std::string>{}, arg("recompute") = planner::Recompute::none,
+      arg("dp_reduction") = "flat", arg("inter_node_compression") = "none");
   m.def("even_block_stages", &even_block_stages, arg("num_blocks"), arg("num_stages"));
 
   py::class_<StateEntry>(m, "StateEntry")
@@ -489,9 +495,9 @@ PYBIND11_MODULE(_runtime, m) {
       .def_readwrite("hierarchical", &DataParallelOptions::hierarchical)
       .def_property(
           "inter_node_compression",
-          [](const DataParallelOptions& o) { return to_string(o.inter_node_compression); },
+          [](const DataParallelOptions& o) { return planner::to_string(o.inter_node_compression); },
           [](DataParallelOptions& o, const std::string& name) {
-            o.inter_node_compression = wire_compression_from_name(name, "inter_node_compression");
+            o.inter_node_compression = planner::compression_from_string(name, "inter_node_compression");
           },
           "'none', 'bf16' or 'int8' (the slow hop of a hierarchical reduction)");
 

@@ -128,6 +128,8 @@ Layout layout_from_plan(const planner::Plan& plan, int64_t num_blocks, int64_t w
   l.sequence_parallel = plan.sequence_parallel;
   l.bucket_bytes = static_cast<int64_t>(plan.dp_bucket_bytes);
   l.recompute = plan.recompute;
+  l.dp_reduction = plan.dp_reduction;
+  l.inter_node_compression = plan.inter_node_compression;
   for (const auto& layer : plan.layers) {
     if (layer.kind == planner::LayerKind::block) l.block_stage.push_back(layer.stage);
   }
@@ -161,8 +163,18 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
   l.sequence_parallel = pins.sequence_parallel;
   l.bucket_bytes = pins.bucket_bytes;
   l.recompute = pins.recompute;
+  l.dp_reduction = pins.dp_reduction;
+  l.inter_node_compression = pins.inter_node_compression;
   if (l.micro_batches < 1 || l.zero_stage < 0 || l.zero_stage > 3 || l.virtual_stages < 1) {
     throw std::invalid_argument("monarch: micro_batches must be >= 1, zero_stage in 0..3, virtual_stages >= 1");
+  }
+  if (l.dp_reduction == planner::DpReduction::hierarchical && l.zero_stage != 0) {
+    throw std::invalid_argument("monarch: dp_reduction=hierarchical is run by the data-parallel engine (zero_stage 0); "
+                                "zero_stage is " + std::to_string(l.zero_stage));
+  }
+  if (l.inter_node_compression != planner::Compression::none && l.dp_reduction != planner::DpReduction::hierarchical) {
+    throw std::invalid_argument("monarch: inter_node_compression=" + planner::to_string(l.inter_node_compression) +
+                                " compresses the inter-node hop of dp_reduction=hierarchical; dp_reduction is flat");
   }
   if (num_blocks == 0 && l.num_stages() == 1 && pins.block_stage.empty()) return l;  // nothing to cut
   l.block_stage = pins.block_stage.empty() ? even_block_stages(num_blocks, l.num_stages()) : pins.block_stage;

@@ -26,7 +26,7 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
   TORCH_CHECK(!options_.hierarchical || nodes_ != nullptr,
               "monarch::DataParallel: a hierarchical reduction needs the group's node groups (DeviceMesh::node_groups)");
   TORCH_CHECK(options_.hierarchical || options_.inter_node_compression == WireCompression::none,
-              "monarch::DataParallel: inter_node_compression='", to_string(options_.inter_node_compression),
+              "monarch::DataParallel: inter_node_compression='", planner::to_string(options_.inter_node_compression),
               "' compresses the slow hop of a hierarchical reduction: it needs dp_reduction='hierarchical'");
   TORCH_CHECK(!(options_.hierarchical && options_.bf16_compression),
               "monarch::DataParallel: gradient_compression='bf16' compresses the flat all-reduce; with a hierarchical "

@@ -8,22 +8,6 @@
 
 namespace monarch {
 
-std::string to_string(WireCompression c) {
-  switch (c) {
-    case WireCompression::none: return "none";
-    case WireCompression::bf16: return "bf16";
-    case WireCompression::int8: return "int8";
-  }
-  return "?";
-}
-
-WireCompression wire_compression_from_name(const std::string& name, const std::string& field) {
-  if (name == "none" || name.empty()) return WireCompression::none;
-  if (name == "bf16") return WireCompression::bf16;
-  if (name == "int8") return WireCompression::int8;
-  TORCH_CHECK(false, "monarch: ", field, ": expected 'none', 'bf16' or 'int8', got '", name, "'");
-}
-
 SerialWorker::SerialWorker() : thread_([this] { run(); }) {}
 
 SerialWorker::~SerialWorker() {

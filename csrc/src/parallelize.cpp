@@ -337,7 +337,10 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       }
       DataParallelOptions o;
       o.bucket_bytes = layout.bucket_bytes;
-      st->dp = std::make_unique<DataParallelEngine>(st->owned, buffers, mesh->group("dp"), o);
+      o.hierarchical = layout.dp_reduction == planner::DpReduction::hierarchical;
+      o.inter_node_compression = layout.inter_node_compression;
+      st->dp = std::make_unique<DataParallelEngine>(st->owned, buffers, mesh->group("dp"), o,
+                                                    o.hierarchical ? &mesh->node_groups("dp") : nullptr);
       composition_->set_data_parallel(st->id, st->dp.get());
     } else if (dp > 1) {
       std::vector<std::vector<at::Tensor>> units(1);

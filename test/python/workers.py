@@ -21,10 +21,11 @@ def global_mean(mesh, value):
     return t.item()
 
 
-def train_dp(mesh, accumulation=1, compression=None, die_at=None):
+def train_dp(mesh, accumulation=1, compression=None, die_at=None, reduction="flat", inter_node_compression=None):
     dp = mesh.group("dp")
     model = torch_monarch.DataParallel(make_model(seed=1234 + dp.rank), mesh=mesh,
-                                       bucket_cap_mb=16 / 1024, gradient_compression=compression)
+                                       bucket_cap_mb=16 / 1024, gradient_compression=compression,
+                                       reduction=reduction, inter_node_compression=inter_node_compression)
     opt = make_optimizer(model.named_parameters())  # an ordinary torch.optim optimizer
     local = GLOBAL_BATCH // dp.size
     micro = local // accumulation
@@ -196,6 +197,11 @@ def main(scenario):
         result = train_dp(mesh, accumulation=2)
     elif scenario == "dp_bf16":
         result = train_dp(mesh, compression="bf16")
+    elif scenario.startswith("dp_hier_"):  # dp_hier_none / _bf16 / _int8, nodes from LOCAL_WORLD_SIZE
+        result = train_dp(mesh, reduction="hierarchical", inter_node_compression=scenario[len("dp_hier_"):])
+        intra, inter = mesh.node_groups("dp")
+        result.update(intra_bytes=intra.total_bytes_sent(), inter_bytes=inter.total_bytes_sent(),
+                      ranks_per_node=mesh.ranks_per_node)
     elif scenario == "zero3_bf16":
         result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
     elif scenario.startswith("zero"):

@@ -244,7 +244,7 @@ int run_worker(const std::string& scenario) {
     // starts with [bytes sent inside the node, bytes sent between nodes, flat all-reduce bytes
     // of the same buckets on this group].
     dpo.hierarchical = true;
-    dpo.inter_node_compression = wire_compression_from_name(scenario.substr(8), "scenario");
+    dpo.inter_node_compression = planner::compression_from_string(scenario.substr(8), "scenario");
     NodeGroups& nodes = mesh.node_groups("dp");
     auto record = train_data_parallel(dp, o, dpo, &nodes);
     double flat = 0;

@@ -41,6 +41,10 @@ struct Layout {
   bool sequence_parallel = false;
   int64_t bucket_bytes = 25 * 1024 * 1024;
   planner::Recompute recompute = planner::Recompute::none;
+  // The dp gradient reduction (ZeRO 0): flat ring, or hierarchical across nodes with the
+  // inter-node hop optionally compressed (hierarchical.h).
+  planner::DpReduction dp_reduction = planner::DpReduction::flat;
+  planner::Compression inter_node_compression = planner::Compression::none;
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
   // The stages pipeline rank `pp_rank` runs (stage s on rank s % pp, as every schedule
   // places them); frontends build exactly these, and the state dict's owner follows it.
@@ -59,6 +63,8 @@ struct LayoutPins {
   bool sequence_parallel = false;
   int64_t bucket_bytes = 25 * 1024 * 1024;
   planner::Recompute recompute = planner::Recompute::none;
+  planner::DpReduction dp_reduction = planner::DpReduction::flat;
+  planner::Compression inter_node_compression = planner::Compression::none;
 };
 
 // The plan's layout for a model with `num_blocks` blocks on `world_size` ranks. Throws

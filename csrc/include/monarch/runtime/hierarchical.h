@@ -16,14 +16,14 @@
 #include <string>
 #include <thread>
 
+#include "monarch/planner/training_config.h"
 #include "monarch/runtime/communicator.h"
 
 namespace monarch {
 
-enum class WireCompression { none, bf16, int8 };
-std::string to_string(WireCompression c);
-// "none", "bf16", "int8"; anything else is an error naming `field`.
-WireCompression wire_compression_from_name(const std::string& name, const std::string& field);
+// The Plan's inter_node_compression (none, bf16, int8); planner::to_string and
+// planner::compression_from_string convert it.
+using WireCompression = planner::Compression;
 
 // Values per int8 scale on the slow hop (the planner's cost model counts the same).
 constexpr int64_t kInt8Block = 256;
