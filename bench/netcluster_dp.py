@@ -19,8 +19,8 @@ The planner's prediction of the same setup is printed beside the measurement: th
 (torch_monarch.cluster.probe) times the two link levels on the real groups, and the
 planner's collective model (planner/collectives.h: flat ring or hierarchical decomposition)
 turns them into the reduction time; predicted step = measured compute-only step + the part
-of the reduction not hidden behind backward (the cost model's overlap rule, with the CPU
-preset's overlap contention). The prediction is computed after the run from the stored
+of the reduction not hidden behind backward (the cost model's overlap rule, with the overlap
+contention detect() sets for CPU ranks: 1 when a node's ranks use every core). The prediction is computed after the run from the stored
 inputs (--replot recomputes it from a results file).
 
 Needs root (network namespaces). Prints a table and writes JSON
@@ -147,12 +147,15 @@ def predict(links, compute_s, backward_s, grads_bytes, bucket_bytes):
     """The planner's reduction time for each engine from the probed links, and the step it
     implies: compute + the part of the reduction that does not hide behind backward, by the
     cost model's rule (cost_model.cpp: last bucket + overlapped(backward, rest, contention) -
-    backward) with the CPU preset's overlap contention."""
+    backward) with the overlap contention torch_monarch.cluster.detect() sets for CPU ranks."""
     from torch_monarch._C import planner as P
+    from torch_monarch.cluster import _cores, cpu_overlap_contention
     cluster = P.cluster_preset("cpu", NODES * RANKS_PER_NODE)
     for k, v in links.items():
         setattr(cluster, k, v)
-    c = cluster.overlap_contention
+    # What detect() set on the ranks (stored since it does; for older result files, the same
+    # rule on this machine's cores).
+    c = links.get("overlap_contention", cpu_overlap_contention(RANKS_PER_NODE, _cores()))
     out = {}
     for name, hierarchical, compression in (("torch DDP", False, "none"), ("monarch DP flat", False, "none"),
                                             ("monarch DP hierarchical", True, "none"),
@@ -210,7 +213,7 @@ def worker(args):
         with open(args.raw, "w") as f:
             links = {k: getattr(cluster, k) for k in ("nodes", "devices_per_node", "intra_node_bytes_per_s",
                                                       "intra_node_latency_s", "inter_node_bytes_per_s",
-                                                      "inter_node_latency_s")}
+                                                      "inter_node_latency_s", "overlap_contention")}
             json.dump({"params": params, "probed_links": links, "compute_only_s": compute,
                        "compute_only_backward_s": backward_s, "results": results}, f)
     dist.barrier()

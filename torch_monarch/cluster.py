@@ -104,6 +104,14 @@ def _cores():
         return os.cpu_count() or 1
 
 
+def cpu_overlap_contention(ranks_per_node, cores):
+    """The cost model's overlap contention for CPU ranks: Gloo copies, sends and sums on the
+    cores that compute, so with at least as many busy ranks as cores a collective hides behind
+    no computation (each slows the other fully: 1); with idle cores to spare it overlaps
+    freely (0)."""
+    return 1.0 if ranks_per_node >= cores else 0.0
+
+
 def detect(world_size=None, ranks_per_node=None, measure=True):
     """The planner's Cluster for this job: world size and ranks per node from torchrun's
     environment (WORLD_SIZE, LOCAL_WORLD_SIZE), device memory (CUDA properties, or on CPU
@@ -136,6 +144,7 @@ def detect(world_size=None, ranks_per_node=None, measure=True):
         # The node's ranks share its cores: the planner's rates are per rank with all busy
         # (a fair share of a core each when there are more ranks than cores).
         c.cores_per_node = float(_cores())
+        c.overlap_contention = cpu_overlap_contention(local, c.cores_per_node)
         # The rate was measured with `threads` threads on an idle machine; with all ranks
         # busy each gets its share of the cores (ranks here run one thread each, as
         # torch_monarch.run sets OMP_NUM_THREADS).
