@@ -36,8 +36,9 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
                 " does not require grad");
     TORCH_CHECK(params_[i].is_floating_point(), "monarch::DataParallel: parameter ", i,
                 " is not floating point");
-    TORCH_CHECK(!options_.hierarchical || params_[i].scalar_type() == at::kFloat, "monarch::DataParallel: parameter ",
-                i, " is ", params_[i].scalar_type(), ": the hierarchical reduction takes fp32 gradients");
+    TORCH_CHECK(!options_.hierarchical || params_[i].is_cpu(), "monarch::DataParallel: parameter ", i, " is on ",
+                params_[i].device(), ": the hierarchical reduction runs on CPU (Gloo) tensors; use dp_reduction "
+                "flat on CUDA for now");
   }
   check_same_parameters(params_, group_, "monarch::DataParallel");
   check_same_options({{"bucket_cap_mb", static_cast<double>(options_.bucket_bytes) / (1024.0 * 1024.0)},
@@ -226,6 +227,11 @@ void DataParallelEngine::recover_if_abandoned() {
   reset_backward_state();
   TORCH_CHECK(error.empty(), "monarch::DataParallel: the previous backward failed and so did its reductions: ", error);
   TORCH_CHECK(!group_.failed(), "monarch::DataParallel: ", group_.failure());
+  if (nodes_ != nullptr) {
+    for (const Communicator* g : {nodes_->intra.get(), nodes_->inter.get()}) {
+      TORCH_CHECK(!g->failed(), "monarch::DataParallel: ", g->failure());
+    }
+  }
 }
 
 }  // namespace monarch

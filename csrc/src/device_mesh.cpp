@@ -23,7 +23,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   // otherwise pair with a real collective).
   const char* checks = std::getenv("MONARCH_CHECK_COLLECTIVES");
   request << " MONARCH_CHECK_COLLECTIVES=" << (checks != nullptr && *checks ? checks : "all");
-  // Ranks per node: part of the agreement, so nodes of different sizes are one clear error.
+  // Ranks per node (checked when a group is split by node, node_groups).
   ranks_per_node_ = world_->size();
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr && *local) {
     char* end = nullptr;
@@ -31,10 +31,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
     TORCH_CHECK(*end == '\0' && value >= 1, "monarch: LOCAL_WORLD_SIZE='", local, "' is not a positive integer");
     ranks_per_node_ = static_cast<int>(value);
   }
-  request << " LOCAL_WORLD_SIZE=" << ranks_per_node_;
   world_->agree("mesh", request.str());
-  TORCH_CHECK(world_->size() % ranks_per_node_ == 0, "monarch: LOCAL_WORLD_SIZE=", ranks_per_node_,
-              " does not divide the world size ", world_->size(), " (every node must run as many ranks)");
   std::vector<std::string> sorted = mesh.order;
   std::sort(sorted.begin(), sorted.end());
   TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}),
@@ -130,6 +127,13 @@ NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
   auto found = node_groups_.find(axis);
   if (found != node_groups_.end()) return *found->second;
   Communicator& whole = group(axis);
+  // Every rank splits here (collective): agree on the node size first, so nodes of different
+  // sizes, or ranks where only some asked for the split, are one clear error on every rank
+  // instead of groups that never connect.
+  world_->agree("split of the " + axis + " groups by node",
+                "LOCAL_WORLD_SIZE=" + std::to_string(ranks_per_node_));
+  TORCH_CHECK(world_->size() % ranks_per_node_ == 0, "monarch: LOCAL_WORLD_SIZE=", ranks_per_node_,
+              " does not divide the world size ", world_->size(), " (every node must run as many ranks)");
   const auto node_of = [this](int r) { return r / ranks_per_node_; };
   const int my_node = node_of(rank());
   // Group members per node, in group order.

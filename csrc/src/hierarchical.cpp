@@ -48,13 +48,16 @@ void SerialWorker::run() {
 namespace {
 
 // The slow hop, compressed: every node's rounded shard is gathered and each rank sums the
-// same N values in node order, so the result is identical everywhere.
+// same N values in node order, so the result is identical everywhere. Rounding works on an
+// fp32 copy of the shard (bf16 gradients round from their fp32 sum); a residual that is not
+// finite (a NaN or Inf gradient) is dropped so it does not poison the next steps.
 void gather_bf16(Communicator& inter, at::Tensor shard, ErrorFeedback& feedback) {
   const int64_t n = shard.numel();
-  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros_like(shard);
-  auto corrected = shard + feedback.error;
+  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros({n}, shard.options().dtype(at::kFloat));
+  auto corrected = shard.to(at::kFloat) + feedback.error;
   auto wire = corrected.to(at::kBFloat16);
   feedback.error.copy_(corrected - wire.to(at::kFloat));
+  feedback.error.masked_fill_(feedback.error.isfinite().logical_not(), 0.0);
   auto gathered = at::empty({inter.size() * n}, wire.options());
   inter.all_gather(gathered, wire).wait();
   shard.copy_(gathered.view({inter.size(), n}).to(at::kFloat).sum(0));
@@ -62,35 +65,41 @@ void gather_bf16(Communicator& inter, at::Tensor shard, ErrorFeedback& feedback)
 
 void gather_int8(Communicator& inter, at::Tensor shard, ErrorFeedback& feedback) {
   const int64_t n = shard.numel();
-  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros_like(shard);
+  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros({n}, shard.options().dtype(at::kFloat));
+  at::Tensor values = shard.to(at::kFloat).contiguous();  // shard itself when it is fp32
   const int64_t blocks = kernels::int8_num_blocks(n, kInt8Block);
   // One message per node: n int8 values, then `blocks` fp32 scales.
   const int64_t message = n + blocks * static_cast<int64_t>(sizeof(float));
   auto wire = at::empty({message}, shard.options().dtype(at::kByte));
   auto* bytes = wire.data_ptr<uint8_t>();
   std::vector<float> scales(static_cast<size_t>(blocks));
-  kernels::int8_quantize_cpu(shard.data_ptr<float>(), feedback.error.data_ptr<float>(),
+  kernels::int8_quantize_cpu(values.data_ptr<float>(), feedback.error.data_ptr<float>(),
                              reinterpret_cast<int8_t*>(bytes), scales.data(), n, kInt8Block);
   if (blocks > 0) std::memcpy(bytes + n, scales.data(), scales.size() * sizeof(float));
   auto gathered = at::empty({inter.size() * message}, wire.options());
   inter.all_gather(gathered, wire).wait();
-  shard.zero_();
+  values.zero_();
   const auto* all = gathered.data_ptr<uint8_t>();
   for (int j = 0; j < inter.size(); ++j) {
     const uint8_t* node = all + j * message;
     std::memcpy(scales.data(), node + n, scales.size() * sizeof(float));
-    kernels::int8_dequantize_cpu(reinterpret_cast<const int8_t*>(node), scales.data(), shard.data_ptr<float>(), n,
+    kernels::int8_dequantize_cpu(reinterpret_cast<const int8_t*>(node), scales.data(), values.data_ptr<float>(), n,
                                  kInt8Block, /*accumulate=*/true);
   }
+  if (!values.is_same(shard)) shard.copy_(values);
 }
 
 }  // namespace
 
 void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tensor flat, WireCompression compression,
                              ErrorFeedback& feedback) {
-  TORCH_CHECK(flat.scalar_type() == at::kFloat && flat.is_contiguous() && flat.dim() == 1,
-              "monarch: hierarchical all-reduce needs a flat contiguous fp32 buffer, got ", flat.sizes(), " ",
+  TORCH_CHECK(flat.is_floating_point() && flat.is_contiguous() && flat.dim() == 1,
+              "monarch: hierarchical all-reduce needs a flat contiguous floating-point buffer, got ", flat.sizes(), " ",
               flat.scalar_type());
+  // The steps run on a worker thread, and the rounding on the host: CUDA buffers would need
+  // the CUDA quantizer and one launch order for every NCCL group on each rank.
+  TORCH_CHECK(flat.is_cpu(), "monarch: the hierarchical all-reduce runs on CPU (Gloo) buffers; got one on ",
+              flat.device(), " (use dp_reduction flat on CUDA for now)");
   const int64_t local = intra.size();
   TORCH_CHECK(flat.numel() % local == 0, "monarch: hierarchical all-reduce of ", flat.numel(),
               " values over ", local, " ranks per node: pad the buffer to a multiple of ", local);

@@ -20,7 +20,19 @@ void int8_quantize_cpu(const float* src, float* error, int8_t* q, float* scales,
     float amax = 0.0f;
     for (int64_t i = lo; i < hi; ++i) {
       const float c = error ? src[i] + error[i] : src[i];
-      amax = std::fmax(amax, std::fabs(c));
+      // A NaN or Inf marks the block (fmax would skip a NaN).
+      amax = std::isfinite(c) ? std::fmax(amax, std::fabs(c)) : INFINITY;
+    }
+    if (std::isinf(amax)) {
+      // Non-finite input: the block's scale is NaN (every value dequantizes to NaN, as an
+      // uncompressed sum would propagate it) and its residual is dropped, so one bad step
+      // does not poison the error feedback of the steps after it.
+      scales[b] = NAN;
+      for (int64_t i = lo; i < hi; ++i) {
+        q[i] = 0;
+        if (error) error[i] = 0.0f;
+      }
+      continue;
     }
     const float scale = amax / 127.0f;
     scales[b] = scale;

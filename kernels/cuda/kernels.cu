@@ -79,7 +79,7 @@ __device__ __forceinline__ void d_store(void* p, int32_t d, int64_t i, float v) 
 
 // ---- int8 quantization ---------------------------------------------------------------------
 
-__global__ void int8_quantize_kernel(const float* __restrict__ src, float* error, int8_t* q,
+__global__ void int8_quantize_kernel(const float* src, float* error, int8_t* q,
                                      float* scales, int64_t n, int64_t block) {
   const int64_t b = blockIdx.x;
   const int64_t lo = b * block;
@@ -87,9 +87,17 @@ __global__ void int8_quantize_kernel(const float* __restrict__ src, float* error
   float amax = 0.0f;
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const float c = error ? __fadd_rn(src[i], error[i]) : src[i];
-    amax = fmaxf(amax, fabsf(c));
+    amax = isfinite(c) ? fmaxf(amax, fabsf(c)) : INFINITY;  // a NaN or Inf marks the block
   }
   amax = block_reduce(amax, MaxOp{}, 0.0f);
+  if (isinf(amax)) {  // as the CPU reference: NaN scale, residual dropped
+    if (threadIdx.x == 0) scales[b] = NAN;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      q[i] = 0;
+      if (error) error[i] = 0.0f;
+    }
+    return;
+  }
   const float scale = __fdiv_rn(amax, 127.0f);
   if (threadIdx.x == 0) scales[b] = scale;
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {

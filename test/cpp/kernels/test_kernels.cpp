@@ -148,6 +148,31 @@ TEST_CASE("int8 quantize: all-zero blocks, ties, clamping and q range", "[kernel
   CHECK(got.q.to(at::kInt).min().item<int>() >= -127);
 }
 
+TEST_CASE("int8 quantize: a NaN or Inf block dequantizes to NaN and drops its residual", "[kernels][quantize]") {
+  // block 3: [1 NaN 2] [inf 1 1] [3 -3 1]
+  std::vector<float> src = {1.0f, NAN, 2.0f, INFINITY, 1.0f, 1.0f, 3.0f, -3.0f, 1.0f};
+  std::vector<float> err = {0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.25f, 0.0f, 0.0f, 0.0f};
+  std::vector<int8_t> q(src.size(), 99);
+  std::vector<float> scales(3, -1.0f);
+  mk::int8_quantize_cpu(src.data(), err.data(), q.data(), scales.data(), 9, 3);
+  CHECK(std::isnan(scales[0]));
+  CHECK(std::isnan(scales[1]));
+  CHECK(scales[2] == 3.0f / 127.0f);
+  for (int i = 0; i < 6; ++i) {
+    CHECK(q[i] == 0);
+    CHECK(err[i] == 0.0f);  // the next step starts clean
+  }
+  std::vector<float> out(9, 0.0f);
+  mk::int8_dequantize_cpu(q.data(), scales.data(), out.data(), 9, 3, false);
+  for (int i = 0; i < 6; ++i) CHECK(std::isnan(out[i]));
+  CHECK(out[6] == Approx(3.0f));
+  CHECK(out[7] == Approx(-3.0f));
+  // The next step with finite values quantizes normally.
+  std::vector<float> good = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  mk::int8_quantize_cpu(good.data(), err.data(), q.data(), scales.data(), 9, 3);
+  for (int b = 0; b < 3; ++b) CHECK(std::isfinite(scales[b]));
+}
+
 TEST_CASE("int8 error feedback: the running mean of dequantized values converges",
           "[kernels][quantize]") {
   at::manual_seed(3);

@@ -36,11 +36,12 @@ class DeviceMesh {
   Communicator& pipeline_ends_group();
   const std::shared_ptr<World>& world() const { return world_; }
   // The ranks on one node: LOCAL_WORLD_SIZE (torchrun numbers the ranks of a node
-  // consecutively), checked equal on every rank; the world size when it is not set.
+  // consecutively; node_groups checks it is equal on every rank); the world size when it is
+  // not set.
   int ranks_per_node() const { return ranks_per_node_; }
   // `axis`'s group split by node (hierarchical.h). Collective on the whole world the first
-  // time (every rank creates its two groups); refuses a group whose nodes hold different
-  // numbers of its ranks.
+  // time (the ranks agree on LOCAL_WORLD_SIZE, then every rank creates its two groups);
+  // refuses a group whose nodes hold different numbers of its ranks.
   NodeGroups& node_groups(const std::string& axis);
 
  private:

@@ -62,7 +62,8 @@ struct ErrorFeedback {
   at::Tensor error;
 };
 
-// In-place sum of `flat` (fp32, numel a multiple of intra.size()) over intra x inter,
+// In-place sum of `flat` (a CPU floating-point buffer, numel a multiple of intra.size())
+// over intra x inter,
 // blocking. Every rank ends with bitwise the same values (the compressed hop gathers every
 // node's rounded shard and each rank sums the same values in the same order).
 void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tensor flat, WireCompression compression,
