@@ -1,6 +1,7 @@
 #include "monarch/runtime/data_parallel.h"
 
 #include "monarch/runtime/replicas.h"
+#include "monarch/runtime/shared_memory.h"
 #include "autograd_hooks.h"
 
 #include <c10/util/Exception.h>
@@ -101,7 +102,10 @@ void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
       const int64_t local = nodes_->intra->size();
       numel = (numel + local - 1) / local * local;
     }
-    b.flat = at::zeros({numel}, first.options().requires_grad(false));
+    // Hierarchical on a node of several ranks: the bucket is this rank's slot of a buffer
+    // the node's ranks share (collective over the node; none where shared memory is missing).
+    if (options_.hierarchical) b.shared = NodeSharedBuffer::create(*nodes_->intra, numel, first.scalar_type());
+    b.flat = b.shared ? b.shared->mine() : at::zeros({numel}, first.options().requires_grad(false));
     if (options_.bf16_compression) {
       b.error = at::zeros_like(b.flat);
       b.wire = at::empty(b.flat.sizes(), b.flat.options().dtype(at::kBFloat16));
@@ -143,11 +147,12 @@ void DataParallelEngine::launch_ready_buckets() {
       // Off this thread, in bucket order (the worker is shared by every engine on the group).
       NodeGroups* nodes = nodes_;
       at::Tensor flat = b.flat;
-      ErrorFeedback* feedback = &b.feedback;
+      HierarchicalBuffers* feedback = &b.feedback;
+      const NodeSharedBuffer* shared = b.shared.get();
       const WireCompression compression = options_.inter_node_compression;
-      b.reduced = nodes_->worker.submit([nodes, flat, feedback, compression] {
+      b.reduced = nodes_->worker.submit([nodes, flat, feedback, shared, compression] {
         at::NoGradGuard no_grad;
-        hierarchical_all_reduce(*nodes->intra, *nodes->inter, flat, compression, *feedback);
+        hierarchical_all_reduce(*nodes->intra, *nodes->inter, flat, compression, *feedback, shared);
       });
     } else if (options_.bf16_compression) {
       auto corrected = b.flat + b.error;

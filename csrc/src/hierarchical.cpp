@@ -4,7 +4,9 @@
 
 #include <c10/util/Exception.h>
 
+#include "monarch/kernels/pack.h"
 #include "monarch/kernels/quantize.h"
+#include "monarch/runtime/shared_memory.h"
 
 namespace monarch {
 
@@ -47,52 +49,96 @@ void SerialWorker::run() {
 
 namespace {
 
-// The slow hop, compressed: every node's rounded shard is gathered and each rank sums the
-// same N values in node order, so the result is identical everywhere. Rounding works on an
-// fp32 copy of the shard (bf16 gradients round from their fp32 sum); a residual that is not
-// finite (a NaN or Inf gradient) is dropped so it does not poison the next steps.
-void gather_bf16(Communicator& inter, at::Tensor shard, ErrorFeedback& feedback) {
-  const int64_t n = shard.numel();
-  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros({n}, shard.options().dtype(at::kFloat));
-  auto corrected = shard.to(at::kFloat) + feedback.error;
-  auto wire = corrected.to(at::kBFloat16);
-  feedback.error.copy_(corrected - wire.to(at::kFloat));
-  feedback.error.masked_fill_(feedback.error.isfinite().logical_not(), 0.0);
-  auto gathered = at::empty({inter.size() * n}, wire.options());
-  inter.all_gather(gathered, wire).wait();
-  shard.copy_(gathered.view({inter.size(), n}).to(at::kFloat).sum(0));
+// A persistent buffer of `numel` elements (reallocated only when the size or dtype changes).
+at::Tensor& reuse(at::Tensor& t, int64_t numel, const at::TensorOptions& options) {
+  if (!t.defined() || t.numel() != numel || t.scalar_type() != options.dtype().toScalarType()) {
+    t = at::empty({numel}, options);
+  }
+  return t;
 }
 
-void gather_int8(Communicator& inter, at::Tensor shard, ErrorFeedback& feedback) {
+// Every node's message: `message` holds this rank's; the all-to-all sends it to each node
+// (an all-gather that writes into the kept `gathered` buffer; Gloo's all-gather would
+// allocate its own output at every call).
+const uint8_t* gather_messages(Communicator& inter, HierarchicalBuffers& buffers, int64_t message_bytes,
+                               const std::function<void(uint8_t*)>& write_message) {
+  const int64_t nodes = inter.size();
+  const auto bytes = at::TensorOptions().dtype(at::kByte);
+  auto* send = reuse(buffers.send, nodes * message_bytes, bytes).data_ptr<uint8_t>();
+  write_message(send);
+  for (int64_t j = 1; j < nodes; ++j) std::memcpy(send + j * message_bytes, send, static_cast<size_t>(message_bytes));
+  at::Tensor& gathered = reuse(buffers.gathered, nodes * message_bytes, bytes);
+  inter.all_to_all(gathered, buffers.send).wait();
+  return gathered.data_ptr<uint8_t>();
+}
+
+// The fp32 values of the shard: the shard itself, or a kept fp32 copy of a bf16 one.
+float* fp32_values(at::Tensor shard, HierarchicalBuffers& buffers) {
+  if (shard.scalar_type() == at::kFloat) return shard.data_ptr<float>();
+  return reuse(buffers.values, shard.numel(), shard.options().dtype(at::kFloat)).copy_(shard).data_ptr<float>();
+}
+
+void feedback_buffer(at::Tensor shard, HierarchicalBuffers& buffers) {
+  if (!buffers.error.defined() || buffers.error.numel() != shard.numel()) {
+    buffers.error = at::zeros({shard.numel()}, shard.options().dtype(at::kFloat));
+  }
+}
+
+// The slow hop, compressed: every node's rounded shard is gathered and each rank sums the
+// same N values in node order, so the result is identical everywhere. Rounding works on the
+// fp32 values of the shard (bf16 gradients round from their fp32 sum); a residual that is
+// not finite (a NaN or Inf gradient) is dropped so it does not poison the next steps.
+void gather_bf16(Communicator& inter, at::Tensor shard, HierarchicalBuffers& buffers) {
   const int64_t n = shard.numel();
-  if (!feedback.error.defined() || feedback.error.numel() != n) feedback.error = at::zeros({n}, shard.options().dtype(at::kFloat));
-  at::Tensor values = shard.to(at::kFloat).contiguous();  // shard itself when it is fp32
+  feedback_buffer(shard, buffers);
+  float* values = fp32_values(shard, buffers);
+  const int64_t message = n * 2;
+  const uint8_t* all = gather_messages(inter, buffers, message, [&](uint8_t* out) {
+    kernels::bf16_round_with_feedback_cpu(values, buffers.error.data_ptr<float>(), reinterpret_cast<uint16_t*>(out), n);
+  });
+  for (int j = 0; j < inter.size(); ++j) {
+    const kernels::UnpackDest dest{values, n, kernels::DType::Float32};
+    kernels::bucket_unpack_cpu(all + j * message, kernels::DType::BFloat16, &dest, 1, 1.0f, /*accumulate=*/j > 0);
+  }
+  if (shard.scalar_type() != at::kFloat) shard.copy_(buffers.values);
+}
+
+void gather_int8(Communicator& inter, at::Tensor shard, HierarchicalBuffers& buffers) {
+  const int64_t n = shard.numel();
+  feedback_buffer(shard, buffers);
+  float* values = fp32_values(shard, buffers);
   const int64_t blocks = kernels::int8_num_blocks(n, kInt8Block);
   // One message per node: n int8 values, then `blocks` fp32 scales.
   const int64_t message = n + blocks * static_cast<int64_t>(sizeof(float));
-  auto wire = at::empty({message}, shard.options().dtype(at::kByte));
-  auto* bytes = wire.data_ptr<uint8_t>();
   std::vector<float> scales(static_cast<size_t>(blocks));
-  kernels::int8_quantize_cpu(values.data_ptr<float>(), feedback.error.data_ptr<float>(),
-                             reinterpret_cast<int8_t*>(bytes), scales.data(), n, kInt8Block);
-  if (blocks > 0) std::memcpy(bytes + n, scales.data(), scales.size() * sizeof(float));
-  auto gathered = at::empty({inter.size() * message}, wire.options());
-  inter.all_gather(gathered, wire).wait();
-  values.zero_();
-  const auto* all = gathered.data_ptr<uint8_t>();
+  const uint8_t* all = gather_messages(inter, buffers, message, [&](uint8_t* out) {
+    kernels::int8_quantize_cpu(values, buffers.error.data_ptr<float>(), reinterpret_cast<int8_t*>(out),
+                               scales.data(), n, kInt8Block);
+    if (blocks > 0) std::memcpy(out + n, scales.data(), scales.size() * sizeof(float));
+  });
   for (int j = 0; j < inter.size(); ++j) {
     const uint8_t* node = all + j * message;
     std::memcpy(scales.data(), node + n, scales.size() * sizeof(float));
-    kernels::int8_dequantize_cpu(reinterpret_cast<const int8_t*>(node), scales.data(), values.data_ptr<float>(), n,
-                                 kInt8Block, /*accumulate=*/true);
+    kernels::int8_dequantize_cpu(reinterpret_cast<const int8_t*>(node), scales.data(), values, n, kInt8Block,
+                                 /*accumulate=*/j > 0);
   }
-  if (!values.is_same(shard)) shard.copy_(values);
+  if (shard.scalar_type() != at::kFloat) shard.copy_(buffers.values);
+}
+
+void between_nodes(Communicator& inter, at::Tensor shard, WireCompression compression, HierarchicalBuffers& buffers) {
+  if (inter.size() <= 1) return;
+  Communicator::Phase phase(inter, "hierarchical all-reduce: between nodes");
+  switch (compression) {
+    case WireCompression::none: inter.all_reduce(shard).wait(); break;
+    case WireCompression::bf16: gather_bf16(inter, shard, buffers); break;
+    case WireCompression::int8: gather_int8(inter, shard, buffers); break;
+  }
 }
 
 }  // namespace
 
 void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tensor flat, WireCompression compression,
-                             ErrorFeedback& feedback) {
+                             HierarchicalBuffers& buffers, const NodeSharedBuffer* shared) {
   TORCH_CHECK(flat.is_floating_point() && flat.is_contiguous() && flat.dim() == 1,
               "monarch: hierarchical all-reduce needs a flat contiguous floating-point buffer, got ", flat.sizes(), " ",
               flat.scalar_type());
@@ -103,20 +149,23 @@ void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tenso
   const int64_t local = intra.size();
   TORCH_CHECK(flat.numel() % local == 0, "monarch: hierarchical all-reduce of ", flat.numel(),
               " values over ", local, " ranks per node: pad the buffer to a multiple of ", local);
-  const int64_t n = flat.numel() / local;
-  auto shard = at::empty({n}, flat.options());
+  if (local == 1) {  // one rank per node: the slow hop is the whole reduction
+    between_nodes(inter, flat, compression, buffers);
+    return;
+  }
+  if (shared != nullptr) {
+    TORCH_CHECK(shared->mine().data_ptr() == flat.data_ptr() && shared->numel() == flat.numel(),
+                "monarch: hierarchical all-reduce: the buffer is not this rank's shared slot");
+    shared_reduce_scatter_all_gather(intra, *shared,
+                                     [&](at::Tensor shard) { between_nodes(inter, shard, compression, buffers); });
+    return;
+  }
+  at::Tensor& shard = reuse(buffers.shard, flat.numel() / local, flat.options());
   {
     Communicator::Phase phase(intra, "hierarchical all-reduce: reduce-scatter inside the node");
     intra.reduce_scatter(shard, flat).wait();
   }
-  if (inter.size() > 1) {
-    Communicator::Phase phase(inter, "hierarchical all-reduce: between nodes");
-    switch (compression) {
-      case WireCompression::none: inter.all_reduce(shard).wait(); break;
-      case WireCompression::bf16: gather_bf16(inter, shard, feedback); break;
-      case WireCompression::int8: gather_int8(inter, shard, feedback); break;
-    }
-  }
+  between_nodes(inter, shard, compression, buffers);
   Communicator::Phase phase(intra, "hierarchical all-reduce: all-gather inside the node");
   intra.all_gather(flat, shard).wait();
 }

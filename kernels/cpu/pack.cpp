@@ -55,4 +55,14 @@ void bf16_to_float_cpu(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
+void bf16_round_with_feedback_cpu(const float* src, float* error, uint16_t* wire, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = src[i] + error[i];
+    const uint16_t w = float_to_bf16(c);
+    wire[i] = w;
+    const float r = c - bf16_to_float(w);
+    error[i] = std::isfinite(r) ? r : 0.0f;
+  }
+}
+
 }  // namespace monarch::kernels

@@ -296,6 +296,33 @@ TEST_CASE("bucket pack/unpack match at::cat / .to with scale, both wire dtypes",
   }
 }
 
+TEST_CASE("bf16 rounding with error feedback matches the ATen formula; non-finite residuals dropped",
+          "[kernels][pack]") {
+  at::manual_seed(6);
+  for (int64_t n : {0, 1, 7, 4099}) {
+    INFO("n " << n);
+    at::Tensor src = randn(n, 3.0);
+    at::Tensor error = randn(n, 1e-3);
+    if (n > 2) {
+      src[0] = std::numeric_limits<float>::infinity();
+      src[1] = std::numeric_limits<float>::quiet_NaN();
+    }
+    at::Tensor corrected = src + error;
+    at::Tensor ref_wire = corrected.to(at::kBFloat16);
+    at::Tensor ref_error = corrected - ref_wire.to(at::kFloat);
+    ref_error.masked_fill_(ref_error.isfinite().logical_not(), 0.0);
+    at::Tensor wire = at::empty({n}, at::kShort);
+    mk::bf16_round_with_feedback_cpu(src.data_ptr<float>(), error.data_ptr<float>(),
+                                     reinterpret_cast<uint16_t*>(wire.data_ptr<int16_t>()), n);
+    at::Tensor finite = corrected.isnan().logical_not();
+    CHECK(at::equal(wire.masked_select(finite), ref_wire.view(at::kShort).masked_select(finite)));
+    CHECK(bits_as_bf16(wire).isnan().equal(corrected.isnan()));
+    CHECK(at::equal(error, ref_error));
+    // The Inf and NaN elements leave no residual for the next step.
+    if (n > 2) CHECK(error.narrow(0, 0, 2).abs().sum().item<float>() == 0.0f);
+  }
+}
+
 // ---- AdamW -------------------------------------------------------------------------------------
 
 TEST_CASE("fused AdamW matches torch::optim::AdamW over several steps, bf16 copies exact",

@@ -82,8 +82,13 @@ TEST_CASE("hierarchical reduction over 2 nodes x 2 ranks matches one process; co
   const TrainRecord reference = train_reference({});
   const std::map<std::string, std::string> two_nodes{{"LOCAL_WORLD_SIZE", "2"}};
   std::map<std::string, std::vector<TrainRecord>> runs;
-  for (const std::string c : {"none", "bf16", "int8"}) {
-    const LaunchResult r = run(4, "dp_hier_" + c, two_nodes);
+  // The node's ranks share their buckets through shared memory; "/collectives" runs the same
+  // with MONARCH_SHARED_MEMORY=off (reduce-scatter and all-gather over the intra group).
+  for (const std::string c : {"none", "bf16", "int8", "none/collectives", "int8/collectives"}) {
+    const bool collectives = c.find("/collectives") != std::string::npos;
+    auto env = two_nodes;
+    if (collectives) env["MONARCH_SHARED_MEMORY"] = "off";
+    const LaunchResult r = run(4, "dp_hier_" + c.substr(0, c.find('/')), env);
     INFO(c << ": " << r.describe());
     REQUIRE(r.all_ok());
     for (int rank = 0; rank < 4; ++rank) {
@@ -106,6 +111,23 @@ TEST_CASE("hierarchical reduction over 2 nodes x 2 ranks matches one process; co
   CHECK(bytes(none, 1) == Approx(flat / 3).epsilon(0.02));
   CHECK(bytes(runs["bf16"][0], 1) == Approx(flat / 6).epsilon(0.02));
   CHECK(bytes(runs["int8"][0], 1) == Approx(flat / 12 * (1 + 4.0 / 256)).epsilon(0.02));
+  // Shared memory: the same sums in the same order as the collectives, so bitwise the same
+  // training; inside the node only the setup and the barriers' checks go over the group.
+  for (const std::string c : {"none", "int8"}) {
+    INFO(c);
+    const auto& shared = runs[c];
+    const auto& collectives = runs[c + "/collectives"];
+    for (int rank = 0; rank < 4; ++rank) {
+      REQUIRE(shared[rank].params.size() == collectives[rank].params.size());
+      for (size_t i = 1; i < shared[rank].params.size(); ++i) CHECK(at::equal(shared[rank].params[i], collectives[rank].params[i]));
+      CHECK(shared[rank].losses == collectives[rank].losses);
+    }
+    // Collectives: a reduce-scatter and an all-gather sending S / 2 each per step (2 ranks per
+    // node), where the flat ring on 4 ranks sends 1.5 S.
+    CHECK(bytes(collectives[0], 0) == Approx(flat / 1.5).epsilon(0.02));
+    CHECK(bytes(collectives[0], 1) == Approx(bytes(shared[0], 1)));
+    CHECK(bytes(shared[0], 0) < bytes(collectives[0], 0) / 100);
+  }
   for (const std::string c : {"bf16", "int8"}) {
     INFO(c);
     // Every rank sums the same rounded values: replicas stay bitwise equal.

@@ -72,7 +72,8 @@ class DataParallelEngine {
     size_t pending = 0;
     Handle handle;
     std::shared_future<void> reduced;  // hierarchical: the worker's job
-    ErrorFeedback feedback;            // hierarchical with a compressed slow hop
+    HierarchicalBuffers feedback;       // hierarchical: error feedback and the slow hop's buffers
+    std::shared_ptr<NodeSharedBuffer> shared;  // hierarchical: the node's shared slots (flat is ours)
   };
 
   void build_buckets(int64_t bucket_bytes);

@@ -56,18 +56,28 @@ struct NodeGroups {
   SerialWorker worker;  // issues the two groups' collectives in order, off the caller's thread
 };
 
-// Per-buffer state of a compressed slow hop: the error of the last rounding of this rank's
-// shard, added back before the next one (Seide et al. 2014; Karimireddy et al. 2019).
-struct ErrorFeedback {
-  at::Tensor error;
+// Per-buffer state of the reduction, kept between steps: the error of the last rounding of
+// this rank's shard, added back before the next one (Seide et al. 2014; Karimireddy et al.
+// 2019), and the buffers of the slow hop. Reusing them matters on CPU: a fresh buffer of
+// tens of MB costs a page fault per 4 KiB page at every step.
+struct HierarchicalBuffers {
+  at::Tensor error;     // fp32, the shard's size (compressed hop)
+  at::Tensor shard;     // this rank's shard (collective path, no shared slots)
+  at::Tensor values;    // fp32 copy of a low-precision shard (compressed hop)
+  at::Tensor send;      // the rounded shard, once per node (all-to-all input)
+  at::Tensor gathered;  // every node's rounded shard
 };
 
+class NodeSharedBuffer;  // shared_memory.h
+
 // In-place sum of `flat` (a CPU floating-point buffer, numel a multiple of intra.size())
-// over intra x inter,
-// blocking. Every rank ends with bitwise the same values (the compressed hop gathers every
-// node's rounded shard and each rank sums the same values in the same order).
+// over intra x inter, blocking. Every rank ends with bitwise the same values (the compressed
+// hop gathers every node's rounded shard and each rank sums the same values in the same
+// order). With `shared` (the node's shared slots, `flat` being this rank's), the intra-node
+// steps read the other ranks' slots instead of going through `intra`'s collectives (same
+// sums, same order); `intra` then only carries the barriers.
 void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tensor flat, WireCompression compression,
-                             ErrorFeedback& feedback);
+                             HierarchicalBuffers& feedback, const NodeSharedBuffer* shared = nullptr);
 
 // Bytes this rank sends on the slow hop for a buffer of `numel` fp32 values (what the
 // planner predicts): uncompressed ring all-reduce of the shard, or an all-gather of the
