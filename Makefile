@@ -54,6 +54,7 @@ bench: build python
 	$(VENV)/bin/python bench/bench_read_model.py --out bench/results/read_model.json
 	$(VENV)/bin/python bench/recompute_memory.py --out bench/results/recompute_memory.json
 	$(VENV)/bin/python bench/bench_data_parallel.py --out bench/results/data_parallel.json
+	$(VENV)/bin/python bench/dp_reduction_cpu.py --out bench/results/dp_reduction_cpu.json
 	$(VENV)/bin/python bench/bench_parallel.py --out bench/results/parallel.json
 	$(VENV)/bin/python bench/traffic.py --out bench/results/traffic.json
 	$(VENV)/bin/python bench/fuzz.py --out bench/results/fuzz.json

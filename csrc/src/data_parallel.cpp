@@ -104,7 +104,14 @@ void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
     }
     // Hierarchical on a node of several ranks: the bucket is this rank's slot of a buffer
     // the node's ranks share (collective over the node; none where shared memory is missing).
-    if (options_.hierarchical) b.shared = NodeSharedBuffer::create(*nodes_->intra, numel, first.scalar_type());
+    // On the worker: another engine on the same node groups may still have jobs there.
+    if (options_.hierarchical) {
+      NodeGroups* nodes = nodes_;
+      const at::ScalarType dtype = first.scalar_type();
+      std::shared_ptr<NodeSharedBuffer> shared;
+      nodes_->worker.submit([nodes, numel, dtype, &shared] { shared = NodeSharedBuffer::create(*nodes->intra, numel, dtype); }).get();
+      b.shared = std::move(shared);
+    }
     b.flat = b.shared ? b.shared->mine() : at::zeros({numel}, first.options().requires_grad(false));
     if (options_.bf16_compression) {
       b.error = at::zeros_like(b.flat);
@@ -147,12 +154,12 @@ void DataParallelEngine::launch_ready_buckets() {
       // Off this thread, in bucket order (the worker is shared by every engine on the group).
       NodeGroups* nodes = nodes_;
       at::Tensor flat = b.flat;
-      HierarchicalBuffers* feedback = &b.feedback;
+      ErrorFeedback* feedback = &b.feedback;
       const NodeSharedBuffer* shared = b.shared.get();
       const WireCompression compression = options_.inter_node_compression;
       b.reduced = nodes_->worker.submit([nodes, flat, feedback, shared, compression] {
         at::NoGradGuard no_grad;
-        hierarchical_all_reduce(*nodes->intra, *nodes->inter, flat, compression, *feedback, shared);
+        hierarchical_all_reduce(*nodes->intra, *nodes->inter, flat, compression, *feedback, nodes->scratch, shared);
       });
     } else if (options_.bf16_compression) {
       auto corrected = b.flat + b.error;

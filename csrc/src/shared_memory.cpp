@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,7 +24,6 @@ namespace monarch {
 namespace {
 
 constexpr int64_t kPage = 4096;
-constexpr int64_t kNameBytes = 96;  // the broadcast: name (NUL-terminated), then the tag
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -56,68 +56,61 @@ std::shared_ptr<NodeSharedBuffer> NodeSharedBuffer::create(Communicator& intra, 
   const int64_t total = kPage + slot_bytes * intra.size();
   auto mapping = std::make_shared<Mapping>();
   mapping->bytes = static_cast<size_t>(total);
-  std::string name, problem;
+  std::string problem;
   uint64_t tag = 0;
+  int64_t owner_pid = -1, owner_fd = -1;
 
-  // Rank 0 creates the segment and broadcasts its name and tag (empty name: it could not).
-  auto message = at::zeros({kNameBytes + 8}, at::kByte);
+  // Rank 0 creates an anonymous memory file (memfd: it has no name, so nothing can be left in
+  // /dev/shm whatever happens to the processes) and tells the others where to open it: its
+  // pid and descriptor, through /proc. Rank 0 keeps the descriptor open until every rank
+  // has mapped it (or given up).
+  struct Descriptor {
+    int fd = -1;
+    ~Descriptor() {
+      if (fd >= 0) close(fd);
+    }
+  } created;
+  auto message = at::full({3}, -1, at::kLong);  // pid, fd, tag (bits)
   if (me == 0 && enabled()) {
     std::random_device random;
-    tag = (static_cast<uint64_t>(random()) << 32) ^ random() ^ static_cast<uint64_t>(getpid());
-    std::ostringstream os;
-    os << "/monarch-" << getpid() << "-" << std::hex << tag;
-    name = os.str();
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) {
-      problem = errno_text("shm_open");
-      name.clear();
+    tag = ((static_cast<uint64_t>(random()) << 32) ^ random() ^ static_cast<uint64_t>(getpid())) | 1;
+    created.fd = static_cast<int>(syscall(SYS_memfd_create, "monarch-node-buffer", 0u));
+    if (created.fd < 0) {
+      problem = errno_text("memfd_create");
+    } else if (const int rc = posix_fallocate(created.fd, 0, total); rc != 0) {
+      // Reserving the pages now: too little shared memory fails here, not with a SIGBUS at
+      // the first write.
+      problem = std::string("posix_fallocate of ") + std::to_string(total) + " bytes: " + std::strerror(rc);
     } else {
-      // posix_fallocate reserves the pages now: too small a /dev/shm fails here, not with a
-      // SIGBUS at the first write.
-      const int rc = posix_fallocate(fd, 0, total);
-      if (rc != 0) {
-        problem = std::string("posix_fallocate of ") + std::to_string(total) + " bytes: " + std::strerror(rc);
-      } else {
-        mapping->base = mmap(nullptr, mapping->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        if (mapping->base == MAP_FAILED) problem = errno_text("mmap");
-      }
-      close(fd);
-      if (!problem.empty()) {
-        shm_unlink(name.c_str());
-        name.clear();
-      } else {
-        std::memcpy(mapping->base, &tag, sizeof tag);
-      }
+      mapping->base = mmap(nullptr, mapping->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, created.fd, 0);
+      if (mapping->base == MAP_FAILED) problem = errno_text("mmap");
     }
-    auto* bytes = message.data_ptr<uint8_t>();
-    std::memcpy(bytes, name.c_str(), std::min<size_t>(name.size(), kNameBytes - 1));
-    std::memcpy(bytes + kNameBytes, &tag, sizeof tag);
+    if (problem.empty()) {
+      std::memcpy(mapping->base, &tag, sizeof tag);
+      auto* m = message.data_ptr<int64_t>();
+      m[0] = getpid();
+      m[1] = created.fd;
+      std::memcpy(&m[2], &tag, sizeof tag);
+    }
   }
-  // The creator removes the name whatever happens next (a peer that died, a failed check):
-  // the mappings keep the memory, and nothing is left in /dev/shm.
-  struct Unlink {
-    std::string name;
-    ~Unlink() {
-      if (!name.empty()) shm_unlink(name.c_str());
-    }
-  } unlink{me == 0 ? name : std::string()};
-
   intra.broadcast(message, 0).wait();
   if (me != 0) {
-    const auto* bytes = message.data_ptr<uint8_t>();
-    name.assign(reinterpret_cast<const char*>(bytes), strnlen(reinterpret_cast<const char*>(bytes), kNameBytes));
-    std::memcpy(&tag, bytes + kNameBytes, sizeof tag);
-    if (name.empty()) {
-      problem = "rank 0 of the node could not create it";
+    const auto* m = message.data_ptr<int64_t>();
+    owner_pid = m[0];
+    owner_fd = m[1];
+    std::memcpy(&tag, &m[2], sizeof tag);
+    if (owner_pid < 0) {
+      problem = "rank 0 of the node did not create it (see its log)";
     } else if (!enabled()) {
       problem = "MONARCH_SHARED_MEMORY=off on this rank";
     } else {
-      const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+      const std::string path = "/proc/" + std::to_string(owner_pid) + "/fd/" + std::to_string(owner_fd);
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
       struct stat st {};
       if (fd < 0) {
-        problem = errno_text("shm_open");  // e.g. another host: the ranks were not on one node
+        problem = errno_text(("open " + path).c_str());  // e.g. rank 0 on another host
       } else if (fstat(fd, &st) != 0 || st.st_size != total) {
-        problem = "segment " + name + " has another size";
+        problem = path + " is not rank 0's buffer (another size)";
       } else {
         mapping->base = mmap(nullptr, mapping->bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         if (mapping->base == MAP_FAILED) problem = errno_text("mmap");
@@ -125,34 +118,58 @@ std::shared_ptr<NodeSharedBuffer> NodeSharedBuffer::create(Communicator& intra, 
       if (fd >= 0) close(fd);
       uint64_t seen = 0;
       if (problem.empty()) std::memcpy(&seen, mapping->base, sizeof seen);
-      if (problem.empty() && seen != tag) problem = "segment " + name + " is not rank 0's (another host?)";
+      if (problem.empty() && seen != tag) problem = path + " is not rank 0's buffer (another host?)";
     }
   }
   // Every rank learns whether every rank mapped it.
   auto failed = at::full({1}, problem.empty() ? 0.0f : 1.0f, at::kFloat);
   intra.all_reduce_max(failed).wait();
   if (failed.item<float>() != 0.0f) {
-    log::get("mesh").info("group {}: no shared memory between the node's ranks{}{}; the intra-node steps use the "
-                          "group's collectives",
-                          intra.name(), problem.empty() ? "" : ": ", problem);
+    if (!problem.empty()) {
+      log::get("mesh").info("group {}: no shared memory between the node's ranks: {}; the intra-node steps use "
+                            "the group's collectives",
+                            intra.name(), problem);
+    }
     return nullptr;
   }
   auto out = std::shared_ptr<NodeSharedBuffer>(new NodeSharedBuffer());
   out->mapping_ = mapping;
   out->numel_ = numel;
   out->me_ = me;
-  auto* base = static_cast<uint8_t*>(mapping->base) + kPage;
-  for (int i = 0; i < intra.size(); ++i) {
-    // The tensors hold the mapping: a slot handed out lives as long as the memory under it.
-    out->slots_.push_back(at::from_blob(base + i * slot_bytes, {numel}, [mapping](void*) {},
-                                        at::TensorOptions().dtype(dtype)));
-  }
+  out->tag_ = tag;
+  // One tensor over all the slots (its storage holds the mapping: a slot handed out lives as
+  // long as the memory under it), the slots views of it.
+  const int64_t slot_elements = slot_bytes / static_cast<int64_t>(c10::elementSize(dtype));
+  at::Tensor all = at::from_blob(static_cast<uint8_t*>(mapping->base) + kPage, {slot_elements * intra.size()},
+                                 [mapping](void*) {}, at::TensorOptions().dtype(dtype));
+  for (int i = 0; i < intra.size(); ++i) out->slots_.push_back(all.narrow(0, i * slot_elements, numel));
   return out;
 }
 
 NodeSharedBuffer::~NodeSharedBuffer() = default;
 
-void shared_reduce_scatter_all_gather(Communicator& intra, const NodeSharedBuffer& shared,
+namespace {
+
+// A barrier that also checks that every rank is at the same phase of the same buffer: a rank
+// whose previous step failed midway must not read a slot another rank is still filling. The
+// group's maximum of (id, -id) is (id, -id) only if every rank passed the same id; a mismatch
+// is an error on every rank.
+void agree_on(Communicator& intra, const NodeSharedBuffer& shared, int phase, const char* what) {
+  Communicator::Phase scope(intra, what);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const double id = static_cast<double>((shared.tag() >> 12) * 4 + static_cast<uint64_t>(phase));  // < 2^53
+  auto both = at::tensor({id, -id}, at::kDouble);
+  intra.all_reduce_max(both).wait();
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const auto* v = both.data_ptr<double>();
+  TORCH_CHECK(v[0] == id && v[1] == -id, "monarch: ", what, " on group ", intra.name(), ": rank ",
+              intra.global_rank(), " is at another buffer or phase than another rank of the node (an earlier step "
+              "failed on some ranks?); the shared slots are not read");
+}
+
+}  // namespace
+
+void shared_reduce_scatter_all_gather(Communicator& intra, const NodeSharedBuffer& shared, at::Tensor& sum_scratch,
                                       const std::function<void(at::Tensor shard)>& between_nodes) {
   const int64_t local = shared.slots();
   TORCH_CHECK(local == intra.size(), "monarch: shared buffer of ", local, " slots for a group of ", intra.size());
@@ -162,38 +179,31 @@ void shared_reduce_scatter_all_gather(Communicator& intra, const NodeSharedBuffe
   const int me = intra.group_rank();
   const auto chunk = [&](int slot, int64_t index) { return shared.slot(slot).narrow(0, index * n, n); };
   at::NoGradGuard no_grad;
-  {
-    Communicator::Phase phase(intra, "hierarchical all-reduce: gradients in the node's shared slots");
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    intra.barrier();
-  }
-  // Reduce-scatter: chunk `me` of every slot, summed in group order into this rank's slot
-  // (the same order and precision as the collective path's sum over received chunks).
+  agree_on(intra, shared, 1, "hierarchical all-reduce: gradients in the node's shared slots");
+  // Reduce-scatter: chunk `me` of every slot, summed as the collective path sums the chunks
+  // it receives (Communicator::reduce_scatter: sum over dim 0 of [L, n], fp32 for
+  // low-precision dtypes), so both paths give bitwise the same values. The slots are evenly
+  // spaced in the mapping, so the L chunks are one strided [L, n] view.
   at::Tensor shard = chunk(me, me);
   const at::ScalarType dtype = shard.scalar_type();
-  const bool widen = dtype != at::kFloat && dtype != at::kDouble;
-  if (widen) {
-    auto sum = chunk(0, me).to(at::kFloat);
-    for (int j = 1; j < local; ++j) sum.add_(chunk(j, me).to(at::kFloat));
-    shard.copy_(sum);
-  } else {
-    // out may alias an input (shard is slot me's chunk): elementwise, each element read first.
-    at::add_out(shard, chunk(0, me), chunk(1, me));
-    for (int j = 2; j < local; ++j) shard.add_(chunk(j, me));
+  const at::ScalarType wide = at::promote_types(dtype, at::kFloat);
+  const int64_t spacing =
+      static_cast<const uint8_t*>(shared.slot(1).data_ptr()) - static_cast<const uint8_t*>(shared.slot(0).data_ptr());
+  const at::Tensor rows = chunk(0, me).as_strided({local, n}, {spacing / static_cast<int64_t>(shard.element_size()), 1});
+  if (!sum_scratch.defined() || sum_scratch.numel() < n || sum_scratch.scalar_type() != wide) {
+    sum_scratch = at::empty({n}, shard.options().dtype(wide));
   }
+  at::Tensor sum = sum_scratch.narrow(0, 0, n);
+  at::sum_out(sum, dtype == wide ? rows : rows.to(wide), {0});
+  shard.copy_(sum);
   between_nodes(shard);
-  {
-    Communicator::Phase phase(intra, "hierarchical all-reduce: reduced chunks in the node's shared slots");
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    intra.barrier();
-  }
+  agree_on(intra, shared, 2, "hierarchical all-reduce: reduced chunks in the node's shared slots");
   // All-gather: the other chunks from their owners' slots.
   for (int j = 0; j < local; ++j) {
     if (j != me) chunk(me, j).copy_(chunk(j, j));
   }
-  Communicator::Phase phase(intra, "hierarchical all-reduce: shared slots read");
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  intra.barrier();
+  // No rank overwrites its slot (the next step's gradients) while another still reads it.
+  agree_on(intra, shared, 3, "hierarchical all-reduce: shared slots read");
 }
 
 }  // namespace monarch

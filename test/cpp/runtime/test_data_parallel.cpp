@@ -128,6 +128,24 @@ TEST_CASE("hierarchical reduction over 2 nodes x 2 ranks matches one process; co
     CHECK(bytes(collectives[0], 1) == Approx(bytes(shared[0], 1)));
     CHECK(bytes(shared[0], 0) < bytes(collectives[0], 0) / 100);
   }
+  // 2 nodes x 3 ranks: three slots summed per chunk, still in the collectives' order.
+  {
+    const std::map<std::string, std::string> three{{"LOCAL_WORLD_SIZE", "3"}};
+    auto off = three;
+    off["MONARCH_SHARED_MEMORY"] = "off";
+    const LaunchResult shared = run(6, "dp_hier_none", three);
+    const LaunchResult collectives = run(6, "dp_hier_none", off);
+    INFO(shared.describe() << collectives.describe());
+    REQUIRE(shared.all_ok());
+    REQUIRE(collectives.all_ok());
+    for (int rank = 0; rank < 6; ++rank) {
+      const auto a = load_record(shared.output_dir + "/rank" + std::to_string(rank) + ".pt");
+      const auto b = load_record(collectives.output_dir + "/rank" + std::to_string(rank) + ".pt");
+      CHECK(a.losses == b.losses);
+      for (size_t i = 1; i < a.params.size(); ++i) CHECK(at::equal(a.params[i], b.params[i]));
+      CHECK(bytes(a, 0) < bytes(b, 0) / 100);
+    }
+  }
   for (const std::string c : {"bf16", "int8"}) {
     INFO(c);
     // Every rank sums the same rounded values: replicas stay bitwise equal.

@@ -72,7 +72,7 @@ class DataParallelEngine {
     size_t pending = 0;
     Handle handle;
     std::shared_future<void> reduced;  // hierarchical: the worker's job
-    HierarchicalBuffers feedback;       // hierarchical: error feedback and the slow hop's buffers
+    ErrorFeedback feedback;            // hierarchical with a compressed slow hop
     std::shared_ptr<NodeSharedBuffer> shared;  // hierarchical: the node's shared slots (flat is ours)
   };
 

@@ -48,24 +48,30 @@ class SerialWorker {
   std::thread thread_;
 };
 
+// Working buffers of one reduction, kept between steps (one set per worker: its jobs run one
+// at a time). Reusing them matters on CPU: a fresh buffer of tens of MB costs a page fault
+// per 4 KiB page at every step.
+struct HierarchicalScratch {
+  at::Tensor shard;     // this rank's shard (collective path, no shared slots)
+  at::Tensor sum;       // the node's sum of this rank's chunk (shared slots)
+  at::Tensor values;    // fp32 copy of a low-precision shard (compressed hop)
+  at::Tensor send;      // the rounded shard, once per node (all-to-all input)
+  at::Tensor gathered;  // every node's rounded shard
+};
+
 // A group split by node: `intra` holds the group's ranks on this rank's node, `inter` the
 // group's ranks with this rank's index on every node. Made by DeviceMesh::node_groups.
 struct NodeGroups {
   std::unique_ptr<Communicator> intra;
   std::unique_ptr<Communicator> inter;
-  SerialWorker worker;  // issues the two groups' collectives in order, off the caller's thread
+  HierarchicalScratch scratch;  // used by the worker's jobs only
+  SerialWorker worker;          // last: joined before the rest is destroyed  // issues the two groups' collectives in order, off the caller's thread
 };
 
-// Per-buffer state of the reduction, kept between steps: the error of the last rounding of
-// this rank's shard, added back before the next one (Seide et al. 2014; Karimireddy et al.
-// 2019), and the buffers of the slow hop. Reusing them matters on CPU: a fresh buffer of
-// tens of MB costs a page fault per 4 KiB page at every step.
-struct HierarchicalBuffers {
-  at::Tensor error;     // fp32, the shard's size (compressed hop)
-  at::Tensor shard;     // this rank's shard (collective path, no shared slots)
-  at::Tensor values;    // fp32 copy of a low-precision shard (compressed hop)
-  at::Tensor send;      // the rounded shard, once per node (all-to-all input)
-  at::Tensor gathered;  // every node's rounded shard
+// Per-buffer state of a compressed slow hop: the error of the last rounding of this rank's
+// shard, added back before the next one (Seide et al. 2014; Karimireddy et al. 2019).
+struct ErrorFeedback {
+  at::Tensor error;  // fp32, the shard's size
 };
 
 class NodeSharedBuffer;  // shared_memory.h
@@ -77,7 +83,8 @@ class NodeSharedBuffer;  // shared_memory.h
 // steps read the other ranks' slots instead of going through `intra`'s collectives (same
 // sums, same order); `intra` then only carries the barriers.
 void hierarchical_all_reduce(Communicator& intra, Communicator& inter, at::Tensor flat, WireCompression compression,
-                             HierarchicalBuffers& feedback, const NodeSharedBuffer* shared = nullptr);
+                             ErrorFeedback& feedback, HierarchicalScratch& scratch,
+                             const NodeSharedBuffer* shared = nullptr);
 
 // Bytes this rank sends on the slow hop for a buffer of `numel` fp32 values (what the
 // planner predicts): uncompressed ring all-reduce of the shard, or an all-gather of the

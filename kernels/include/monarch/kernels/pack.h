@@ -59,7 +59,7 @@ void bf16_to_float_cpu(const uint16_t* src, float* dst, int64_t n);
 
 // bf16 rounding with error feedback, in one pass: c = src + error; wire = bf16(c);
 // error = c - float(wire), or 0 where that is not finite (a NaN/Inf gradient's residual is
-// dropped so it does not poison later steps). src may alias error. CPU only: the
+// dropped so it does not poison later steps). src must not alias error. CPU only: the
 // hierarchical reduction's compressed slow hop runs on host buffers.
 // torch: c = src + e; w = c.to(bf16); e = (c - w.float()).nan_to_num(0, 0, 0)
 void bf16_round_with_feedback_cpu(const float* src, float* error, uint16_t* wire, int64_t n);
