@@ -74,7 +74,7 @@ std::shared_ptr<NodeSharedBuffer> NodeSharedBuffer::create(Communicator& intra, 
   if (me == 0 && enabled()) {
     std::random_device random;
     tag = ((static_cast<uint64_t>(random()) << 32) ^ random() ^ static_cast<uint64_t>(getpid())) | 1;
-    created.fd = static_cast<int>(syscall(SYS_memfd_create, "monarch-node-buffer", 0u));
+    created.fd = static_cast<int>(syscall(SYS_memfd_create, "monarch-node-buffer", 1u /* MFD_CLOEXEC */));
     if (created.fd < 0) {
       problem = errno_text("memfd_create");
     } else if (const int rc = posix_fallocate(created.fd, 0, total); rc != 0) {
@@ -157,7 +157,7 @@ namespace {
 void agree_on(Communicator& intra, const NodeSharedBuffer& shared, int phase, const char* what) {
   Communicator::Phase scope(intra, what);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  const double id = static_cast<double>((shared.tag() >> 12) * 4 + static_cast<uint64_t>(phase));  // < 2^53
+  const double id = static_cast<double>((shared.tag() >> 13) * 4 + static_cast<uint64_t>(phase));  // < 2^53: exact
   auto both = at::tensor({id, -id}, at::kDouble);
   intra.all_reduce_max(both).wait();
   std::atomic_thread_fence(std::memory_order_seq_cst);
