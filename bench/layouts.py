@@ -43,25 +43,31 @@ from procmem import reset_peak, vm
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-STEPS = 2   # timed steps per layout and round
-ROUNDS = 2
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ, GLOBAL_BATCH = 1024, 256, 8, 4, 128, 16
+STEPS = int(os.environ.get("MONARCH_LAYOUTS_STEPS", 1))   # timed steps per layout and round
+ROUNDS = int(os.environ.get("MONARCH_LAYOUTS_ROUNDS", 6))
+ONLY = [n for n in os.environ.get("MONARCH_LAYOUTS_ONLY", "").split(",") if n]
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ, GLOBAL_BATCH = 1024, 256, 8, 4, 64, 16
 # (name, pins): every kind of layout the runtime builds, on 4 ranks.
 LAYOUTS = [
     ("dp4", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=4, schedule="none")),
-    ("dp4 m2", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=2, schedule="none")),
+    ("dp4 mbs1", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=1, schedule="none")),
     ("zero1", dict(dp=4, tp=1, pp=1, zero=1, micro_batch=4, schedule="none")),
     ("zero2", dict(dp=4, tp=1, pp=1, zero=2, micro_batch=4, schedule="none")),
     ("zero3", dict(dp=4, tp=1, pp=1, zero=3, micro_batch=4, schedule="none")),
-    ("dp4 full recompute", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=4, schedule="none", recompute="full")),
     ("tp2 dp2", dict(dp=2, tp=2, pp=1, zero=0, micro_batch=8, schedule="none")),
     ("tp4", dict(dp=1, tp=4, pp=1, zero=0, micro_batch=16, schedule="none")),
     ("pp2 dp2 1f1b", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b")),
     ("pp2 dp2 zb_h1", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=2, schedule="zb_h1")),
     ("pp4 gpipe", dict(dp=1, tp=1, pp=4, zero=0, micro_batch=4, schedule="gpipe")),
     ("pp2 tp2 1f1b", dict(dp=1, tp=2, pp=2, zero=0, micro_batch=4, schedule="1f1b")),
-    # Recomputation: the layouts whose cost differs by more than this machine's noise.
+    # Pipelines without enough micro-batches: the bubble, which on this machine (4 ranks on 2
+    # cores) costs only where fewer ranks are busy than there are cores.
+    ("pp2 dp2 m1", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=8, schedule="gpipe")),
+    ("pp4 1f1b m2", dict(dp=1, tp=1, pp=4, zero=0, micro_batch=8, schedule="1f1b")),
+    ("pp4 m1", dict(dp=1, tp=1, pp=4, zero=0, micro_batch=16, schedule="gpipe")),
+    # Recomputation.
     ("dp4 selective", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=4, schedule="none", recompute="selective")),
+    ("dp4 full recompute", dict(dp=4, tp=1, pp=1, zero=0, micro_batch=4, schedule="none", recompute="full")),
     ("zero3 full recompute", dict(dp=4, tp=1, pp=1, zero=3, micro_batch=4, schedule="none", recompute="full")),
     ("pp2 dp2 full recompute", dict(dp=2, tp=1, pp=2, zero=0, micro_batch=2, schedule="1f1b", recompute="full")),
 ]
@@ -88,55 +94,193 @@ def _all_max(group, value):
     return t.item()
 
 
-def measure_cluster(world, everyone, graph):
-    """The planner's Cluster for this machine as 4 ranks see it (all measuring at once)."""
-    import torch
-    from torch_monarch import cluster as cl
-    c = cl.detect(world_size=world.size, ranks_per_node=world.size, measure=False)
-    tokens = GLOBAL_BATCH * SEQ // world.size
-    a, b = torch.randn(tokens, HIDDEN), torch.randn(HIDDEN, 4 * HIDDEN)
-    x, y = torch.randn(8 << 20), torch.randn(8 << 20)
+class Rates:
+    """This machine's compute rates as the ranks see them, all measuring at once (they share
+    the cores, so a rank's rate is what it gets while the others work too), sampled several
+    times over the run's first minutes (the machine is a shared VM whose speed drifts by up to
+    +-15% over minutes); the planner's cluster takes each rate's median.
+      * matmul FLOP/s per rank on the model's own GEMM shape (tokens x hidden x 4 hidden);
+      * memory bandwidth per rank: a large add (2 reads, 1 write);
+      * one block's forward and backward at 4 sequences per rank;
+      * the matmul rate of each rank alone (the others waiting): how much faster a rank runs
+        while others idle (in a pipeline's bubble), which on this VM is more than the
+        ranks / cores the machine reports (2 vCPUs; 4 ranks each get less than half of one).
+        The cluster's cores_per_node is the effective number: ranks x all-busy rate / alone."""
 
-    def timed(fn, repeats):
+    def __init__(self, everyone):
+        import torch
+        self.everyone = everyone
+        self.tokens = GLOBAL_BATCH * SEQ // everyone.size
+        self.a, self.b = torch.randn(self.tokens, HIDDEN), torch.randn(HIDDEN, 4 * HIDDEN)
+        self.x, self.y = torch.randn(8 << 20), torch.randn(8 << 20)
+        self.block = make_model().transformer.h[0]
+        self.inp = torch.randn(4, SEQ, HIDDEN, requires_grad=True)
+        self.samples = []
+
+    def _timed(self, fn, repeats):
         fn()
+        _all_max(self.everyone, 0)  # line everyone up
         t0 = time.perf_counter()
         for _ in range(repeats):
             fn()
-        return (time.perf_counter() - t0) / repeats
+        return _all_max(self.everyone, (time.perf_counter() - t0) / repeats)
 
-    _all_max(everyone, 0)  # line everyone up
-    mm = timed(lambda: a @ b, 20)
-    flops = 2.0 * tokens * HIDDEN * 4 * HIDDEN / _all_max(everyone, mm)
-    _all_max(everyone, 0)
-    add = timed(lambda: torch.add(x, y), 10)
-    hbm = 3 * x.numel() * 4 / _all_max(everyone, add)
+    def sample(self):
+        import torch
+        work = 2.0 * self.tokens * HIDDEN * 4 * HIDDEN
+        flops = work / self._timed(lambda: self.a @ self.b, 20)
+        alone = []
+        for r in range(self.everyone.size):
+            _all_max(self.everyone, 0)
+            if self.everyone.rank == r:
+                self.a @ self.b
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    self.a @ self.b
+                alone.append((time.perf_counter() - t0) / 10)
+            _all_max(self.everyone, 0)
+        t = torch.tensor([work / alone[0]], dtype=torch.float64)
+        self.everyone.all_reduce(t).wait()
+        hbm = 3 * self.x.numel() * 4 / self._timed(lambda: torch.add(self.x, self.y), 10)
+        fwd, bwd = [], []
+        _all_max(self.everyone, 0)
+        for _ in range(4):
+            t0 = time.perf_counter()
+            out = self.block(self.inp)
+            t1 = time.perf_counter()
+            out.sum().backward()
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+        self.samples.append({"flops": flops, "flops_alone": t.item() / self.everyone.size, "hbm": hbm, "forward_s": _all_max(self.everyone, sorted(fwd)[1]),
+                             "backward_s": _all_max(self.everyone, sorted(bwd)[1])})
+
+    def median(self, key):
+        return statistics.median(s[key] for s in self.samples)
+
+
+def cluster_from(world, rates, graph):
+    """The planner's Cluster for this machine: the rates' medians, the cores the ranks share,
+    and the loopback links (all-reduce latency and bandwidth fitted at 4 sizes, cluster.probe)."""
+    from torch_monarch import cluster as cl
+    c = cl.detect(world_size=world.size, ranks_per_node=world.size, measure=False)
+    flops, hbm = rates.median("flops"), rates.median("hbm")
     c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops
     c.hbm_bytes_per_s = hbm
-    c.cores_per_node = float(len(os.sched_getaffinity(0)))  # the rates above are with all ranks busy
-    # A profile of one block (forward, backward) at 4 sequences per rank: the share of the
-    # GEMM rate the whole block reaches once its memory-bound ops are counted at the measured
-    # bandwidth (matmul_efficiency), and backward / forward.
-    block = make_model().transformer.h[0]
-    inp = torch.randn(4, SEQ, HIDDEN, requires_grad=True)
-    fwd, bwd = [], []
-    _all_max(everyone, 0)
-    for _ in range(4):
-        t0 = time.perf_counter()
-        out = block(inp)
-        t1 = time.perf_counter()
-        out.sum().backward()
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
-    fwd_s = _all_max(everyone, sorted(fwd)[1])
-    bwd_s = _all_max(everyone, sorted(bwd)[1])
+    # The rates above are with all ranks busy; a rank alone runs `over` times faster.
+    over = rates.median("flops_alone") / flops
+    c.cores_per_node = min(float(world.size), world.size / over)
+    # From the block: the share of the GEMM rate the whole block reaches once its memory-bound
+    # ops are counted at the measured bandwidth (matmul_efficiency), and backward / forward.
+    fwd_s, bwd_s = rates.median("forward_s"), rates.median("backward_s")
     layer = next(l for l in graph.layers if str(l.kind).endswith("block"))
     a = layer.activations
     stored = 4 * (a.replicated + a.tp_sharded + a.attention_scores)
     gemm_s = max(fwd_s - 2 * stored / hbm, 1e-9)
     c.matmul_efficiency = min(1.0, 4 * layer.forward_flops_per_sample / flops / gemm_s)
     c.backward_forward_ratio = bwd_s / fwd_s
-    c = cl.probe(c, world, use_cache=False)
-    return c
+    return cl.probe(c, world, use_cache=False)
+
+
+def set_malloc(mode):
+    """glibc's policy for freed memory. "return": every block over 64 KiB is its own mapping,
+    unmapped when freed, so VmHWM growth is what the tensors alive at once needed (the peak
+    memory measurement). "keep": freed memory stays in the heap and is reused, as PyTorch's
+    caching allocator keeps device memory (the timing): with "return", every large tensor of
+    every step is a fresh mapping whose page faults cost this VM a sizeable, layout-dependent
+    share of the step."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if mode == "return":
+        ok = libc.mallopt(m_mmap_threshold, 64 << 10) and libc.mallopt(m_trim_threshold, 128 << 10)
+        libc.malloc_trim(0)
+    else:  # 32 MiB is glibc's largest mmap threshold on 64-bit
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+    if not ok:
+        raise RuntimeError(f"mallopt refused the {mode!r} policy")
+
+
+def _job(plan, loss_fn):
+    """The model parallelized by `plan`, its AdamW, and the loss its output takes."""
+    import torch
+    import torch_monarch
+    from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
+    pm = torch_monarch.parallelize(make_model(), plan=plan)
+    opt = torch.optim.AdamW([p for _, p in pm.named_parameters()], lr=1e-3)
+    loss = (lambda out, y, mesh=pm.mesh: vocab_parallel_cross_entropy(out, y, mesh)) if pm.tp > 1 else loss_fn
+    return pm, opt, loss
+
+
+def _step(job, everyone, step):
+    """One training step of `job` on the global batch `step`, every rank starting together:
+    (the slowest rank's seconds, the loss)."""
+    pm, opt, loss = job
+    x, y = batch(step)
+    _all_max(everyone, 0)
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    value = pm.train_step(*pm.local_batch(x, y), loss)
+    opt.step()
+    return _all_max(everyone, time.perf_counter() - t0), float(value)
+
+
+def time_layouts(everyone, layouts, plans, rows, loss_fn):
+    """Step times, glibc keeping freed memory: every layout built and kept, one untimed step
+    each, then ROUNDS rounds of STEPS steps of every layout, each round starting one layout
+    further on (a slow spell of this shared machine, which lasts minutes, lands on different
+    layouts each round). A layout's time is the median of its steps, the slowest rank's."""
+    jobs = [(name, _job(plans[name][0], loss_fn)) for name, _ in layouts]
+    for i, (_, job) in enumerate(jobs):
+        _step(job, everyone, i % 4)
+    for rnd in range(ROUNDS):
+        shift = rnd * len(jobs) // ROUNDS
+        for i, (name, job) in enumerate(jobs[shift:] + jobs[:shift]):
+            for _ in range(STEPS):
+                rows[name]["times"].append(_step(job, everyone, (rnd + i) % 4)[0])
+    jobs.clear()
+    gc.collect()
+
+
+def memory_worker(out_dir):
+    """The second launch: peak memory per rank of every layout, one at a time, from the plans
+    the first launch exported (JSON, as a user would review and load them). glibc returns
+    freed memory at once (MALLOC_MMAP_THRESHOLD_ set by the launcher's environment), so the
+    high-water mark's growth is what the tensors alive together needed: the rank's resident
+    memory before the model is built, the model parallelized with its AdamW, one warm-up step,
+    then VmHWM over one more step. The two steps' losses come with it."""
+    import torch
+    import torch_monarch
+    from torch_monarch import planner
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    world = torch_monarch.init(timeout=300)
+    everyone = torch_monarch._runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
+    with open(os.path.join(out_dir, "layouts.json")) as f:
+        names = json.load(f)
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    # What the first training in a process sets up once (autograd's threads, Gloo's and the
+    # allocator's first buffers) is paid here, not by the first layout measured.
+    job = _job(planner.load(os.path.join(out_dir, "plan0.json")), loss_fn)
+    _step(job, everyone, 0)
+    del job
+    out = {}
+    for i, name in enumerate(names):
+        plan = planner.load(os.path.join(out_dir, f"plan{i}.json"))
+        gc.collect()
+        base = vm("VmRSS")
+        job = _job(plan, loss_fn)
+        losses = [_step(job, everyone, 0)[1]]
+        gc.collect()
+        reset_peak()
+        losses.append(_step(job, everyone, 1)[1])
+        out[name] = {"peak_bytes": vm("VmHWM") - base, "losses": losses}
+        del job
+    with open(os.path.join(out_dir, f"memory{world.rank}.json"), "w") as f:
+        json.dump(out, f)
 
 
 def worker(out_dir):
@@ -145,7 +289,6 @@ def worker(out_dir):
     from torch_monarch import planner
     from torch_monarch.api import model_graph, runtime_training
     from torch_monarch.profile import measure as measure_profile
-    from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
@@ -155,28 +298,40 @@ def worker(out_dir):
     with torch_monarch.meta_init():
         meta = make_model()
     info, graph = model_graph(meta, x0[:1], dtype="fp32")
-    cluster = measure_cluster(world, everyone, graph)
+    set_malloc("keep")
+    rates = Rates(everyone)
+    rates.sample()
     training = runtime_training(info, GLOBAL_BATCH, dtype="fp32")
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     # The measured profile: every layer's forward and backward on the real model, all ranks at
-    # once, at the micro-batch sizes the layouts use.
+    # once, at the micro-batch sizes the layouts use, one size at a time with a sample of the
+    # rates after each (the cluster's rates are the medians over the six samples).
     torch.manual_seed(0)
     model = make_model()
     xs, ys = batch(0)
     t0 = time.perf_counter()
-    prof = measure_profile(model, lambda b: (xs[:b], ys[:b]), layers=info.layer_modules, loss_fn=loss_fn,
-                           micro_batches=(1, 2, 4, 8, 16), repeats=3, world=world, links_from=cluster,
-                           source="bench/layouts.py: 4 ranks on this machine, measuring at once")
+    points = {name: [] for name in info.layer_modules}
+    for b in (1, 2, 4, 8, 16):
+        part = measure_profile(model, lambda b: (xs[:b], ys[:b]), layers=info.layer_modules, loss_fn=loss_fn,
+                               micro_batches=(b,), repeats=3, world=world)
+        for layer in part.layers:
+            points[layer.name] += list(layer.points)
+        rates.sample()
     profile_s = time.perf_counter() - t0
+    cluster = cluster_from(world, rates, graph)
+    prof = planner.MeasuredProfile(source="bench/layouts.py: 4 ranks on this machine, measuring at once",
+                                   layers=[planner.LayerProfile(name=n, points=points[n]) for n in info.layer_modules])
+    prof.intra_node = planner.LinkProfile(latency_s=cluster.intra_node_latency_s,
+                                          bytes_per_s=cluster.intra_node_bytes_per_s)
     del model
     if world.rank == 0:
         planner.save_profile(prof, os.path.join(out_dir, "profile.json"))
     picks = {"analytic": planner.plan(graph, cluster, training, alternatives=0),
              "profile": planner.plan(graph, cluster, training, alternatives=0, profile=prof)}
-    layouts = list(LAYOUTS)
+    layouts = [l for l in LAYOUTS if not ONLY or l[0] in ONLY]
     for estimator, pick in picks.items():
         pick_pins = dict(dp=pick.mesh.dp, tp=pick.mesh.tp, pp=pick.mesh.pp, zero=pick.zero_stage,
                          micro_batch=pick.micro_batch_size, schedule=str(pick.schedule).split(".")[-1],
@@ -185,10 +340,6 @@ def worker(out_dir):
         if pick_pins not in known:
             layouts.append((f"pick ({estimator})", pick_pins))
 
-    # Rounds: every layout runs a warm-up and STEPS timed steps in each of ROUNDS rounds, the
-    # rounds one after another over all layouts, so a slow spell of this shared machine lands
-    # on several layouts instead of all of one; the measured time is the median of all its
-    # timed steps. Peak memory and losses come from the first round.
     def both_plans(pins):
         pins = dict(pins)
         recompute = pins.pop("recompute", "none")
@@ -208,41 +359,18 @@ def worker(out_dir):
                                          "optimizer")},
                 "times": [], "peak_bytes": 0, "losses": []}
 
-    rows = {}
     plans = {name: both_plans(pins) for name, pins in layouts}
-    rounds = 0 if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY") else ROUNDS
-    if not rounds:  # predictions only (--predict-only): every layout scored, none run
-        for name, _ in layouts:
-            rows[name] = dict(row(name, *plans[name]), times=[float("nan")])
-    for rnd in range(rounds):
-        for name, pins in layouts:
-            plan, from_profile = plans[name]
-            gc.collect()
-            base = vm("VmRSS")
-            pm = torch_monarch.parallelize(make_model(), plan=plan)
-            mesh = pm.mesh
-            opt = torch.optim.AdamW([p for _, p in pm.named_parameters()], lr=1e-3)
-            loss = (lambda out, y, mesh=mesh: vocab_parallel_cross_entropy(out, y, mesh)) if pm.tp > 1 else loss_fn
-            times, losses = [], []
-            for step in range(STEPS + 1):
-                if step == 1 and rnd == 0:
-                    gc.collect()
-                    reset_peak()
-                x, y = batch(step)
-                _all_max(everyone, 0)  # every rank starts the step together
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                losses.append(pm.train_step(*pm.local_batch(x, y), loss))
-                opt.step()
-                elapsed = _all_max(everyone, time.perf_counter() - t0)  # the slowest rank's step
-                if step >= 1:
-                    times.append(elapsed)
-            if rnd == 0:
-                rows[name] = dict(row(name, plan, from_profile), peak_bytes=vm("VmHWM") - base,
-                                  losses=[float(v) for v in losses])
-            rows[name]["times"] += times
-            del pm, opt
-            gc.collect()
+    rows = {name: row(name, *plans[name]) for name, _ in layouts}
+    if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY"):  # --predict-only: every layout scored, none run
+        for r in rows.values():
+            r["times"] = [float("nan")]
+    else:
+        time_layouts(everyone, layouts, plans, rows, loss_fn)
+    if world.rank == 0:
+        with open(os.path.join(out_dir, "layouts.json"), "w") as f:
+            json.dump([name for name, _ in layouts], f)
+        for i, (name, _) in enumerate(layouts):
+            planner.save(plans[name][0], os.path.join(out_dir, f"plan{i}.json"))
     rows = list(rows.values())
     for r in rows:
         r["measured_s"] = statistics.median(r["times"])
@@ -251,7 +379,8 @@ def worker(out_dir):
                                "efficiency": cluster.matmul_efficiency,
                                "backward_forward_ratio": cluster.backward_forward_ratio,
                                "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s,
-                               "profile_seconds": profile_s},
+                               "profile_seconds": profile_s, "rate_samples": rates.samples,
+                               "cores_per_node": cluster.cores_per_node},
                    "picks": {k: v.summary() for k, v in picks.items()},
                    "tie_breaks": {k: v.tie_break for k, v in picks.items()},
                    "rows": rows}, f)
@@ -287,14 +416,24 @@ def spearman(a, b):
 
 def run(ranks, timeout=3600):
     out = tempfile.mkdtemp(prefix="monarch-layouts-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), __file__, "--worker", out]
     subprocess.run(cmd, check=True, timeout=timeout, env=env)
+    if not os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY"):  # the memory launch, from the exported plans
+        cmd[cmd.index("--master-port") + 1] = str(free_port())
+        cmd[cmd.index("--worker")] = "--memory-worker"
+        subprocess.run(cmd, check=True, timeout=timeout, env=dict(env, MALLOC_MMAP_THRESHOLD_="65536"))
     per_rank = []
     for r in range(ranks):
         with open(os.path.join(out, f"rank{r}.json")) as f:
             per_rank.append(json.load(f))
+        path = os.path.join(out, f"memory{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                memory = json.load(f)
+            for row in per_rank[-1]["rows"]:
+                row.update(memory[row["layout"]])
     table = []
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [p["rows"][i] for p in per_rank]
@@ -302,11 +441,13 @@ def run(ranks, timeout=3600):
                       "pick_profile": row["pick_profile"],
                       "predicted_s": row["predicted_s"], "predicted_profile_s": row["predicted_profile_s"],
                       "profile_ratio": row["measured_s"] / row["predicted_profile_s"],
-                      "measured_s": row["measured_s"], "ratio": row["measured_s"] / row["predicted_s"],
+                      "measured_s": row["measured_s"],
+                      "ratio": row["measured_s"] / row["predicted_s"],
                       "predicted_bytes": row["predicted_bytes"],
                       "peak_bytes": max(r["peak_bytes"] for r in rows),
                       "peak_bytes_per_rank": [r["peak_bytes"] for r in rows],
-                      "predicted_breakdown": row["predicted_breakdown"], "losses": row["losses"]})
+                      "predicted_breakdown": row["predicted_breakdown"], "losses": row["losses"],
+                      "times": row["times"]})
     extra = {"picks": per_rank[0]["picks"], "tie_breaks": per_rank[0]["tie_breaks"]}
     return per_rank[0]["cluster"], table, extra
 
@@ -350,6 +491,7 @@ def summarize(cluster, table, extra):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker")
+    ap.add_argument("--memory-worker")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "layouts.json"))
     ap.add_argument("--predict-only", metavar="MEASURED_JSON",
@@ -358,6 +500,9 @@ def main():
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
+        return 0
+    if args.memory_worker:
+        memory_worker(args.memory_worker)
         return 0
     if args.predict_only:
         with open(args.predict_only) as f:
@@ -368,7 +513,8 @@ def main():
         table = [r for r in table if r["plan"] in earlier]
         for r in table:
             m = earlier[r["plan"]]
-            r.update(measured_s=m["measured_s"], ratio=m["measured_s"] / r["predicted_s"],
+            r.update(measured_s=m["measured_s"],
+                     ratio=m["measured_s"] / r["predicted_s"],
                      profile_ratio=m["measured_s"] / r["predicted_profile_s"], peak_bytes=m["peak_bytes"])
         if missing:
             print(f"not in {args.predict_only} (not compared): {missing}")

@@ -110,14 +110,20 @@ compat::GlooPtr World::new_group(const std::vector<int>& ranks, const std::strin
   }
   TORCH_INTERNAL_ASSERT(group_rank >= 0, "rank ", rank_, " is not a member of group ", name);
   auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
-  const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
-  const char* addr = std::getenv("MASTER_ADDR");
-  if (iface != nullptr && *iface != '\0') {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-  } else if (addr != nullptr && is_loopback(addr)) {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  } else {
-    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  {
+    std::lock_guard<std::mutex> lock(device_mutex_);
+    if (!device_) {
+      const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+      const char* addr = std::getenv("MASTER_ADDR");
+      if (iface != nullptr && *iface != '\0') {
+        device_ = c10d::ProcessGroupGloo::createDeviceForInterface(iface);
+      } else if (addr != nullptr && is_loopback(addr)) {
+        device_ = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+      } else {
+        device_ = c10d::ProcessGroupGloo::createDefaultDevice();
+      }
+    }
+    options->devices.push_back(device_);
   }
   const int64_t id = groups_created_++;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
