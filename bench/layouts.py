@@ -2,24 +2,28 @@
 in several layouts on 4 ranks, beside what the planner predicts for each on a cluster
 description measured in the same run.
 
-One launch through the launcher (`python3 -m torch_monarch.run`, torchrun's protocol). Every
-rank first measures the machine as the job sees it, all ranks at once (ranks share the
-cores, so a rank's rate is what it gets while the others work too):
-  * matmul FLOP/s per rank: the model's own GEMM shapes (tokens x hidden x 4 hidden);
-  * memory bandwidth per rank: a large add (2 reads, 1 write);
-  * loopback links: all-reduce latency and bandwidth fitted at 4 sizes (cluster.probe).
-Then, per layout: planner.evaluate on that cluster (pinned), parallelize(model, plan=plan),
-in each of ROUNDS rounds over all layouts one warm-up step and STEPS timed steps (forward,
-backward, AdamW step; the slowest rank's time per step; the median over all rounds), and the
-peak resident memory per rank over the first round's timed steps (VmHWM, glibc told to
-return freed memory at once) minus the rank's memory before the model was built. Before
-the layouts, every rank measures a profile of the model (torch_monarch.profile: each
-layer's forward and backward at micro-batch sizes 1 to 16, all ranks at once), and each
-layout is predicted twice: by the analytic model and from the profile. The planner's picks
-for this job (search on the same cluster, the runtime's options, with each estimator) are
-measured too.
+Two launches through the launcher (`python3 -m torch_monarch.run`, torchrun's protocol).
 
-    python3 bench/layouts.py [--out bench/results/layouts.json]
+The first measures the machine as the job sees it, all ranks at once (ranks share the cores,
+so a rank's rate is what it gets while the others work too; class Rates): matmul FLOP/s on
+the model's GEMM shape, memory bandwidth (a large add into a kept output), one block's
+forward and backward, and each rank's matmul rate alone (the effective cores_per_node),
+sampled six times, before the profile and after each profiled micro-batch size, medians used;
+loopback all-reduce latency and bandwidth (cluster.probe). It measures a profile of the model
+(torch_monarch.profile: each layer's forward and backward at micro-batch sizes 1 to 16, all
+ranks at once). Each layout is predicted twice, by the analytic model and from the profile,
+and the planner's picks for this job (search with each estimator) are added. Then every
+layout is parallelized and kept, glibc keeping freed memory (as the caching allocator keeps
+device memory); one untimed step each, then ROUNDS rounds of STEPS steps of every layout,
+each round starting at a different layout; a layout's time is the median of its steps, the
+slowest rank's (forward, backward, AdamW step). The plans are exported as JSON.
+
+The second launch loads those plans and measures peak memory per rank, one layout at a time,
+glibc returning freed memory at once (MALLOC_MMAP_THRESHOLD_): VmHWM growth over one step
+after a warm-up, over the rank's memory before the model was built; the two steps' losses.
+
+    python3 bench/layouts.py [--out bench/results/layouts.json] [--predict-only EARLIER_JSON]
+    MONARCH_LAYOUTS_ONLY=name,name MONARCH_LAYOUTS_ROUNDS=n MONARCH_LAYOUTS_STEPS=n (subsets)
 
 Printed: per layout, both predicted and the measured step time, peak memory (predicted on
 the most loaded rank, measured on the most loaded rank); per estimator, Spearman's rank
@@ -183,23 +187,18 @@ def cluster_from(world, rates, graph):
     return cl.probe(c, world, use_cache=False)
 
 
-def set_malloc(mode):
-    """glibc's policy for freed memory. "return": every block over 64 KiB is its own mapping,
-    unmapped when freed, so VmHWM growth is what the tensors alive at once needed (the peak
-    memory measurement). "keep": freed memory stays in the heap and is reused, as PyTorch's
-    caching allocator keeps device memory (the timing): with "return", every large tensor of
-    every step is a fresh mapping whose page faults cost this VM a sizeable, layout-dependent
-    share of the step."""
+def keep_freed_memory():
+    """glibc keeps freed memory in the heap for reuse, as PyTorch's caching allocator keeps
+    device memory: the timing's policy. (The memory launch has glibc return it at once,
+    through MALLOC_MMAP_THRESHOLD_, so VmHWM growth is what the tensors alive together
+    needed; with that policy every large tensor of every step is a fresh, page-faulting
+    mapping, which this VM makes slow and erratic.)"""
     import ctypes
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3
-    if mode == "return":
-        ok = libc.mallopt(m_mmap_threshold, 64 << 10) and libc.mallopt(m_trim_threshold, 128 << 10)
-        libc.malloc_trim(0)
-    else:  # 32 MiB is glibc's largest mmap threshold on 64-bit
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
-    if not ok:
-        raise RuntimeError(f"mallopt refused the {mode!r} policy")
+    # 32 MiB is glibc's largest mmap threshold on 64-bit.
+    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise RuntimeError("mallopt refused to keep freed memory")
 
 
 def _job(plan, loss_fn):
@@ -228,8 +227,8 @@ def _step(job, everyone, step):
 
 def time_layouts(everyone, layouts, plans, rows, loss_fn):
     """Step times, glibc keeping freed memory: every layout built and kept, one untimed step
-    each, then ROUNDS rounds of STEPS steps of every layout, each round starting one layout
-    further on (a slow spell of this shared machine, which lasts minutes, lands on different
+    each, then ROUNDS rounds of STEPS steps of every layout, each round starting at a different
+    layout, len / ROUNDS further on (a slow spell of this shared machine, which lasts minutes, lands on different
     layouts each round). A layout's time is the median of its steps, the slowest rank's."""
     jobs = [(name, _job(plans[name][0], loss_fn)) for name, _ in layouts]
     for i, (_, job) in enumerate(jobs):
@@ -300,7 +299,7 @@ def worker(out_dir):
     with torch_monarch.meta_init():
         meta = make_model()
     info, graph = model_graph(meta, x0[:1], dtype="fp32")
-    set_malloc("keep")
+    keep_freed_memory()
     rates = Rates(everyone)
     rates.sample()
     training = runtime_training(info, GLOBAL_BATCH, dtype="fp32")
@@ -328,6 +327,7 @@ def worker(out_dir):
                                    layers=[planner.LayerProfile(name=n, points=points[n]) for n in info.layer_modules])
     prof.intra_node = planner.LinkProfile(latency_s=cluster.intra_node_latency_s,
                                           bytes_per_s=cluster.intra_node_bytes_per_s)
+    planner._P.validate_profile(prof)
     del model
     if world.rank == 0:
         planner.save_profile(prof, os.path.join(out_dir, "profile.json"))
@@ -517,7 +517,8 @@ def main():
             m = earlier[r["plan"]]
             r.update(measured_s=m["measured_s"],
                      ratio=m["measured_s"] / r["predicted_s"],
-                     profile_ratio=m["measured_s"] / r["predicted_profile_s"], peak_bytes=m["peak_bytes"])
+                     profile_ratio=m["measured_s"] / r["predicted_profile_s"],
+                     **{k: m[k] for k in ("peak_bytes", "peak_bytes_per_rank", "times", "losses") if k in m})
         if missing:
             print(f"not in {args.predict_only} (not compared): {missing}")
         print(f"measured times from {args.predict_only}; predictions from this run")
