@@ -133,7 +133,7 @@ class Rates:
         import torch
         work = 2.0 * self.tokens * HIDDEN * 4 * HIDDEN
         flops = work / self._timed(lambda: self.a @ self.b, 20)
-        alone = []
+        # Each rank in turn alone (the others wait in the barrier); the ranks' mean.
         for r in range(self.everyone.size):
             _all_max(self.everyone, 0)
             if self.everyone.rank == r:
@@ -141,9 +141,9 @@ class Rates:
                 t0 = time.perf_counter()
                 for _ in range(10):
                     self.a @ self.b
-                alone.append((time.perf_counter() - t0) / 10)
+                alone_rate = work / ((time.perf_counter() - t0) / 10)
             _all_max(self.everyone, 0)
-        t = torch.tensor([work / alone[0]], dtype=torch.float64)
+        t = torch.tensor([alone_rate], dtype=torch.float64)
         self.everyone.all_reduce(t).wait()
         # Into a kept output: a fresh 32 MiB result would be a new mapping each time (glibc's
         # largest mmap threshold), and its page faults, not the memory, would be timed.
