@@ -269,10 +269,14 @@ double shared_core_makespan(const SimulationResult& sim, int64_t ranks, double o
     throw ValidationError("shared_core_makespan", "needs a simulation with its timeline (simulate(..., true))");
   }
   if (ranks < 1 || !(over >= 1)) throw ValidationError("shared_core_makespan", "needs ranks >= 1 and over >= 1");
-  // Edges of the compute intervals; at one instant, ends before starts.
+  // Edges of the compute intervals (the timeline also holds sends and the waits of receives);
+  // at one instant, ends before starts.
   std::vector<std::pair<double, int>> edges;
   for (const auto& rank : sim.timeline) {
     for (const TimelineEvent& e : rank) {
+      const bool computes = e.type == ActionType::forward || e.type == ActionType::backward ||
+                            e.type == ActionType::backward_input || e.type == ActionType::backward_weight;
+      if (!computes) continue;  // waits for a message, and sends
       edges.emplace_back(e.start_s, +1);
       edges.emplace_back(e.end_s, -1);
     }
