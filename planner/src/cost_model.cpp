@@ -654,13 +654,13 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   if (cluster.cores_per_node > 0 && cluster.cores_per_node < static_cast<double>(cluster.devices_per_node)) {
     // Devices sharing fewer cores (CPU ranks on one machine): the rates are with every device
     // busy, so the schedule's makespan holds when all are; a device idle in a bubble lends its
-    // share, so the step takes no longer than the work spread over the cores (the mean busy
-    // time at all-busy rates), nor less than the schedule run at uncontended speed (one core
-    // per device at most: the makespan / oversubscription).
+    // share to the busy ones, up to `over` times their all-busy rate (one core per device at
+    // most, or what the cluster's effective cores_per_node says).
     const double over = static_cast<double>(cluster.devices_per_node) / cluster.cores_per_node;
-    double mean_busy = 0;
-    for (int64_t r = 0; r < layout.pp; ++r) mean_busy += sim.busy_s[r] / static_cast<double>(layout.pp);
-    makespan = std::min(sim.makespan_s, std::max(mean_busy, sim.makespan_s / over));
+    // While k of the pipeline's ranks compute (and their dp x tp copies, in step), each gets
+    // min(over, pp / k) times its all-busy rate: warp the simulated timeline by that. In a
+    // pipeline's fill and drain a rank alone cannot use the cores the idle ones leave.
+    makespan = shared_core_makespan(monarch::planner::simulate(schedule, stage_costs, true), layout.pp, over);
   }
   const double idle = std::max(0.0, makespan - sim.busy_s[busiest]);
   t.pp_comm = std::min(idle, critical_path_p2p);

@@ -264,4 +264,35 @@ SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts
   return Simulator(schedule, costs, record_timeline).run();
 }
 
+double shared_core_makespan(const SimulationResult& sim, int64_t ranks, double over) {
+  if (sim.timeline.empty() && sim.makespan_s > 0) {
+    throw ValidationError("shared_core_makespan", "needs a simulation with its timeline (simulate(..., true))");
+  }
+  if (ranks < 1 || !(over >= 1)) throw ValidationError("shared_core_makespan", "needs ranks >= 1 and over >= 1");
+  // Edges of the compute intervals (the timeline also holds sends and the waits of receives);
+  // at one instant, ends before starts.
+  std::vector<std::pair<double, int>> edges;
+  for (const auto& rank : sim.timeline) {
+    for (const TimelineEvent& e : rank) {
+      const bool computes = e.type == ActionType::forward || e.type == ActionType::backward ||
+                            e.type == ActionType::backward_input || e.type == ActionType::backward_weight;
+      if (!computes) continue;  // waits for a message, and sends
+      edges.emplace_back(e.start_s, +1);
+      edges.emplace_back(e.end_s, -1);
+    }
+  }
+  std::sort(edges.begin(), edges.end());
+  double t = 0, warped = 0;
+  int64_t busy = 0;
+  for (const auto& [at, delta] : edges) {
+    const double dt = at - t;
+    if (dt > 0) {
+      warped += busy == 0 ? dt : dt / std::min(over, static_cast<double>(ranks) / static_cast<double>(busy));
+    }
+    t = at;
+    busy += delta;
+  }
+  return warped + std::max(0.0, sim.makespan_s - t);
+}
+
 }  // namespace monarch::planner

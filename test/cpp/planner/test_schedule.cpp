@@ -428,3 +428,26 @@ TEST_CASE("a recorded timeline holds every action at the simulated times", "[sch
     CHECK(last_end <= sim.makespan_s + 1e-12);
   }
 }
+
+TEST_CASE("shared cores: the timeline is warped by the speed-up of the ranks busy at each moment", "[schedule]") {
+  // Unit costs: F = 1, B = Bi + W = 2. GPipe p=4 m=4: forward slots with 1,2,3,4,3,2,1 ranks
+  // busy, backward slots (twice as long) likewise; makespan 7 + 14 = 21 at all-busy rates.
+  const auto gpipe = simulate(make_schedule(ScheduleKind::gpipe, 4, 4), kUnitCosts, true);
+  REQUIRE(gpipe.makespan_s == Approx(21));
+  // Two cores for four ranks (over = 2): k busy run min(2, 4/k) times faster, so the slots
+  // take 1/2, 1/2, 3/4, 1, 3/4, 1/2, 1/2: 4.5 per phase unit, 4.5 + 9 = 13.5. The bound the
+  // model used before, max(mean busy 12, makespan / over 10.5), said 12.
+  CHECK(shared_core_makespan(gpipe, 4, 2.0) == Approx(13.5));
+  // Nothing to lend: unchanged.
+  CHECK(shared_core_makespan(gpipe, 4, 1.0) == Approx(21));
+  // One micro-batch: one rank busy at a time, each `over` times faster.
+  const auto alone = simulate(make_schedule(ScheduleKind::gpipe, 4, 1), kUnitCosts, true);
+  CHECK(shared_core_makespan(alone, 4, 2.0) == Approx(alone.makespan_s / 2));
+  CHECK(shared_core_makespan(alone, 4, 3.0) == Approx(alone.makespan_s / 3));
+  // No pipeline: the one rank (and its data-parallel copies) is always busy.
+  const auto flat = simulate(make_schedule(ScheduleKind::none, 1, 4), kUnitCosts, true);
+  CHECK(shared_core_makespan(flat, 1, 2.0) == Approx(flat.makespan_s));
+  // Without the timeline it cannot warp: an error, not a wrong number.
+  CHECK_THROWS_AS(shared_core_makespan(simulate(make_schedule(ScheduleKind::gpipe, 4, 4), kUnitCosts), 4, 2.0),
+                  ValidationError);
+}

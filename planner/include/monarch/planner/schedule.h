@@ -104,6 +104,14 @@ struct SimulationResult {
 SimulationResult simulate(const Schedule& schedule, const std::vector<StageCosts>& costs,
                           bool record_timeline = false);
 
+// The makespan of a simulated step on devices that share compute (CPU ranks on fewer cores):
+// `sim`'s costs are at the rate a device gets with all `ranks` busy; while k of them compute,
+// each runs min(over, ranks / k) times faster (the node's capacity shared equally, a device
+// alone at most `over` times its all-busy rate). Every busy device speeds up alike, so the
+// timeline keeps its order and each interval shrinks by that factor (exact for equal sharing;
+// idle intervals, transfers only, keep their length). Needs `sim` with its timeline.
+double shared_core_makespan(const SimulationResult& sim, int64_t ranks, double over);
+
 // Closed forms, used by tests and docs: 1F1B / GPipe bubble (p-1)/(m+p-1) with
 // F and B uniform, interleaved divides the bubble time by v (Narayanan et al. 2021).
 double closed_form_bubble_fraction(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
