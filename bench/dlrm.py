@@ -47,7 +47,7 @@ def _all_max(group, value):
 def measure_cluster(world, group):
     import torch
     from torch_monarch import cluster as cl
-    c = cl.detect(world_size=world.size, ranks_per_node=world.size, measure=True)
+    c = cl.probe(cl.detect(world_size=world.size, ranks_per_node=world.size, measure=True), world, use_cache=False)
     # Lookups are gathers of rows: their rate with every rank at work.
     table = torch.randn(200_000, 16)
     ids = torch.randint(0, 200_000, (1 << 18,))
@@ -59,7 +59,7 @@ def measure_cluster(world, group):
     gather = (time.perf_counter() - t0) / 5
     c.hbm_bytes_per_s = 2 * ids.numel() * 16 * 4 / _all_max(group, gather)
     c.cores_per_node = float(len(os.sched_getaffinity(0)))
-    return cl.probe(c, world, use_cache=False)
+    return c
 
 
 def worker(out_dir):

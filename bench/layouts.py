@@ -16,17 +16,22 @@ and the planner's picks for this job (search with each estimator) are added. The
 layout is parallelized and kept, glibc keeping freed memory (as the caching allocator keeps
 device memory); one untimed step each, then ROUNDS rounds of STEPS steps of every layout,
 each round starting at a different layout; a layout's time is the median of its steps, the
-slowest rank's (forward, backward, AdamW step). The plans are exported as JSON.
+slowest rank's (forward, backward, AdamW step). The PyTorch baseline, the dp4 layout's
+computation under torch.nn.parallel.DistributedDataParallel (torch's Gloo process group), is
+built, kept and timed in the same rounds. The plans are exported as JSON.
 
 The second launch loads those plans and measures peak memory per rank, one layout at a time,
 glibc returning freed memory at once (MALLOC_MMAP_THRESHOLD_): VmHWM growth over one step
-after a warm-up, over the rank's memory before the model was built; the two steps' losses.
+after two warm-up steps, over the rank's memory before the model was built; the three steps'
+losses;
+the baseline last.
 
     python3 bench/layouts.py [--out bench/results/layouts.json] [--predict-only EARLIER_JSON]
     MONARCH_LAYOUTS_ONLY=name,name MONARCH_LAYOUTS_ROUNDS=n MONARCH_LAYOUTS_STEPS=n (subsets)
 
 Printed: per layout, both predicted and the measured step time, peak memory (predicted on
-the most loaded rank, measured on the most loaded rank); per estimator, Spearman's rank
+the most loaded rank, measured on the most loaded rank), the baseline's measured time and
+peak below them; per estimator, Spearman's rank
 correlation of predicted and measured times and where its pick finished.
 """
 
@@ -165,10 +170,13 @@ class Rates:
 
 
 def cluster_from(world, rates, graph):
-    """The planner's Cluster for this machine: the rates' medians, the cores the ranks share,
-    and the loopback links (all-reduce latency and bandwidth fitted at 4 sizes, cluster.probe)."""
+    """The planner's Cluster for this machine: the loopback links (all-reduce latency and
+    bandwidth fitted at 4 sizes) and the probe's own CPU rates (cluster.probe, what
+    parallelize uses), then the rates' medians in their place, the cores the ranks share,
+    and the block's efficiency. The probe's values are kept beside them for comparison."""
     from torch_monarch import cluster as cl
-    c = cl.detect(world_size=world.size, ranks_per_node=world.size, measure=False)
+    c = cl.probe(cl.detect(world_size=world.size, ranks_per_node=world.size, measure=False), world, use_cache=False)
+    by_probe = {"flops": c.peak_flops_fp32, "hbm": c.hbm_bytes_per_s, "cores_per_node": c.cores_per_node}
     flops, hbm = rates.median("flops"), rates.median("hbm")
     c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = flops
     c.hbm_bytes_per_s = hbm
@@ -184,7 +192,8 @@ def cluster_from(world, rates, graph):
     gemm_s = max(fwd_s - 2 * stored / hbm, 1e-9)
     c.matmul_efficiency = min(1.0, 4 * layer.forward_flops_per_sample / flops / gemm_s)
     c.backward_forward_ratio = bwd_s / fwd_s
-    return cl.probe(c, world, use_cache=False)
+    cl._planner.validate(c)
+    return c, by_probe
 
 
 def keep_freed_memory():
@@ -212,6 +221,44 @@ def _job(plan, loss_fn):
     return pm, opt, loss
 
 
+BASELINE = "torch DDP"   # the PyTorch baseline, timed and measured beside the layouts
+
+
+class _DDPJob:
+    """torch.nn.parallel.DistributedDataParallel over torch's own Gloo process group: the
+    same model, AdamW and global batch as the dp4 layout (one micro-batch of 4 per rank), the
+    interface _step drives."""
+
+    def __init__(self, loss_fn):
+        import torch
+        import torch.distributed as dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.model = torch.nn.parallel.DistributedDataParallel(make_model())
+
+    def local_batch(self, x, y):
+        share = x.shape[0] // self.size
+        return x[self.rank * share:(self.rank + 1) * share], y[self.rank * share:(self.rank + 1) * share]
+
+    def train_step(self, x, y, loss_fn):
+        import torch.distributed as dist
+        loss = loss_fn(self.model(x), y)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return mean / self.size
+
+
+def _ddp_job(loss_fn):
+    import torch
+    import torch.distributed  # noqa: F401
+    pm = _DDPJob(loss_fn)
+    return pm, torch.optim.AdamW(pm.model.parameters(), lr=1e-3), loss_fn
+
+
+def _job_for(name, plans, loss_fn):
+    return _ddp_job(loss_fn) if name == BASELINE else _job(plans[name][0], loss_fn)
+
+
 def _step(job, everyone, step):
     """One training step of `job` on the global batch `step`, every rank starting together:
     (the slowest rank's seconds, the loss)."""
@@ -230,7 +277,7 @@ def time_layouts(everyone, layouts, plans, rows, loss_fn):
     each, then ROUNDS rounds of STEPS steps of every layout, each round starting at a different
     layout, len / ROUNDS further on (a slow spell of this shared machine, which lasts minutes, lands on different
     layouts each round). A layout's time is the median of its steps, the slowest rank's."""
-    jobs = [(name, _job(plans[name][0], loss_fn)) for name, _ in layouts]
+    jobs = [(name, _job_for(name, plans, loss_fn)) for name in [n for n, _ in layouts] + [BASELINE]]
     for i, (_, job) in enumerate(jobs):
         _step(job, everyone, i % 4)
     for rnd in range(ROUNDS):
@@ -247,14 +294,16 @@ def memory_worker(out_dir):
     the first launch exported (JSON, as a user would review and load them). glibc returns
     freed memory at once (MALLOC_MMAP_THRESHOLD_ set by the launcher's environment), so the
     high-water mark's growth is what the tensors alive together needed: the rank's resident
-    memory before the model is built, the model parallelized with its AdamW, one warm-up step,
-    then VmHWM over one more step. The two steps' losses come with it."""
+    memory before the model is built, the model parallelized with its AdamW, two warm-up steps,
+    then VmHWM over one more step. The three steps' losses come with it."""
     import torch
     import torch_monarch
     from torch_monarch import planner
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
+    import torch.distributed
+    torch.distributed.init_process_group("gloo")  # for the baseline; init() joins its store
     world = torch_monarch.init(timeout=300)
     everyone = torch_monarch._runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     with open(os.path.join(out_dir, "layouts.json")) as f:
@@ -269,12 +318,15 @@ def memory_worker(out_dir):
     _step(job, everyone, 0)
     del job
     out = {}
-    for i, name in enumerate(names):
-        plan = planner.load(os.path.join(out_dir, f"plan{i}.json"))
+    for i, name in enumerate(names + [BASELINE]):
+        plan = planner.load(os.path.join(out_dir, f"plan{i}.json")) if name != BASELINE else None
         gc.collect()
         base = vm("VmRSS")
-        job = _job(plan, loss_fn)
-        losses = [_step(job, everyone, 0)[1]]
+        job = _ddp_job(loss_fn) if name == BASELINE else _job(plan, loss_fn)
+        # Two warm-up steps: DDP rebuilds its gradient buckets in the second step's forward
+        # (freeing the first set, filling the new one only in backward), so its second step
+        # is lighter than every later one (measured: 89 against 102 MiB growth per rank).
+        losses = [_step(job, everyone, 0)[1], _step(job, everyone, 2)[1]]
         gc.collect()
         reset_peak()
         losses.append(_step(job, everyone, 1)[1])
@@ -293,6 +345,8 @@ def worker(out_dir):
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
+    import torch.distributed
+    torch.distributed.init_process_group("gloo")  # for the baseline; init() joins its store
     world = torch_monarch.init(timeout=300)
     everyone = torch_monarch._runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     x0, _ = batch(0)
@@ -322,7 +376,7 @@ def worker(out_dir):
             points[layer.name] += list(layer.points)
         rates.sample()
     profile_s = time.perf_counter() - t0
-    cluster = cluster_from(world, rates, graph)
+    cluster, by_probe = cluster_from(world, rates, graph)
     prof = planner.MeasuredProfile(source="bench/layouts.py: 4 ranks on this machine, measuring at once",
                                    layers=[planner.LayerProfile(name=n, points=points[n]) for n in info.layer_modules])
     prof.intra_node = planner.LinkProfile(latency_s=cluster.intra_node_latency_s,
@@ -363,6 +417,10 @@ def worker(out_dir):
 
     plans = {name: both_plans(pins) for name, pins in layouts}
     rows = {name: row(name, *plans[name]) for name, _ in layouts}
+    # The baseline is the dp4 layout's computation run by PyTorch: its predictions are dp4's.
+    dp4 = both_plans(dict(LAYOUTS[0][1]))
+    rows[BASELINE] = dict(row(BASELINE, *dp4), plan="torch DDP " + dp4[0].summary(), pick=False, pick_profile=False,
+                          baseline=True)
     if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY"):  # --predict-only: every layout scored, none run
         for r in rows.values():
             r["times"] = [float("nan")]
@@ -382,7 +440,7 @@ def worker(out_dir):
                                "backward_forward_ratio": cluster.backward_forward_ratio,
                                "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s,
                                "profile_seconds": profile_s, "rate_samples": rates.samples,
-                               "cores_per_node": cluster.cores_per_node},
+                               "cores_per_node": cluster.cores_per_node, "probe": by_probe},
                    "picks": {k: v.summary() for k, v in picks.items()},
                    "tie_breaks": {k: v.tie_break for k, v in picks.items()},
                    "rows": rows}, f)
@@ -395,6 +453,8 @@ def free_port():
 
 
 def spearman(a, b):
+    if len(a) < 3:
+        return float("nan")  # a subset (MONARCH_LAYOUTS_ONLY) too small to rank
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
@@ -440,6 +500,7 @@ def run(ranks, timeout=3600):
     for i, row in enumerate(per_rank[0]["rows"]):
         rows = [p["rows"][i] for p in per_rank]
         table.append({"layout": row["layout"], "plan": row["plan"], "pick": row["pick"],
+                      "baseline": row.get("baseline", False),
                       "pick_profile": row["pick_profile"],
                       "predicted_s": row["predicted_s"], "predicted_profile_s": row["predicted_profile_s"],
                       "profile_ratio": row["measured_s"] / row["predicted_profile_s"],
@@ -450,8 +511,9 @@ def run(ranks, timeout=3600):
                       "peak_bytes_per_rank": [r["peak_bytes"] for r in rows],
                       "predicted_breakdown": row["predicted_breakdown"], "losses": row["losses"],
                       "times": row["times"]})
-    extra = {"picks": per_rank[0]["picks"], "tie_breaks": per_rank[0]["tie_breaks"]}
-    return per_rank[0]["cluster"], table, extra
+    extra = {"picks": per_rank[0]["picks"], "tie_breaks": per_rank[0]["tie_breaks"],
+             "baseline": [r for r in table if r["baseline"]]}
+    return per_rank[0]["cluster"], [r for r in table if not r["baseline"]], extra
 
 
 def ordered_pairs(rows, margin):
@@ -487,6 +549,12 @@ def summarize(cluster, table, extra):
             "pick": extra["picks"][estimator], "tie_break": extra["tie_breaks"][estimator],
             "pick_measured_s": pick["measured_s"], "pick_vs_fastest": pick["measured_s"] / fastest}
     out["layouts"] = table
+    out["baseline"] = extra["baseline"]
+    # Every layout trains the same model on the same batches as the baseline: the memory
+    # launch's three losses (fp32; tensor parallelism sums in another order) side by side.
+    base = extra["baseline"][0]["losses"] if extra["baseline"] else []
+    out["loss_vs_baseline"] = max((abs(a - b) / abs(b) for r in table if len(r["losses"]) == len(base)
+                                   for a, b in zip(r["losses"], base)), default=float("nan"))
     return out
 
 
@@ -530,13 +598,19 @@ def main():
     print(f"measured cluster: matmul {cluster['flops'] / 1e9:.1f} GFLOP/s per rank (a block reaches "
           f"{cluster['efficiency']:.2f} of it), backward/forward {cluster['backward_forward_ratio']:.2f}, memory "
           f"{cluster['hbm'] / 1e9:.1f} GB/s per rank, loopback {cluster['bandwidth'] / 1e9:.2f} GB/s, "
-          f"latency {cluster['latency'] * 1e6:.0f} us")
+          f"latency {cluster['latency'] * 1e6:.0f} us, effective cores {cluster['cores_per_node']:.2f}")
+    pr = cluster["probe"]
+    print(f"cluster.probe's own CPU rates (what parallelize plans with): matmul {pr['flops'] / 1e9:.1f} GFLOP/s per "
+          f"rank, memory {pr['hbm'] / 1e9:.1f} GB/s, effective cores {pr['cores_per_node']:.2f}")
     print(f"{'layout':<24}{'plan':<52}{'analytic s':>11}{'profile s':>10}{'meas s':>8}{'pred MiB':>10}{'peak MiB':>10}")
     for r in table:
         mark = ("*" if r["pick"] else "") + ("+" if r["pick_profile"] else "")
         print(f"{r['layout'] + (' ' + mark if mark else ''):<24}{r['plan']:<52}{r['predicted_s']:>11.3f}"
               f"{r['predicted_profile_s']:>10.3f}{r['measured_s']:>8.3f}"
               f"{r['predicted_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / 2**20:>10.0f}")
+    for r in extra["baseline"]:
+        print(f"{r['layout'] + ' (baseline)':<24}{'same computation as dp4, PyTorch DDP':<52}{'':>11}{'':>10}"
+              f"{r['measured_s']:>8.3f}{'':>10}{r['peak_bytes'] / 2**20:>10.0f}")
     print("* the planner's pick from the analytic model; + its pick from the measured profile "
           f"(profiled in {cluster['profile_seconds']:.0f} s)")
     for estimator in ("analytic", "profile"):
@@ -547,6 +621,8 @@ def main():
               f"behind the measured fastest ({s['fastest']})")
         if e["tie_break"]:
             print(f"          tie break: {e['tie_break']}")
+    print(f"losses against the baseline's (3 steps, every layout): worst relative difference "
+          f"{s['loss_vs_baseline']:.1e}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(s, f, indent=1)

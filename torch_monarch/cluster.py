@@ -204,21 +204,88 @@ def fit_alpha_beta(sizes, seconds, n):
     return latency, bandwidth
 
 
+def _slowest_rate(group, work, fn, repeats):
+    """work / seconds per call of ``fn`` on the group's slowest member, all members running at
+    once (lined up by a collective first)."""
+    fn()
+    t = torch.zeros(1, dtype=torch.float64)
+    group.all_reduce_max(t).wait()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    t[0] = (time.perf_counter() - t0) / repeats
+    group.all_reduce_max(t).wait()
+    return work / t.item()
+
+
+def measure_cpu_rates(everyone, local, samples=3, size=512):
+    """This node's compute rates as a job's ranks get them (every member of ``everyone`` must
+    call it; ranks fill nodes in order, ``local`` per node): the matmul FLOP/s of the slowest
+    rank while all compute at once, the mean FLOP/s of a rank computing alone on its node
+    (local rank i of every node in turn, the others waiting), and the memory bandwidth per
+    rank, all busy (an add into a kept output: 2 reads, 1 write). Medians of ``samples``.
+
+    On a CPU the ranks share the cores and, on a VM, more than the cores: a rank alone may run
+    faster than cores / ranks predicts (measured 2.1-2.7x alone here, with 4 ranks on 2
+    vCPUs, where the share predicts 2x). The effective cores per node is ranks x busy / alone."""
+    import statistics
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+    work = 2.0 * size ** 3
+    me = everyone.rank % local
+    busy, alone, hbm = [], [], []
+    for _ in range(samples):
+        busy.append(_slowest_rate(everyone, work, lambda: a @ b, 4))
+        rate = torch.zeros(1, dtype=torch.float64)
+        for turn in range(local):
+            everyone.all_reduce_max(torch.zeros(1, dtype=torch.float64)).wait()  # the others wait
+            if me == turn:
+                a @ b
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    a @ b
+                rate[0] = work / ((time.perf_counter() - t0) / 4)
+            everyone.all_reduce_max(torch.zeros(1, dtype=torch.float64)).wait()
+        everyone.all_reduce(rate).wait()
+        alone.append(rate.item() / everyone.size)
+        hbm.append(_slowest_rate(everyone, 3.0 * x.numel() * 4, lambda: torch.add(x, y, out=z), 4))
+    return statistics.median(busy), statistics.median(alone), statistics.median(hbm)
+
+
+def effective_cores(ranks, busy, alone, detected):
+    """The cores a node's ``ranks`` effectively share, from a rank's rate with all busy and
+    alone: ranks x busy / alone (at least 1). At 95% of the alone rate or better the ranks do
+    not contend, and the ``detected`` core count stands (at least one per rank)."""
+    if busy < 0.95 * alone:
+        return max(1.0, ranks * busy / alone)
+    return max(float(detected), float(ranks))
+
+
+_CPU_KEYS = ("cpu_flops_busy", "cpu_flops_alone", "cpu_hbm_bytes_per_s")
+
+
 def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3, use_cache=True):
     """Times all-reduces at a few sizes on the real process groups (all ranks of a node;
     one rank per node between nodes) and fits latency and bandwidth per link level into a
-    copy of ``cluster``. Every rank must call it. Cached per machine and world shape."""
+    copy of ``cluster``. On CPU ranks it also measures the compute rates the ranks get
+    (measure_cpu_rates): the peak FLOP/s and memory bandwidth per rank all busy, and the
+    effective cores per node, in place of detect()'s cores / ranks share. Every rank must
+    call it. Cached per machine and world shape."""
     local = cluster.devices_per_node
+    on_cpu = not torch.cuda.is_available()
     path = _cache_path("links", world.size, local)
     cached = _read_cache(path) if use_cache else None
+    if cached and on_cpu and not all(k in cached for k in _CPU_KEYS):
+        cached = None  # measured before the CPU rates were part of the probe
     from . import _runtime
-    values = torch.zeros(4, dtype=torch.float64)
+    values = torch.zeros(7, dtype=torch.float64)
     have = torch.tensor([1.0 if cached else 0.0], dtype=torch.float64)
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     everyone.all_reduce(have).wait()
     if have.item() == world.size:  # every rank has the same machine's measurement
         values = torch.tensor([cached["intra_latency_s"], cached["intra_bytes_per_s"], cached["inter_latency_s"],
-                               cached["inter_bytes_per_s"]], dtype=torch.float64)
+                               cached["inter_bytes_per_s"]] + [cached.get(k, 0.0) for k in _CPU_KEYS],
+                              dtype=torch.float64)
     else:
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
@@ -228,10 +295,13 @@ def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3,
         if inter is not None:
             times = [_time_all_reduce(inter.group("dp"), s, repeats) for s in sizes]
             values[2], values[3] = fit_alpha_beta(sizes, times, cluster.nodes)
+        if on_cpu:
+            values[4], values[5], values[6] = measure_cpu_rates(everyone, local)
         everyone.broadcast(values, 0).wait()  # one measurement for all ranks
         if world.rank % local == 0:
             _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
-                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item()})
+                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
+                                **{k: values[4 + i].item() for i, k in enumerate(_CPU_KEYS)}})
     c = _copy_cluster(cluster)
     if values[1] > 0 and values[1] != float("inf"):
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()
@@ -239,6 +309,13 @@ def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3,
         c.inter_node_latency_s, c.inter_node_bytes_per_s = values[2].item(), values[3].item()
     elif cluster.nodes == 1:
         c.inter_node_latency_s, c.inter_node_bytes_per_s = c.intra_node_latency_s, c.intra_node_bytes_per_s
+    if on_cpu and values[4] > 0 and values[5] > 0:
+        busy, alone = values[4].item(), values[5].item()
+        c.peak_flops_fp32 = c.peak_flops_tf32 = c.peak_flops_bf16 = busy
+        c.matmul_efficiency = 1.0  # the measured rate is what a matmul achieves: it is the peak
+        c.hbm_bytes_per_s = values[6].item()
+        c.cores_per_node = effective_cores(local, busy, alone, c.cores_per_node)
+        c.overlap_contention = cpu_overlap_contention(local, c.cores_per_node)
     _planner.validate(c)
     return c
 
