@@ -158,6 +158,38 @@ bool better(const Candidate& a, const Candidate& b) {
   return a.key < b.key;
 }
 
+// Two layouts of one mesh whose predictions differ by less than this are the same to the
+// planner: what separates them (ZeRO-1's cheaper optimizer step against its all-gather, one
+// micro-batch of 4 against four of 1) is far below the model's error. Measured
+// (bench/layouts.py, 4 CPU ranks), the simpler of such pairs ran faster: four micro-batches of
+// 1 +4.7%, ZeRO-1 +4.1%, both predicted 0.15% faster. Kept small: a wider window (1% was
+// tried) also turns pipelines' zero-bubble schedules into 1F1B and, through the tie-break
+// across meshes (finish(), SearchOptions::tie_tolerance), changes GPT-3's pick.
+constexpr double kSameTime = 0.005;
+
+// Fewer moving parts, in order: fewer extra mechanisms (virtual stages, zero-bubble split,
+// recomputation), a lower ZeRO stage, fewer micro-batches (each one more pass of every
+// kernel at a smaller size, and more per-micro-batch work the model does not cost).
+bool simpler(const Plan& a, const Plan& b) {
+  auto parts = [](const Plan& p) {
+    const int extras = (p.virtual_stages > 1) + (p.schedule == ScheduleKind::zero_bubble_h1) +
+                       (p.recompute != Recompute::none);
+    return std::make_tuple(extras, p.mesh.dp > 1 ? p.zero_stage : 0, p.num_micro_batches);
+  };
+  return parts(a) < parts(b);
+}
+
+// Whether `a` replaces `b` as its mesh's layout: faster beyond kSameTime, or as fast and
+// simpler. (Not a strict weak order, so never a sort's comparator: `better` ranks meshes.)
+bool better_in_mesh(const Candidate& a, const Candidate& b) {
+  if (a.over_memory != b.over_memory) return !a.over_memory;
+  const double ta = a.plan.prediction.step_time_s, tb = b.plan.prediction.step_time_s;
+  if (std::abs(ta - tb) > kSameTime * std::max(ta, tb)) return ta < tb;
+  if (simpler(a.plan, b.plan)) return true;
+  if (simpler(b.plan, a.plan)) return false;
+  return better(a, b);
+}
+
 // "1.21x slower: bubble 9.1 s vs 2.3 s" -- the component that grew the most.
 std::string why_slower(const Prediction& loser, const Prediction& winner) {
   const std::pair<const char*, double TimeBreakdown::*> parts[] = {
@@ -390,7 +422,8 @@ class Searcher {
       if (!c.over_memory) times.push_back(c.plan.prediction.step_time_s);
     }
     const size_t keep = static_cast<size_t>(options_.alternatives) + 1;
-    double threshold = it->second.plan.prediction.step_time_s;
+    // A layout up to kSameTime slower than its mesh's best may still replace it (simpler).
+    double threshold = it->second.plan.prediction.step_time_s * (1 + kSameTime);
     if (times.size() >= keep) {
       std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
       // A mesh whose best is within the tie tolerance of the fastest may still be chosen
@@ -494,7 +527,7 @@ class Searcher {
       if (!scoring_over_memory_ || !allow_over_memory_) return;
     }
     auto [it, inserted] = best_per_mesh_.emplace(mesh, c);
-    if (!inserted && better(c, it->second)) it->second = std::move(c);
+    if (!inserted && better_in_mesh(c, it->second)) it->second = std::move(c);
   }
 
   // The dp reductions to score for a layout: flat; and where the training config allows it and
