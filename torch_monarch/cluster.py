@@ -229,8 +229,9 @@ def measure_cpu_rates(everyone, local, samples=3, size=512):
     faster than cores / ranks predicts (measured 2.1-2.7x alone here, with 4 ranks on 2
     vCPUs, where the share predicts 2x). The effective cores per node is ranks x busy / alone."""
     import statistics
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+    g = torch.Generator().manual_seed(0)  # the job's own random stream is left alone
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    x, y, z = torch.randn(4 << 20, generator=g), torch.randn(4 << 20, generator=g), torch.empty(4 << 20)
     work = 2.0 * size ** 3
     me = everyone.rank % local
     busy, alone, hbm = [], [], []
@@ -255,13 +256,20 @@ def measure_cpu_rates(everyone, local, samples=3, size=512):
 def effective_cores(ranks, busy, alone, detected):
     """The cores a node's ``ranks`` effectively share, from a rank's rate with all busy and
     alone: ranks x busy / alone (at least 1). At 95% of the alone rate or better the ranks do
-    not contend, and the ``detected`` core count stands (at least one per rank)."""
+    not contend: the ``detected`` core count, or one per rank if that is more."""
     if busy < 0.95 * alone:
         return max(1.0, ranks * busy / alone)
     return max(float(detected), float(ranks))
 
 
 _CPU_KEYS = ("cpu_flops_busy", "cpu_flops_alone", "cpu_hbm_bytes_per_s")
+
+
+def _cpu_cache_usable(cached):
+    """A links cache holds this job's CPU rates: measured on CPU ranks with this thread count
+    (the rates, and so the effective cores, depend on it)."""
+    return all(k in cached for k in _CPU_KEYS) and cached[_CPU_KEYS[0]] > 0 and \
+        cached.get("cpu_threads") == torch.get_num_threads()
 
 
 def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3, use_cache=True):
@@ -275,8 +283,8 @@ def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3,
     on_cpu = not torch.cuda.is_available()
     path = _cache_path("links", world.size, local)
     cached = _read_cache(path) if use_cache else None
-    if cached and on_cpu and not all(k in cached for k in _CPU_KEYS):
-        cached = None  # measured before the CPU rates were part of the probe
+    if cached and on_cpu and not _cpu_cache_usable(cached):
+        cached = None  # measured before the CPU rates were part of the probe, on GPUs, or at other threads
     from . import _runtime
     values = torch.zeros(7, dtype=torch.float64)
     have = torch.tensor([1.0 if cached else 0.0], dtype=torch.float64)
@@ -299,9 +307,11 @@ def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3,
             values[4], values[5], values[6] = measure_cpu_rates(everyone, local)
         everyone.broadcast(values, 0).wait()  # one measurement for all ranks
         if world.rank % local == 0:
+            cpu = {k: values[4 + i].item() for i, k in enumerate(_CPU_KEYS)} if on_cpu else {}
+            if on_cpu:
+                cpu["cpu_threads"] = torch.get_num_threads()
             _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
-                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
-                                **{k: values[4 + i].item() for i, k in enumerate(_CPU_KEYS)}})
+                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(), **cpu})
     c = _copy_cluster(cluster)
     if values[1] > 0 and values[1] != float("inf"):
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()

@@ -44,6 +44,13 @@ double korthikanti_layer_activation_bytes(double s, double b, double h, double a
   return 0;
 }
 
+double shared_core_speedup(const Cluster& cluster, const Layout& layout) {
+  const double devices = static_cast<double>(cluster.devices_per_node);
+  const bool one_node = layout.pp * layout.dp * layout.tp <= cluster.devices_per_node;
+  if (!(cluster.cores_per_node > 0 && cluster.cores_per_node < devices) || !one_node) return 1.0;
+  return std::min(devices / cluster.cores_per_node, static_cast<double>(layout.pp));
+}
+
 double overlapped_seconds(double compute_s, double comm_s, double contention) {
   // While both run each goes 1 + contention times slower; whichever is left then runs alone:
   // max(c, x) + contention * min(c, x) for c, x >= 0.
@@ -571,10 +578,8 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       before += plan.schedule == ScheduleKind::zero_bubble_h1 ? c.forward_s : work;
     }
     for (double w : per_rank) bound = std::max(bound, m * w);
-    // Devices sharing cores run a schedule up to `over` times faster while others idle.
-    if (cluster.cores_per_node > 0 && cluster.cores_per_node < static_cast<double>(cluster.devices_per_node)) {
-      bound /= static_cast<double>(cluster.devices_per_node) / cluster.cores_per_node;
-    }
+    // Devices sharing cores run a schedule up to that many times faster while others idle.
+    bound /= shared_core_speedup(cluster, layout);
     // Cut only when the bound is above the threshold by more than rounding can explain:
     // the simulation sums the same costs in another order, and a layout tying the
     // threshold may still win the tie-break.
@@ -651,7 +656,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   // The simulation's idle time splits into the transfers on the fill/drain critical path and
   // the schedule's bubble proper (which also absorbs stage imbalance).
   double makespan = sim.makespan_s;
-  if (cluster.cores_per_node > 0 && cluster.cores_per_node < static_cast<double>(cluster.devices_per_node)) {
+  if (shared_core_speedup(cluster, layout) > 1) {
     // Devices sharing fewer cores (CPU ranks on one machine): the rates are with every device
     // busy, so the schedule's makespan holds when all are; a device idle in a bubble lends its
     // share to the busy ones, up to `over` times their all-busy rate (one core per device at

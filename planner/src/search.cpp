@@ -164,7 +164,8 @@ bool better(const Candidate& a, const Candidate& b) {
 // (bench/layouts.py, 4 CPU ranks), the simpler of such pairs ran faster: four micro-batches of
 // 1 +4.7%, ZeRO-1 +4.1%, both predicted 0.15% faster. Kept small: a wider window (1% was
 // tried) also turns pipelines' zero-bubble schedules into 1F1B and, through the tie-break
-// across meshes (finish(), SearchOptions::tie_tolerance), changes GPT-3's pick.
+// across meshes (finish(), SearchOptions::tie_tolerance), changes GPT-3's pick. Never wider
+// than the tie tolerance (0: always the fastest).
 constexpr double kSameTime = 0.005;
 
 // Fewer moving parts, in order: fewer extra mechanisms (virtual stages, zero-bubble split,
@@ -179,16 +180,6 @@ bool simpler(const Plan& a, const Plan& b) {
   return parts(a) < parts(b);
 }
 
-// Whether `a` replaces `b` as its mesh's layout: faster beyond kSameTime, or as fast and
-// simpler. (Not a strict weak order, so never a sort's comparator: `better` ranks meshes.)
-bool better_in_mesh(const Candidate& a, const Candidate& b) {
-  if (a.over_memory != b.over_memory) return !a.over_memory;
-  const double ta = a.plan.prediction.step_time_s, tb = b.plan.prediction.step_time_s;
-  if (std::abs(ta - tb) > kSameTime * std::max(ta, tb)) return ta < tb;
-  if (simpler(a.plan, b.plan)) return true;
-  if (simpler(b.plan, a.plan)) return false;
-  return better(a, b);
-}
 
 // "1.21x slower: bubble 9.1 s vs 2.3 s" -- the component that grew the most.
 std::string why_slower(const Prediction& loser, const Prediction& winner) {
@@ -235,6 +226,7 @@ class Searcher {
     if (!(options_.tie_tolerance >= 0 && options_.tie_tolerance < 1)) {
       throw ValidationError("tie_tolerance", "must be in [0, 1), got " + std::to_string(options_.tie_tolerance));
     }
+    same_time_ = std::min(kSameTime, options_.tie_tolerance);
     if (options_.alternatives < 0) {
       throw ValidationError("alternatives",
                             "must be >= 0, got " + std::to_string(options_.alternatives));
@@ -402,15 +394,17 @@ class Searcher {
   // per-stage bound T >= sum_{s<k} W_s + m W_k): the split minimizing its max over k has
   // W_k = W_0 r^k with r = (m-1)/m, giving T = work / (1 - r^p). Interleaved and ZB-H1
   // schedules get the plain m * work / p.
-  static double lower_bound_s(const Layout& l, const std::vector<LayerCost>& costs) {
+  double lower_bound_s(const Layout& l, const std::vector<LayerCost>& costs) const {
     double work = 0;
     for (const auto& c : costs) work += c.forward_s + c.backward_s;
     const double m = static_cast<double>(l.num_micro_batches);
+    // Ranks sharing cores run faster while others idle (shared_core_speedup): at most that.
+    const double speedup = shared_core_speedup(cluster_, l);
     if (l.schedule == ScheduleKind::gpipe || l.schedule == ScheduleKind::one_f_one_b ||
         l.schedule == ScheduleKind::none) {
-      return work / (1.0 - std::pow((m - 1.0) / m, static_cast<double>(l.pp)));
+      return work / (1.0 - std::pow((m - 1.0) / m, static_cast<double>(l.pp))) / speedup;
     }
-    return m * work / static_cast<double>(l.pp);
+    return m * work / static_cast<double>(l.pp) / speedup;
   }
 
   // Skip a layout that can neither beat its mesh's best nor enter the top alternatives.
@@ -422,14 +416,15 @@ class Searcher {
       if (!c.over_memory) times.push_back(c.plan.prediction.step_time_s);
     }
     const size_t keep = static_cast<size_t>(options_.alternatives) + 1;
-    // A layout up to kSameTime slower than its mesh's best may still replace it (simpler).
-    double threshold = it->second.plan.prediction.step_time_s * (1 + kSameTime);
+    // A layout up to same_time_ slower than its mesh's best may still be its layout (simpler).
+    double threshold = it->second.plan.prediction.step_time_s * (1 + same_time_);
     if (times.size() >= keep) {
       std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
       // A mesh whose best is within the tie tolerance of the fastest may still be chosen
       // (fewer moving parts): it is not cut for missing the alternatives list.
       const double fastest = *std::min_element(times.begin(), times.end());
-      threshold = std::min(threshold, std::max(times[keep - 1], fastest * (1 + options_.tie_tolerance)));
+      threshold = std::min(threshold, std::max(times[keep - 1] * (1 + same_time_),
+                                               fastest * (1 + std::max(options_.tie_tolerance, same_time_))));
     }
     return threshold;
   }
@@ -527,7 +522,16 @@ class Searcher {
       if (!scoring_over_memory_ || !allow_over_memory_) return;
     }
     auto [it, inserted] = best_per_mesh_.emplace(mesh, c);
-    if (!inserted && better_in_mesh(c, it->second)) it->second = std::move(c);
+    if (!inserted && better(c, it->second)) it->second = c;
+    // The mesh's near ties: every layout that fits within same_time_ of its fastest.
+    if (!c.over_memory && std::isfinite(c.plan.prediction.step_time_s) && !it->second.over_memory) {
+      const double limit_s = it->second.plan.prediction.step_time_s * (1 + same_time_);
+      auto& near = near_per_mesh_[mesh];
+      near.push_back(std::move(c));
+      near.erase(std::remove_if(near.begin(), near.end(),
+                                [&](const Candidate& n) { return n.plan.prediction.step_time_s > limit_s; }),
+                 near.end());
+    }
   }
 
   // The dp reductions to score for a layout: flat; and where the training config allows it and
@@ -712,6 +716,16 @@ class Searcher {
 
   Plan finish() {
     if (options_.stats) *options_.stats = stats_;
+    // Each mesh's layout: the simplest of its near ties (kSameTime), the fastest among equals.
+    for (auto& [mesh, near] : near_per_mesh_) {
+      Candidate& best = best_per_mesh_.at(mesh);
+      if (best.over_memory || near.empty()) continue;
+      const Candidate* chosen = &near.front();
+      for (const Candidate& n : near) {
+        if (simpler(n.plan, chosen->plan) || (!simpler(chosen->plan, n.plan) && better(n, *chosen))) chosen = &n;
+      }
+      best = *chosen;
+    }
     std::vector<const Candidate*> ranked;
     for (const auto& [_, c] : best_per_mesh_) ranked.push_back(&c);
     std::sort(ranked.begin(), ranked.end(), [](const Candidate* a, const Candidate* b) { return better(*a, *b); });
@@ -801,6 +815,9 @@ class Searcher {
   SimulationCache sims_;
   std::map<std::tuple<int64_t, bool, int, int64_t>, std::vector<LayerCost>> cost_cache_;
   std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> best_per_mesh_;
+  // Per mesh, the layouts that fit within same_time_ of its fastest (finish() takes the simplest).
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<Candidate>> near_per_mesh_;
+  double same_time_ = kSameTime;  // min(kSameTime, tie_tolerance)
   std::vector<std::string> rejections_;
   double smallest_need_ = kInf;
   Plan smallest_need_plan_;

@@ -429,4 +429,42 @@ TEST_CASE("within a mesh, layouts predicted within 0.5% go to the one with fewer
   }
   CHECK(equal >= 2);  // the case this rule is for: more than one layout the model cannot tell apart
   CHECK(chosen.num_micro_batches == 1);
+
+  // Tie tolerance 0: the fastest, inside a mesh too.
+  options.tie_tolerance = 0;
+  const Plan fastest = search(g, cluster, training, options);
+  CHECK(fastest.prediction.step_time_s <= t);
+  for (int64_t zero = 0; zero <= 3; ++zero) {
+    Pins p = pins;
+    p.zero_stage = zero;
+    p.micro_batch_size = 4;
+    p.schedule = ScheduleKind::none;
+    CHECK(evaluate_layout(g, cluster, training, p).prediction.step_time_s >= fastest.prediction.step_time_s);
+  }
+}
+
+TEST_CASE("ranks lend idle cores only on one node, and only as many times as there are stages", "[search][cores]") {
+  Cluster cluster = cluster_preset("cpu", 1);
+  cluster.devices_per_node = 4;
+  cluster.nodes = 1;
+  cluster.cores_per_node = 2;
+  Layout l;
+  l.pp = 4;
+  l.dp = 1;
+  l.tp = 1;
+  CHECK(shared_core_speedup(cluster, l) == Approx(2.0));  // over = 4 ranks / 2 cores
+  l.pp = 1;
+  l.dp = 4;
+  CHECK(shared_core_speedup(cluster, l) == Approx(1.0));  // nobody idles without a pipeline
+  cluster.cores_per_node = 1;
+  l.pp = 2;
+  l.dp = 2;
+  CHECK(shared_core_speedup(cluster, l) == Approx(2.0));  // over 4, but one of 2 stages idles at most
+  cluster.nodes = 2;
+  l.pp = 2;
+  l.dp = 4;
+  CHECK(shared_core_speedup(cluster, l) == Approx(1.0));  // stages on two machines: not modelled
+  cluster.nodes = 1;
+  cluster.cores_per_node = 0;  // GPUs: every device computes on its own
+  CHECK(shared_core_speedup(cluster, l) == Approx(1.0));
 }

@@ -110,6 +110,13 @@ double tp_layer_bytes_per_micro_batch(const Layer& layer, const TrainingConfig& 
 // The layout a plan describes.
 Layout layout_of(const Plan& plan);
 
+// How many times faster than its all-busy rate a rank of `layout` can run while others idle
+// in the pipeline's bubbles (shared_core_makespan): min(devices / cores, pp) when the ranks
+// share fewer cores than there are devices and the whole job is on one node; 1 otherwise
+// (on several nodes a pipeline's stages sit on different machines, and no node is known to
+// have an idle rank to lend from: not modelled).
+double shared_core_speedup(const Cluster& cluster, const Layout& layout);
+
 // Memory and per-micro-batch time of one virtual stage made of layers [first, last].
 struct StageEstimate {
   StageCosts costs;            // per micro-batch, for the schedule simulation
