@@ -235,7 +235,7 @@ class _DDPJob:
     same model, AdamW and global batch as the dp4 layout (one micro-batch of 4 per rank), the
     interface _step drives."""
 
-    def __init__(self, loss_fn):
+    def __init__(self):
         import torch
         import torch.distributed as dist
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -257,7 +257,7 @@ class _DDPJob:
 def _ddp_job(loss_fn):
     import torch
     import torch.distributed  # noqa: F401
-    pm = _DDPJob(loss_fn)
+    pm = _DDPJob()
     return pm, torch.optim.AdamW(pm.model.parameters(), lr=1e-3), loss_fn
 
 
