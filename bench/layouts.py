@@ -15,11 +15,14 @@ to 16, all ranks at once, in two passes, the faster kept). Each layout is predic
 by the analytic model and from the profile, and the planner's picks for this job (search
 with each estimator) are added. Then every layout is parallelized and kept, glibc keeping
 freed memory (as the caching allocator keeps device memory); one untimed step each, then
-ROUNDS rounds of STEPS steps of every layout, each round starting at a different layout; a
-layout's time is the best of its steps (the median is kept too), the slowest rank's
-(forward, backward, AdamW step). Best-of on both sides because this VM's other tenants only
-ever slow it down, in spells of minutes (one run measured every layout 20-50% over its
-prediction in four rounds and within 5% in the fifth). The PyTorch baseline, the dp4
+rounds of STEPS steps of every layout, each round starting at a different layout; a layout's
+time is the best of its steps (the median is kept too), the slowest rank's (forward,
+backward, AdamW step). Best-of on both sides because this VM's other tenants only ever slow
+it down, in spells of minutes (one run measured every layout 20-50% over its prediction in
+four rounds and within 5% in the fifth). A sentinel (one block's forward, all ranks at once)
+read between steps tells quiet steps from slow ones: at least ROUNDS rounds run, then more
+until every layout has QUIET_STEPS quiet steps (at most MAX_ROUNDS); each layout also gets the
+median of its quiet steps. The PyTorch baseline, the dp4
 layout's computation under torch.nn.parallel.DistributedDataParallel (torch's Gloo process
 group), is built, kept and timed in the same rounds. The plans are exported as JSON.
 
@@ -29,12 +32,13 @@ after two warm-up steps, over the rank's memory before the model was built; the 
 losses; the baseline last.
 
     python3 bench/layouts.py [--out bench/results/layouts.json] [--predict-only EARLIER_JSON]
-    MONARCH_LAYOUTS_ONLY=name,name MONARCH_LAYOUTS_ROUNDS=n MONARCH_LAYOUTS_STEPS=n (subsets)
+    MONARCH_LAYOUTS_ONLY=name,name MONARCH_LAYOUTS_ROUNDS=n MONARCH_LAYOUTS_MAX_ROUNDS=n
+    MONARCH_LAYOUTS_STEPS=n (subsets)
 
 Printed: per layout, both predicted and the measured step time, peak memory (predicted on
 the most loaded rank, measured on the most loaded rank), the baseline's measured time and
 peak below them; per estimator, Spearman's rank correlation of predicted and measured times
-(best-of, and of the medians) and where its pick finished.
+(best-of, of the medians and of the quiet medians) and where its pick finished.
 """
 
 import argparse
@@ -55,7 +59,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 STEPS = int(os.environ.get("MONARCH_LAYOUTS_STEPS", 1))   # timed steps per layout and round
-ROUNDS = int(os.environ.get("MONARCH_LAYOUTS_ROUNDS", 6))
+ROUNDS = int(os.environ.get("MONARCH_LAYOUTS_ROUNDS", 6))            # at least
+MAX_ROUNDS = int(os.environ.get("MONARCH_LAYOUTS_MAX_ROUNDS", 16))   # at most
+QUIET_STEPS, QUIET_MARGIN = 2, 1.10   # see class Sentinel
 ONLY = [n for n in os.environ.get("MONARCH_LAYOUTS_ONLY", "").split(",") if n]
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, GLOBAL_BATCH = 1024, 256, 8, 4, 64, 16
 # (name, pins): every kind of layout the runtime builds, on 4 ranks.
@@ -278,22 +284,67 @@ def _step(job, everyone, step):
     return _all_max(everyone, time.perf_counter() - t0), float(value)
 
 
+class Sentinel:
+    """How fast this machine is right now: one block's forward on one sequence, twice, every
+    rank at once, the slowest rank's seconds. Taken before the first timed step and after
+    every timed step, so each step sits between two readings; a step is quiet when neither
+    reading is more than QUIET_MARGIN over the fastest reading of the run. The readings do not
+    change a layout's time (still the best of its steps); they decide how many rounds run
+    (until every layout has QUIET_STEPS quiet steps, or MAX_ROUNDS) and give each layout a
+    median over its quiet steps, a second statistic beside the best."""
+
+    def __init__(self, everyone):
+        import torch
+        self.everyone = everyone
+        self.block = make_model().transformer.h[0]
+        self.inp = torch.randn(1, SEQ, HIDDEN)
+        self.readings = []
+
+    def read(self):
+        import torch
+        _all_max(self.everyone, 0)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(2):
+                self.block(self.inp)
+        self.readings.append(_all_max(self.everyone, time.perf_counter() - t0))
+        return len(self.readings) - 1
+
+    def quiet(self, before, after):
+        floor = min(self.readings)
+        return max(self.readings[before], self.readings[after]) <= QUIET_MARGIN * floor
+
+
+def quiet_times(row, sentinel):
+    return [t for t, (b, a) in zip(row["times"], row["sentinel"]) if sentinel.quiet(b, a)]
+
+
 def time_layouts(everyone, layouts, plans, rows, loss_fn):
     """Step times, glibc keeping freed memory: every layout built and kept, one untimed step
-    each, then ROUNDS rounds of STEPS steps of every layout, each round starting at a different
-    layout, len / ROUNDS further on (a slow spell of this shared machine, which lasts minutes, lands on different
-    layouts each round). A layout's time is the best of its steps (and their median), the
-    slowest rank's."""
+    each, then rounds of STEPS steps of every layout, each round starting at a different
+    layout, len / ROUNDS further on (a slow spell of this shared machine, which lasts minutes,
+    lands on different layouts each round). At least ROUNDS rounds, then more until every
+    layout has QUIET_STEPS quiet steps (class Sentinel), at most MAX_ROUNDS. A layout's time
+    is the best of its steps (and their median, and the median of its quiet steps), the
+    slowest rank's. Returns the sentinel."""
     jobs = [(name, _job_for(name, plans, loss_fn)) for name in [n for n, _ in layouts] + [BASELINE]]
     for i, (_, job) in enumerate(jobs):
         _step(job, everyone, i % 4)
-    for rnd in range(ROUNDS):
+    sentinel = Sentinel(everyone)
+    last = sentinel.read()
+    for rnd in range(MAX_ROUNDS):
+        if rnd >= ROUNDS and all(len(quiet_times(rows[name], sentinel)) >= QUIET_STEPS for name, _ in jobs):
+            break
         shift = rnd * len(jobs) // ROUNDS
-        for i, (name, job) in enumerate(jobs[shift:] + jobs[:shift]):
+        for i, (name, job) in enumerate(jobs[shift % len(jobs):] + jobs[:shift % len(jobs)]):
             for _ in range(STEPS):
                 rows[name]["times"].append(_step(job, everyone, (rnd + i) % 4)[0])
+                now = sentinel.read()
+                rows[name]["sentinel"].append((last, now))
+                last = now
     jobs.clear()
     gc.collect()
+    return sentinel
 
 
 def memory_worker(out_dir):
@@ -426,7 +477,7 @@ def worker(out_dir):
                 "predicted_breakdown": {k: getattr(plan.prediction.time, k) for k in
                                         ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble",
                                          "optimizer")},
-                "times": [], "peak_bytes": 0, "losses": []}
+                "times": [], "sentinel": [], "peak_bytes": 0, "losses": []}
 
     plans = {name: both_plans(pins) for name, pins in layouts}
     rows = {name: row(name, *plans[name]) for name, _ in layouts}
@@ -434,11 +485,12 @@ def worker(out_dir):
     dp4 = both_plans(dict(LAYOUTS[0][1]))
     rows[BASELINE] = dict(row(BASELINE, *dp4), plan="torch DDP " + dp4[0].summary(), pick=False, pick_profile=False,
                           baseline=True)
+    sentinel = None
     if os.environ.get("MONARCH_LAYOUTS_PREDICT_ONLY"):  # --predict-only: every layout scored, none run
         for r in rows.values():
             r["times"] = [float("nan")]
     else:
-        time_layouts(everyone, layouts, plans, rows, loss_fn)
+        sentinel = time_layouts(everyone, layouts, plans, rows, loss_fn)
     if world.rank == 0:
         with open(os.path.join(out_dir, "layouts.json"), "w") as f:
             json.dump([name for name, _ in layouts], f)
@@ -450,13 +502,18 @@ def worker(out_dir):
         # step down, in spells of minutes); the median is kept beside it.
         r["measured_s"] = min(r["times"])
         r["median_s"] = statistics.median(r["times"])
+        quiet = quiet_times(r, sentinel) if sentinel else []
+        r["quiet_steps"] = len(quiet)
+        r["quiet_median_s"] = statistics.median(quiet) if quiet else float("nan")
     with open(os.path.join(out_dir, f"rank{world.rank}.json"), "w") as f:
         json.dump({"cluster": {"flops": cluster.peak_flops_fp32, "hbm": cluster.hbm_bytes_per_s,
                                "efficiency": cluster.matmul_efficiency,
                                "backward_forward_ratio": cluster.backward_forward_ratio,
                                "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s,
                                "profile_seconds": profile_s, "rate_samples": rates.samples,
-                               "cores_per_node": cluster.cores_per_node, "probe": by_probe},
+                               "cores_per_node": cluster.cores_per_node, "probe": by_probe,
+                               "sentinel_s": sentinel.readings if sentinel else [],
+                               "rounds": len(rows[0]["times"]) // STEPS if sentinel else 0},
                    "picks": {k: v.summary() for k, v in picks.items()},
                    "tie_breaks": {k: v.tie_break for k, v in picks.items()},
                    "rows": rows}, f)
@@ -469,8 +526,8 @@ def free_port():
 
 
 def spearman(a, b):
-    if len(a) < 3:
-        return float("nan")  # a subset (MONARCH_LAYOUTS_ONLY) too small to rank
+    if len(a) < 3 or any(x != x for x in list(a) + list(b)):
+        return float("nan")  # a subset (MONARCH_LAYOUTS_ONLY) too small to rank, or a value missing
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
@@ -521,6 +578,8 @@ def run(ranks, timeout=3600):
                       "predicted_s": row["predicted_s"], "predicted_profile_s": row["predicted_profile_s"],
                       "profile_ratio": row["measured_s"] / row["predicted_profile_s"],
                       "measured_s": row["measured_s"], "median_s": row["median_s"],
+                      "quiet_median_s": row.get("quiet_median_s", float("nan")),
+                      "quiet_steps": row.get("quiet_steps", 0), "sentinel": row.get("sentinel", []),
                       "ratio": row["measured_s"] / row["predicted_s"],
                       "predicted_bytes": row["predicted_bytes"],
                       "peak_bytes": max(r["peak_bytes"] for r in rows),
@@ -565,7 +624,11 @@ def summarize(cluster, table, extra):
             "worst_time_deviation": max(abs(r["measured_s"] / r[key] - 1) for r in table),
             "pick": extra["picks"][estimator], "tie_break": extra["tie_breaks"][estimator],
             "pick_measured_s": pick["measured_s"], "pick_vs_fastest": pick["measured_s"] / fastest,
-            "pick_median_vs_fastest_median": pick.get("median_s", float("nan")) / min(r["median_s"] for r in table)}
+            "pick_median_vs_fastest_median": pick.get("median_s", float("nan")) / min(r["median_s"] for r in table),
+            "spearman_of_quiet_medians": spearman([r[key] for r in pinned], [r["quiet_median_s"] for r in pinned]),
+            "pick_quiet_vs_fastest_quiet": pick.get("quiet_median_s", float("nan")) /
+            min((r["quiet_median_s"] for r in table if r["quiet_median_s"] == r["quiet_median_s"]),
+                default=float("nan"))}
     out["layouts"] = table
     out["baseline"] = extra["baseline"]
     # Every layout trains the same model on the same batches as the baseline: the memory
@@ -621,17 +684,24 @@ def main():
     print(f"cluster.probe's own CPU rates (what parallelize plans with): matmul {pr['flops'] / 1e9:.1f} GFLOP/s per "
           f"rank, memory {pr['hbm'] / 1e9:.1f} GB/s, effective cores {pr['cores_per_node']:.2f}")
     print(f"{'layout':<24}{'plan':<52}{'analytic s':>11}{'profile s':>10}{'best s':>8}{'median s':>9}"
-          f"{'pred MiB':>10}{'peak MiB':>10}")
+          f"{'quiet s':>8}{'(n)':>5}{'pred MiB':>10}{'peak MiB':>10}")
     for r in table:
         mark = ("*" if r["pick"] else "") + ("+" if r["pick_profile"] else "")
         print(f"{r['layout'] + (' ' + mark if mark else ''):<24}{r['plan']:<52}{r['predicted_s']:>11.3f}"
               f"{r['predicted_profile_s']:>10.3f}{r['measured_s']:>8.3f}{r['median_s']:>9.3f}"
+              f"{r.get('quiet_median_s', float('nan')):>8.3f}{r.get('quiet_steps', 0):>5}"
               f"{r['predicted_bytes'] / 2**20:>10.0f}{r['peak_bytes'] / 2**20:>10.0f}")
     for r in extra["baseline"]:
         print(f"{r['layout'] + ' (baseline)':<24}{'same computation as dp4, PyTorch DDP':<52}{'':>11}{'':>10}"
-              f"{r['measured_s']:>8.3f}{r['median_s']:>9.3f}{'':>10}{r['peak_bytes'] / 2**20:>10.0f}")
+              f"{r['measured_s']:>8.3f}{r['median_s']:>9.3f}{r.get('quiet_median_s', float('nan')):>8.3f}"
+              f"{r.get('quiet_steps', 0):>5}{'':>10}{r['peak_bytes'] / 2**20:>10.0f}")
     print("* the planner's pick from the analytic model; + its pick from the measured profile "
           f"(profiled in {cluster['profile_seconds']:.0f} s)")
+    readings = cluster.get("sentinel_s") or []
+    if readings:
+        print(f"{cluster['rounds']} rounds; sentinel (one block's forward, twice) {min(readings) * 1e3:.0f} ms at best, "
+              f"median {statistics.median(readings) * 1e3:.0f} ms, worst {max(readings) * 1e3:.0f} ms; a step is quiet "
+              f"when the readings around it are within {(QUIET_MARGIN - 1) * 100:.0f}% of the best")
     for estimator in ("analytic", "profile"):
         e = s[estimator]
         print(f"{estimator:>8}: Spearman (pinned layouts, predicted vs measured) {e['spearman']:.2f} (of the medians "
@@ -639,6 +709,8 @@ def main():
               f"{e['worst_time_deviation'] * 100:.0f}%; pairs predicted >10% apart {e['pairs_apart_10pct']}, measured in "
               f"the same order {e['pairs_ordered_right']}; pick {e['pick']} is {(e['pick_vs_fastest'] - 1) * 100:.1f}% "
               f"behind the measured fastest ({s['fastest']})")
+        print(f"          over the quiet steps' medians: Spearman {e['spearman_of_quiet_medians']:.2f}, pick "
+              f"{(e['pick_quiet_vs_fastest_quiet'] - 1) * 100:.1f}% behind the fastest")
         if e["tie_break"]:
             print(f"          tie break: {e['tie_break']}")
     print(f"losses against the baseline's (3 steps, every layout): worst relative difference "

@@ -1,6 +1,8 @@
 #include "monarch/parallelize.h"
 #include "monarch/runtime/recompute.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/modules/container/any.h>
 
@@ -39,12 +41,6 @@ std::string prefixed(const std::string& prefix, const std::string& name) {
 // ---- reading C++ models ------------------------------------------------------------------
 
 namespace {
-
-// Selective recomputation finds the attention core at the operator level while a block runs
-// (torch_monarch/selective.py, a Python dispatch mode); LibTorch offers C++ no such hook.
-constexpr const char* kSelectiveRefusal =
-    "the C++ frontend recomputes whole blocks only; plan with recompute=full or none, or parallelize from "
-    "Python, which also recomputes the attention core alone";
 
 // Children of a Sequential as pieces; a child that is itself a Sequential (a body of blocks)
 // contributes its own children, so its blocks can be cut between.
@@ -206,9 +202,8 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   TORCH_CHECK(layout.mesh.tp == 1, "monarch::parallelize: tp=", layout.mesh.tp,
               ": the C++ frontend cannot swap the modules of a torch::nn or TorchScript model for "
               "tensor-parallel ones; plan with tp=1 (pin tp=1), or parallelize from Python");
-  TORCH_CHECK(layout.recompute != planner::Recompute::selective, "monarch::parallelize: recompute=selective: ",
-              kSelectiveRefusal);
   recompute_ = layout.recompute == planner::Recompute::full;
+  selective_ = layout.recompute == planner::Recompute::selective;
   std::vector<int64_t> blocks = options.blocks.empty() ? find_blocks(model_) : options.blocks;
   TORCH_CHECK(layout.block_stage.size() == blocks.size(), "monarch::parallelize: the layout places ",
               layout.block_stage.size(), " blocks, the model has ", blocks.size());
@@ -405,6 +400,13 @@ std::vector<at::Tensor> ParallelModule::run_stage(int64_t s, const at::Tensor& i
     const Piece& piece = model_.pieces[st.pieces[k]];
     if (recompute_ && st.is_block[k]) {
       x = recompute_full(piece.forward, x, st.block_params[k]);
+    } else if (selective_ && st.is_block[k] && at::GradMode::is_enabled()) {
+      SelectiveRecompute scope;  // the block's monarch::attention_core calls recompute their core
+      x = piece.forward(x);
+      TORCH_CHECK(scope.cores() > 0, "monarch::parallelize: recompute=selective: block '", piece.name, "' (", piece.type,
+                  ") computed its attention without monarch::attention_core, so nothing would be recomputed: the C++ "
+                  "frontend cannot find an attention core among a block's operators (the Python frontend can). Compute "
+                  "it with monarch::attention_core (monarch/runtime/attention.h), or plan with recompute=full or none");
     } else {
       x = piece.forward(x);
     }
@@ -532,9 +534,6 @@ std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Pla
   Layout layout = layout_from_plan(plan, static_cast<int64_t>(blocks.size()), world->size(), names, more);
   for (auto& p : more) {
     if (std::find(problems.begin(), problems.end(), p) == problems.end()) problems.push_back(p);
-  }
-  if (layout.recompute == planner::Recompute::selective) {
-    problems.push_back(std::string("recompute=selective: ") + kSelectiveRefusal);
   }
   if (layout.mesh.tp > 1) {
     problems.push_back("tp=" + std::to_string(layout.mesh.tp) + ": the C++ frontend cannot swap torch::nn or "

@@ -27,23 +27,34 @@ struct RngState {
 };
 
 struct Block : torch::CustomClassHolder {
-  std::function<at::Tensor(const at::Tensor&)> forward;
-  std::vector<RngState> rng;  // CPU, and the input's accelerator when it has one
+  std::function<at::Tensor(const std::vector<at::Tensor>&)> forward;
+  size_t num_inputs = 0;      // the function's tensors: the inputs, then the parameters
+  std::vector<RngState> rng;  // CPU, and the inputs' accelerator when they have one
 };
 
+thread_local SelectiveRecompute* active_scope = nullptr;
+
 struct Recompute : torch::autograd::Function<Recompute> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, at::TensorList parameters,
+  // `tensors`: the inputs (saved), then the parameters. The parameters are inputs of the node
+  // so that autograd routes their gradients through it (and on to their accumulators); they
+  // are kept as the tensors themselves, not saved variables: ZeRO-3 frees and gathers them
+  // again between forward and backward.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList tensors,
                             c10::intrusive_ptr<Block> block) {
-    // The parameters are inputs so that autograd routes their gradients through this node
-    // (and on to their accumulators); kept as the tensors themselves, not saved variables:
-    // ZeRO-3 frees and gathers them again between forward and backward.
-    ctx->saved_data["params"] = parameters.vec();
+    const std::vector<at::Tensor> all = tensors.vec();
+    const std::vector<at::Tensor> inputs(all.begin(), all.begin() + block->num_inputs);
+    ctx->saved_data["params"] = std::vector<at::Tensor>(all.begin() + block->num_inputs, all.end());
     block->rng.push_back(RngState::of(at::Device(at::kCPU)));
-    if (!input.device().is_cpu()) block->rng.push_back(RngState::of(input.device()));
-    ctx->save_for_backward({input});
+    for (const auto& t : inputs) {
+      if (t.defined() && !t.device().is_cpu()) {
+        block->rng.push_back(RngState::of(t.device()));
+        break;
+      }
+    }
+    ctx->save_for_backward(inputs);
     ctx->saved_data["block"] = c10::IValue::make_capsule(block);
     at::NoGradGuard no_grad;
-    return block->forward(input);
+    return block->forward(inputs);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -51,30 +62,37 @@ struct Recompute : torch::autograd::Function<Recompute> {
     TORCH_CHECK(!at::GradMode::is_enabled(), "monarch recompute_full: backward with create_graph=True (double "
                 "backward) is not supported: the re-run block's gradients are computed without a graph");
     auto block = c10::static_intrusive_pointer_cast<Block>(ctx->saved_data["block"].toCapsule());
-    const at::Tensor input = ctx->get_saved_variables()[0].detach().requires_grad_(ctx->needs_input_grad(0));
+    const size_t n = block->num_inputs;
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();  // unpacked: a new list each call
+    std::vector<at::Tensor> inputs;
+    for (size_t i = 0; i < n; ++i) {
+      inputs.push_back(saved[i].defined() ? saved[i].detach().requires_grad_(ctx->needs_input_grad(i)) : saved[i]);
+    }
     std::vector<RngState> now;
     for (const auto& r : block->rng) now.push_back(RngState::of(r.generator.device()));
     at::Tensor output;
     {
       for (const auto& r : block->rng) r.restore();
       at::AutoGradMode grad(true);
-      output = block->forward(input);
+      output = block->forward(inputs);
       for (const auto& r : now) r.restore();  // the caller's random stream goes on undisturbed
     }
     std::vector<at::Tensor> wrt;
     std::vector<size_t> slot;  // position in the node's inputs of each tensor in `wrt`
-    if (input.requires_grad()) {
-      wrt.push_back(input);
-      slot.push_back(0);
+    for (size_t i = 0; i < n; ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        wrt.push_back(inputs[i]);
+        slot.push_back(i);
+      }
     }
     const auto& params = ctx->saved_data["params"].toTensorVector();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (ctx->needs_input_grad(1 + i)) {
+      if (ctx->needs_input_grad(n + i)) {
         wrt.push_back(params[i]);
-        slot.push_back(1 + i);
+        slot.push_back(n + i);
       }
     }
-    torch::autograd::variable_list result(1 + params.size() + 1);
+    torch::autograd::variable_list result(n + params.size() + 1);
     if (wrt.empty() || !output.requires_grad()) return result;
     auto g = torch::autograd::grad({output}, wrt, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                    /*allow_unused=*/true);
@@ -85,12 +103,25 @@ struct Recompute : torch::autograd::Function<Recompute> {
 
 }  // namespace
 
+at::Tensor recompute(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& forward,
+                     const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters) {
+  if (!at::GradMode::is_enabled()) return forward(inputs);
+  auto block = c10::make_intrusive<Block>();
+  block->forward = forward;
+  block->num_inputs = inputs.size();
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), parameters.begin(), parameters.end());
+  return Recompute::apply(at::TensorList(all), block);  // a list: each a variable input
+}
+
 at::Tensor recompute_full(const std::function<at::Tensor(const at::Tensor&)>& forward, const at::Tensor& input,
                           const std::vector<at::Tensor>& parameters) {
   if (!at::GradMode::is_enabled()) return forward(input);
-  auto block = c10::make_intrusive<Block>();
-  block->forward = forward;
-  return Recompute::apply(input, at::TensorList(parameters), block);  // a list: each a variable input
+  return recompute([forward](const std::vector<at::Tensor>& in) { return forward(in[0]); }, {input}, parameters);
 }
+
+SelectiveRecompute::SelectiveRecompute() : outer_(active_scope) { active_scope = this; }
+SelectiveRecompute::~SelectiveRecompute() { active_scope = outer_; }
+SelectiveRecompute* SelectiveRecompute::active() { return active_scope; }
 
 }  // namespace monarch

@@ -7,7 +7,7 @@
 //   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
 //
 // Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S
-// --micro-batch N --schedule NAME --recompute none|full (pins for the planner), --steps N, --layers N,
+// --micro-batch N --schedule NAME --recompute none|selective|full (pins for the planner), --steps N, --layers N,
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
 // parity is then checked against the same file trained in one process).
@@ -22,6 +22,7 @@
 #include <string>
 
 #include "monarch/parallelize.h"
+#include "monarch/runtime/attention.h"
 #include "monarch/planner/search.h"
 #include "monarch/runtime/world.h"
 
@@ -42,12 +43,15 @@ torch::optim::AdamW make_optimizer(const std::vector<std::pair<std::string, at::
 struct Config {
   int64_t vocab = 64, hidden = 32, heads = 4, layers = 4, seq = 16, global_batch = 16, steps = 5;
   double lr = 1e-2;
+  // None: parity is checked against one process, which splits the batch otherwise and so draws
+  // other dropout masks (recompute's dropout masks are tested in test_recompute.cpp).
+  double dropout = 0.0;
 };
 
 // Pre-norm decoder block with the parameters planner::build_transformer counts: q, k, v and
 // output projections and a 4h MLP without biases, two layer norms.
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t h, int64_t heads) : heads(heads) {
+  BlockImpl(int64_t h, int64_t heads, double dropout) : heads(heads), dropout(dropout) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({h})));
     q = register_module("q", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
     k = register_module("k", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
@@ -62,14 +66,17 @@ struct BlockImpl : torch::nn::Module {
     auto y = ln1(x);
     auto split = [&](const torch::Tensor& t) { return t.view({b, s, heads, d}).transpose(1, 2); };
     auto qh = split(q(y)), kh = split(k(y)), vh = split(v(y));
-    auto scores = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-    auto causal = torch::ones({s, s}, torch::kBool).triu(1);
-    scores = scores.masked_fill(causal, -1e9);
-    auto attn = torch::matmul(scores.softmax(-1), vh).transpose(1, 2).reshape({b, s, h});
+    // The core through monarch::attention_core: what recompute=selective re-runs in backward.
+    monarch::AttentionOptions core;
+    core.causal = true;
+    core.dropout = dropout;
+    core.training = is_training();
+    auto attn = monarch::attention_core(qh, kh, vh, core).transpose(1, 2).reshape({b, s, h});
     auto x1 = x + o(attn);
     return x1 + down(torch::gelu(up(ln2(x1))));
   }
   int64_t heads;
+  double dropout;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, up{nullptr}, down{nullptr};
 };
@@ -92,7 +99,7 @@ torch::nn::Sequential make_gpt(const Config& c) {
     embedding->weight.normal_(0, 0.02);  // GPT-2's initialization: logits start near uniform
   }
   gpt->push_back("embedding", embedding);
-  for (int64_t i = 0; i < c.layers; ++i) gpt->push_back("block" + std::to_string(i), Block(c.hidden, c.heads));
+  for (int64_t i = 0; i < c.layers; ++i) gpt->push_back("block" + std::to_string(i), Block(c.hidden, c.heads, c.dropout));
   gpt->push_back("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
   gpt->push_back("lm_head", TiedHead(embedding->weight));
   return gpt;
@@ -161,6 +168,7 @@ int main(int argc, char** argv) {
       tc.seq = c.seq;
       tc.vocab = c.vocab;
       tc.tied_embeddings = torchscript.empty();  // the TorchScript model's head is its own
+      tc.attention = monarch::planner::AttentionKernel::materialized;  // scores are kept (no fused kernel)
       tc.dtype = monarch::planner::DType::fp32;
       auto graph = monarch::planner::build_transformer(tc);
       monarch::planner::restrict_cuts_to_blocks(graph);
@@ -170,8 +178,10 @@ int main(int argc, char** argv) {
       training.param_bytes = training.grad_bytes = training.activation_bytes = 4;
       training.optimizer_bytes = 8;  // Adam's two fp32 moments
       training.allow_tensor_parallel = false;  // the C++ frontend does not swap modules
-      // The C++ frontend recomputes whole blocks (full), not the attention core alone.
+      // Selective re-runs the cores computed with monarch::attention_core, which this model's
+      // blocks use; a TorchScript model's blocks compute theirs inline (selective is refused).
       training.recompute_modes = {monarch::planner::Recompute::none, monarch::planner::Recompute::full};
+      if (torchscript.empty()) training.recompute_modes.push_back(monarch::planner::Recompute::selective);
       training.allow_sequence_parallel = false;
       monarch::planner::SearchOptions options;
       auto& pins = options.pins;

@@ -102,10 +102,12 @@ def test_a_saved_plan_loads_back_and_a_plan_for_another_model_or_world_is_refuse
     assert p.returncode == 0, p.stdout[-3000:]
     layout, verdict, loss_diff, param_diff = parity(p)
     assert "recompute=full" in p.stdout and verdict == "ok", p.stdout[-3000:]
-    # Selective (the attention core alone), which only the Python frontend finds: refused, naming the field.
+    # Selective: the attention cores the blocks compute with monarch::attention_core re-run in
+    # backward (pipeline and ZeRO-3 here), training unchanged.
     p = launch(4, "--plan", write_plan(tmp_path / "selective.json", dict(saved, recompute="selective")))
-    assert p.returncode != 0
-    assert "recompute=selective: the C++ frontend recomputes whole blocks only" in p.stdout, p.stdout[-3000:]
+    assert p.returncode == 0, p.stdout[-3000:]
+    layout, verdict, loss_diff, param_diff = parity(p)
+    assert "recompute=selective" in p.stdout and verdict == "ok", p.stdout[-3000:]
 
     # A plan with tensor parallelism: refused by the C++ frontend, saying why.
     saved["mesh"]["tp"], saved["mesh"]["dp"] = 2, 1
@@ -119,13 +121,23 @@ def test_a_torchscript_sequential_from_python_trains_in_cpp(tmp_path):
     model = str(tmp_path / "gpt.pt")
     subprocess.run([sys.executable, os.path.join(ROOT, "examples", "python", "export_gpt_torchscript.py"), model],
                    check=True, cwd=ROOT)
-    for flags in ([], ["--pp", "2", "--zero", "3"]):
+    plan = str(tmp_path / "plan.json")
+    for flags in (["--save-plan", plan], ["--pp", "2", "--zero", "3"]):
         p = launch(4, "--torchscript", model, *flags)
         assert p.returncode == 0, p.stdout[-3000:]
         layout, verdict, loss_diff, param_diff = parity(p)
         assert verdict == "ok" and loss_diff < 1e-4 and param_diff < 1e-3, layout
-        if flags:
+        if flags[0] == "--pp":
             assert layout.startswith("pp=2 dp=2 tp=1 zero=3"), layout
+    # A TorchScript block computes its attention inline: selective has no core to re-run and
+    # is refused at the first training step, naming the block and the way out.
+    with open(plan) as f:
+        saved = json.load(f)
+    p = launch(4, "--torchscript", model, "--plan", write_plan(tmp_path / "selective.json",
+                                                                 dict(saved, recompute="selective")))
+    assert p.returncode != 0
+    assert "recompute=selective: block '" in p.stdout and "without monarch::attention_core" in p.stdout, \
+        p.stdout[-3000:]
 
 
 def test_the_example_builds_against_the_installed_cmake_package():

@@ -18,7 +18,10 @@
 // longest run of consecutive pieces of one type. Tensor parallelism needs modules swapped for
 // tensor-parallel ones, which a C++ module tree does not allow: plans with tp > 1 are refused
 // here (plan with tp=1; the Python frontend does tp). recompute=full re-runs each block in
-// backward (monarch/runtime/recompute.h); selective is refused (the Python frontend does it).
+// backward (monarch/runtime/recompute.h); selective re-runs the attention cores the blocks
+// compute with monarch::attention_core (monarch/runtime/attention.h), and refuses, at the
+// first training forward, a block that computed none (its attention written inline, or a
+// TorchScript block): LibTorch has no C++ hook to find the core among a block's operators.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -138,6 +141,7 @@ class ParallelModule {
   std::unique_ptr<Composition> composition_;
   std::vector<at::Tensor> optimizer_parameters_;
   bool recompute_ = false;  // blocks keep only their input and re-run in backward (recompute=full)
+  bool selective_ = false;  // blocks' attention cores keep q, k, v and re-run in backward (selective)
   std::vector<std::string> optimizer_names_;
 };
 
