@@ -288,7 +288,7 @@ class Sentinel:
     """How fast this machine is right now: one block's forward on one sequence, twice, every
     rank at once, the slowest rank's seconds. Taken before the first timed step and after
     every timed step, so each step sits between two readings; a step is quiet when neither
-    reading is more than QUIET_MARGIN over the fastest reading of the run. The readings do not
+    reading is more than QUIET_MARGIN over the run's 5th-percentile reading. The readings do not
     change a layout's time (still the best of its steps); they decide how many rounds run
     (until every layout has QUIET_STEPS quiet steps, or MAX_ROUNDS) and give each layout a
     median over its quiet steps, a second statistic beside the best."""
@@ -310,9 +310,12 @@ class Sentinel:
         self.readings.append(_all_max(self.everyone, time.perf_counter() - t0))
         return len(self.readings) - 1
 
+    def floor(self):
+        # A low percentile, not the single fastest reading, which a lucky moment can set.
+        return sorted(self.readings)[len(self.readings) // 20]
+
     def quiet(self, before, after):
-        floor = min(self.readings)
-        return max(self.readings[before], self.readings[after]) <= QUIET_MARGIN * floor
+        return max(self.readings[before], self.readings[after]) <= QUIET_MARGIN * self.floor()
 
 
 def quiet_times(row, sentinel):
@@ -332,7 +335,7 @@ def time_layouts(everyone, layouts, plans, rows, loss_fn):
         _step(job, everyone, i % 4)
     sentinel = Sentinel(everyone)
     last = sentinel.read()
-    for rnd in range(MAX_ROUNDS):
+    for rnd in range(max(ROUNDS, MAX_ROUNDS)):
         if rnd >= ROUNDS and all(len(quiet_times(rows[name], sentinel)) >= QUIET_STEPS for name, _ in jobs):
             break
         shift = rnd * len(jobs) // ROUNDS
@@ -667,7 +670,8 @@ def main():
             r.update(measured_s=min(m["times"]), median_s=statistics.median(m["times"]),
                      ratio=min(m["times"]) / r["predicted_s"],
                      profile_ratio=min(m["times"]) / r["predicted_profile_s"],
-                     **{k: m[k] for k in ("peak_bytes", "peak_bytes_per_rank", "times", "losses") if k in m})
+                     **{k: m[k] for k in ("peak_bytes", "peak_bytes_per_rank", "times", "losses", "quiet_median_s",
+                                          "quiet_steps", "sentinel") if k in m})
         if missing:
             print(f"not in {args.predict_only} (not compared): {missing}")
         print(f"measured times from {args.predict_only}; predictions from this run")
@@ -699,9 +703,11 @@ def main():
           f"(profiled in {cluster['profile_seconds']:.0f} s)")
     readings = cluster.get("sentinel_s") or []
     if readings:
+        floor = sorted(readings)[len(readings) // 20]
         print(f"{cluster['rounds']} rounds; sentinel (one block's forward, twice) {min(readings) * 1e3:.0f} ms at best, "
-              f"median {statistics.median(readings) * 1e3:.0f} ms, worst {max(readings) * 1e3:.0f} ms; a step is quiet "
-              f"when the readings around it are within {(QUIET_MARGIN - 1) * 100:.0f}% of the best")
+              f"{floor * 1e3:.0f} ms at the 5th percentile, median {statistics.median(readings) * 1e3:.0f} ms, worst "
+              f"{max(readings) * 1e3:.0f} ms; a step is quiet when the readings around it are within "
+              f"{(QUIET_MARGIN - 1) * 100:.0f}% of the 5th percentile")
     for estimator in ("analytic", "profile"):
         e = s[estimator]
         print(f"{estimator:>8}: Spearman (pinned layouts, predicted vs measured) {e['spearman']:.2f} (of the medians "

@@ -1,6 +1,7 @@
 #include "monarch/runtime/recompute.h"
 
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -26,10 +27,29 @@ struct RngState {
   }
 };
 
+// Autocast as forward ran under it: the re-run in backward computes in the same dtypes (as
+// torch.utils.checkpoint restores it), whatever the backward thread's state.
+struct AutocastState {
+  bool gpu = false, cpu = false;
+  at::ScalarType gpu_dtype = at::kHalf, cpu_dtype = at::kBFloat16;
+
+  static AutocastState now() {
+    return {at::autocast::is_enabled(), at::autocast::is_cpu_enabled(), at::autocast::get_autocast_gpu_dtype(),
+            at::autocast::get_autocast_cpu_dtype()};
+  }
+  void apply() const {
+    at::autocast::set_enabled(gpu);
+    at::autocast::set_cpu_enabled(cpu);
+    at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+    at::autocast::set_autocast_cpu_dtype(cpu_dtype);
+  }
+};
+
 struct Block : torch::CustomClassHolder {
   std::function<at::Tensor(const std::vector<at::Tensor>&)> forward;
   size_t num_inputs = 0;      // the function's tensors: the inputs, then the parameters
   std::vector<RngState> rng;  // CPU, and the inputs' accelerator when they have one
+  AutocastState autocast;
 };
 
 thread_local SelectiveRecompute* active_scope = nullptr;
@@ -45,8 +65,9 @@ struct Recompute : torch::autograd::Function<Recompute> {
     const std::vector<at::Tensor> inputs(all.begin(), all.begin() + block->num_inputs);
     ctx->saved_data["params"] = std::vector<at::Tensor>(all.begin() + block->num_inputs, all.end());
     block->rng.push_back(RngState::of(at::Device(at::kCPU)));
+    block->autocast = AutocastState::now();
     for (const auto& t : inputs) {
-      if (t.defined() && !t.device().is_cpu()) {
+      if (!t.device().is_cpu()) {
         block->rng.push_back(RngState::of(t.device()));
         break;
       }
@@ -59,28 +80,34 @@ struct Recompute : torch::autograd::Function<Recompute> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), "monarch recompute_full: backward with create_graph=True (double "
+    TORCH_CHECK(!at::GradMode::is_enabled(), "monarch recompute: backward with create_graph=True (double "
                 "backward) is not supported: the re-run block's gradients are computed without a graph");
     auto block = c10::static_intrusive_pointer_cast<Block>(ctx->saved_data["block"].toCapsule());
     const size_t n = block->num_inputs;
     const torch::autograd::variable_list saved = ctx->get_saved_variables();  // unpacked: a new list each call
     std::vector<at::Tensor> inputs;
-    for (size_t i = 0; i < n; ++i) {
-      inputs.push_back(saved[i].defined() ? saved[i].detach().requires_grad_(ctx->needs_input_grad(i)) : saved[i]);
-    }
+    for (size_t i = 0; i < n; ++i) inputs.push_back(saved[i].detach().requires_grad_(ctx->needs_input_grad(i)));
     std::vector<RngState> now;
     for (const auto& r : block->rng) now.push_back(RngState::of(r.generator.device()));
     at::Tensor output;
     {
+      const AutocastState autocast = AutocastState::now();
       for (const auto& r : block->rng) r.restore();
+      block->autocast.apply();
       at::AutoGradMode grad(true);
-      output = block->forward(inputs);
+      try {
+        output = block->forward(inputs);
+      } catch (...) {
+        autocast.apply();
+        throw;
+      }
+      autocast.apply();
       for (const auto& r : now) r.restore();  // the caller's random stream goes on undisturbed
     }
     std::vector<at::Tensor> wrt;
     std::vector<size_t> slot;  // position in the node's inputs of each tensor in `wrt`
     for (size_t i = 0; i < n; ++i) {
-      if (inputs[i].defined() && inputs[i].requires_grad()) {
+      if (inputs[i].requires_grad()) {
         wrt.push_back(inputs[i]);
         slot.push_back(i);
       }
@@ -106,6 +133,9 @@ struct Recompute : torch::autograd::Function<Recompute> {
 at::Tensor recompute(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& forward,
                      const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& parameters) {
   if (!at::GradMode::is_enabled()) return forward(inputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), "monarch::recompute: input ", i, " is undefined (every input is kept for backward)");
+  }
   auto block = c10::make_intrusive<Block>();
   block->forward = forward;
   block->num_inputs = inputs.size();

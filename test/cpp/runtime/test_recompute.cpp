@@ -178,3 +178,32 @@ TEST_CASE("attention_core without grad mode is a plain call, scope or not", "[ru
   CHECK(!out.requires_grad());
   CHECK(scope.cores() == 0);
 }
+
+TEST_CASE("attention_core: a learned additive bias gets its gradient under selective; bf16 scores take a float mask",
+          "[runtime][recompute][selective]") {
+  auto grads = [](bool selective) {
+    torch::manual_seed(4);
+    auto q = torch::randn({2, 2, 5, 4}).requires_grad_();
+    auto bias = torch::randn({2, 5, 5}).requires_grad_();  // per head, as T5's relative position bias
+    monarch::AttentionOptions o;
+    o.mask = bias * 1;
+    o.causal = true;
+    std::optional<monarch::SelectiveRecompute> scope;
+    if (selective) scope.emplace();
+    auto out = monarch::attention_core(q * 1, q * 2, q * 3, o);
+    scope.reset();
+    out.pow(2).sum().backward();
+    return std::make_pair(q.grad().clone(), bias.grad().clone());
+  };
+  auto plain = grads(false), again = grads(true);
+  CHECK(plain.second.abs().sum().item<double>() > 0);
+  CHECK(torch::equal(plain.first, again.first));
+  CHECK(torch::equal(plain.second, again.second));
+
+  auto q = torch::randn({1, 2, 3, 4}).to(torch::kBFloat16);
+  monarch::AttentionOptions m;
+  m.mask = torch::zeros({3, 3});
+  CHECK(monarch::attention_core(q, q, q, m).scalar_type() == torch::kBFloat16);
+  m.mask = torch::ones({3, 3}, torch::kLong);
+  CHECK_THROWS_WITH(monarch::attention_core(q, q, q, m), Catch::Matchers::Contains("an integer mask"));
+}

@@ -21,7 +21,11 @@ namespace monarch {
 
 struct AttentionOptions {
   bool causal = false;                // query i attends to keys j <= i + (s_k - s_q)
-  std::optional<at::Tensor> mask;     // bool, true where attention is not allowed; or additive (float)
+  // Bool, true where attention is not allowed; or additive, floating-point (cast to the
+  // scores' dtype; a learned bias gets its gradient, selective or not). A score masked out by
+  // a bool mask or causal is the dtype's lowest finite value: a row with every key masked
+  // gets uniform probabilities, not NaN (as Hugging Face masks with finfo.min).
+  std::optional<at::Tensor> mask;
   double dropout = 0.0;               // on the attention probabilities, when training
   bool training = true;
   std::optional<double> scale;        // default 1 / sqrt(d)
