@@ -432,9 +432,14 @@ def worker(out_dir):
     t0 = time.perf_counter()
     best = {}
     sizes = (1, 2, 4, 8, 16)
+    passes = {}          # size -> the whole model's forward + backward in each pass
+    within = []          # each call's own repeatability (its 3 repeats)
     for b in sizes + sizes[::-1]:
         part = measure_profile(model, lambda b: (xs[:b], ys[:b]), layers=info.layer_modules, loss_fn=loss_fn,
                                micro_batches=(b,), repeats=3, world=world)
+        within.append(part.repeatability)
+        passes.setdefault(b, []).append(sum(pt.forward_s + pt.backward_s for layer in part.layers
+                                            for pt in layer.points))
         for layer in part.layers:
             for pt in layer.points:
                 old = best.get((layer.name, pt.micro_batch))
@@ -448,6 +453,10 @@ def worker(out_dir):
                                    layers=[planner.LayerProfile(name=n, points=points[n]) for n in info.layer_modules])
     prof.intra_node = planner.LinkProfile(latency_s=cluster.intra_node_latency_s,
                                           bytes_per_s=cluster.intra_node_bytes_per_s)
+    # Its repeatability: how far the two passes of a size differed (a slow spell lasts minutes,
+    # longer than one call's repeats), or the calls' own spread, whichever is larger.
+    between = statistics.median(abs(a - b) / min(a, b) for a, b in passes.values())
+    prof.repeatability = min(0.49, max(between, statistics.median(within)))
     planner._P.validate_profile(prof)
     del model
     if world.rank == 0:
@@ -514,6 +523,7 @@ def worker(out_dir):
                                "backward_forward_ratio": cluster.backward_forward_ratio,
                                "latency": cluster.intra_node_latency_s, "bandwidth": cluster.intra_node_bytes_per_s,
                                "profile_seconds": profile_s, "rate_samples": rates.samples,
+                               "profile_repeatability": prof.repeatability,
                                "cores_per_node": cluster.cores_per_node, "probe": by_probe,
                                "sentinel_s": sentinel.readings if sentinel else [],
                                "rounds": len(rows[0]["times"]) // STEPS if sentinel else 0},
@@ -700,7 +710,8 @@ def main():
               f"{r['measured_s']:>8.3f}{r['median_s']:>9.3f}{r.get('quiet_median_s', float('nan')):>8.3f}"
               f"{r.get('quiet_steps', 0):>5}{'':>10}{r['peak_bytes'] / 2**20:>10.0f}")
     print("* the planner's pick from the analytic model; + its pick from the measured profile "
-          f"(profiled in {cluster['profile_seconds']:.0f} s)")
+          f"(profiled in {cluster['profile_seconds']:.0f} s; its repeatability "
+          f"{cluster.get('profile_repeatability', 0) * 100:.1f}%, the search's resolution for it)")
     readings = cluster.get("sentinel_s") or []
     if readings:
         floor = sorted(readings)[len(readings) // 20]

@@ -153,6 +153,7 @@ def measure(model: nn.Module, batch, *, layers, loss_fn=None, micro_batches=(1, 
     model.train()
     clock = _Clock(model, layers)
     results = {n: [] for n in layers}
+    spreads = []  # per size: (slowest - fastest) / median of the repeats' whole-model times
     try:
         for b in sizes:
             inputs, target = batch(b)
@@ -168,6 +169,10 @@ def measure(model: nn.Module, batch, *, layers, loss_fn=None, micro_batches=(1, 
                     bwd[n].append(g[n])
             med = [(statistics.median(fwd[n]), statistics.median(bwd[n])) if n in fwd else (0.0, 0.0)
                    for n in layers]
+            # The whole model's forward + backward in each repeat (what a step prediction sums).
+            totals = [sum(fwd[n][r] + bwd[n][r] for n in clock.timed) for r in range(repeats)]
+            if repeats > 1 and statistics.median(totals) > 0:
+                spreads.append((max(totals) - min(totals)) / statistics.median(totals))
             if group is not None:
                 t = torch.tensor([v for pair in med for v in pair], dtype=torch.float64)
                 group.all_reduce(t).wait()
@@ -179,9 +184,17 @@ def measure(model: nn.Module, batch, *, layers, loss_fn=None, micro_batches=(1, 
         clock.remove()
         model.train(was_training)
     ranks = world.size if world is not None else 1
+    # The profile's repeatability: the median over sizes of its repeats' spread, the mean over ranks
+    # (the search treats predictions closer than this as equal: Estimator::resolution).
+    repeatability = statistics.median(spreads) if spreads else 0.0
+    if group is not None:
+        t = torch.tensor([repeatability], dtype=torch.float64)
+        group.all_reduce(t).wait()
+        repeatability = t.item() / world.size
     prof = _planner.MeasuredProfile(
         source=source or f"{type(model).__name__} on this machine, {ranks} rank(s) measuring at once",
         layers=[_planner.LayerProfile(name=n, points=results[n]) for n in layers])
+    prof.repeatability = min(repeatability, 0.49)
     if links_from is not None:
         prof.intra_node = _planner.LinkProfile(latency_s=links_from.intra_node_latency_s,
                                                bytes_per_s=links_from.intra_node_bytes_per_s)

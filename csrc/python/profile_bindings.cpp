@@ -47,6 +47,7 @@ void bind_profiles(py::module_& m) {
       .def_readwrite("layers", &MeasuredProfile::layers)
       .def_readwrite("intra_node", &MeasuredProfile::intra_node)
       .def_readwrite("inter_node", &MeasuredProfile::inter_node)
+      .def_readwrite("repeatability", &MeasuredProfile::repeatability)
       .def("__repr__", [](const MeasuredProfile& p) {
         return "<MeasuredProfile " + quoted(p.source) + ", " + std::to_string(p.layers.size()) + " layers>";
       });

@@ -47,6 +47,9 @@ const Estimator& analytic_estimator() {
 
 void validate(const MeasuredProfile& profile) {
   if (profile.layers.empty()) throw ValidationError("profile.layers", "no layers measured");
+  if (!(std::isfinite(profile.repeatability) && profile.repeatability >= 0 && profile.repeatability < 0.5)) {
+    throw ValidationError("profile.repeatability", "must be in [0, 0.5), got " + std::to_string(profile.repeatability));
+  }
   std::set<std::string> names;
   for (size_t i = 0; i < profile.layers.size(); ++i) {
     const LayerProfile& l = profile.layers[i];

@@ -39,6 +39,7 @@ std::string to_json(const MeasuredProfile& profile, int indent) {
   j["format"] = kFormat;
   j["version"] = kVersion;
   j["source"] = profile.source;
+  if (profile.repeatability > 0) j["repeatability"] = profile.repeatability;
   Json layers = Json::array();
   for (const auto& l : profile.layers) {
     Json x;
@@ -72,7 +73,7 @@ MeasuredProfile profile_from_json(const std::string& text) {
     throw FormatError(std::string("profile JSON: ") + e.what());
   }
   if (!root.is_object()) throw FormatError("profile JSON: expected an object at the top level");
-  const Fields f(root, "profile", {"format", "version", "source", "layers", "links"});
+  const Fields f(root, "profile", {"format", "version", "source", "layers", "links", "repeatability"});
   if (f.string("format") != kFormat) {
     throw FormatError("profile JSON: format '" + f.string("format") + "' is not '" + kFormat + "'");
   }
@@ -82,6 +83,7 @@ MeasuredProfile profile_from_json(const std::string& text) {
   }
   MeasuredProfile p;
   p.source = f.string("source");
+  if (f.has("repeatability")) p.repeatability = f.number("repeatability");
   const Json& layers = f.array("layers");
   for (size_t i = 0; i < layers.size(); ++i) {
     const Fields x(layers[i], json_detail::element("profile.layers", i), {"name", "points"});

@@ -164,8 +164,9 @@ bool better(const Candidate& a, const Candidate& b) {
 // (bench/layouts.py, 4 CPU ranks), the simpler of such pairs ran faster: four micro-batches of
 // 1 +4.7%, ZeRO-1 +4.1%, both predicted 0.15% faster. Kept small: a wider window (1% was
 // tried) also turns pipelines' zero-bubble schedules into 1F1B and, through the tie-break
-// across meshes (finish(), SearchOptions::tie_tolerance), changes GPT-3's pick. Never wider
-// than the tie tolerance (0: always the fastest).
+// across meshes (finish(), SearchOptions::tie_tolerance), changes GPT-3's pick. An estimator
+// that states a coarser resolution widens it (a measured profile: its own repeatability).
+// Never wider than the tie tolerance (0: always the fastest).
 constexpr double kSameTime = 0.005;
 
 // Fewer moving parts, in order: fewer extra mechanisms (virtual stages, zero-bubble split,
@@ -226,7 +227,7 @@ class Searcher {
     if (!(options_.tie_tolerance >= 0 && options_.tie_tolerance < 1)) {
       throw ValidationError("tie_tolerance", "must be in [0, 1), got " + std::to_string(options_.tie_tolerance));
     }
-    same_time_ = std::min(kSameTime, options_.tie_tolerance);
+    same_time_ = std::min(std::max(kSameTime, estimator_.resolution()), options_.tie_tolerance);
     if (options_.alternatives < 0) {
       throw ValidationError("alternatives",
                             "must be >= 0, got " + std::to_string(options_.alternatives));
@@ -817,7 +818,7 @@ class Searcher {
   std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> best_per_mesh_;
   // Per mesh, the layouts that fit within same_time_ of its fastest (finish() takes the simplest).
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<Candidate>> near_per_mesh_;
-  double same_time_ = kSameTime;  // min(kSameTime, tie_tolerance)
+  double same_time_ = kSameTime;  // min(max(kSameTime, the estimator's resolution), tie_tolerance)
   std::vector<std::string> rejections_;
   double smallest_need_ = kInf;
   Plan smallest_need_plan_;

@@ -38,6 +38,8 @@ def test_each_layer_is_timed_and_the_heavy_one_measures_heavier():
     for l in prof.layers:
         assert [p.micro_batch for p in l.points] == [1, 4]
         assert all(p.forward_s > 0 and p.backward_s > 0 for p in l.points)
+    # The repeats' spread, what the search takes as the profile's resolution: measured, and small.
+    assert 0 < prof.repeatability < 0.5
     heavy = prof.layers[2].points[1]
     light = prof.layers[1].points[1]
     assert heavy.forward_s > 2 * light.forward_s
@@ -58,6 +60,7 @@ def test_a_profile_round_trips_and_plans():
     assert times["blocks.0"] > times["wpe"]
     back = planner._P.profile_from_json(planner._P.profile_to_json(prof))
     assert planner._P.profile_to_json(back) == planner._P.profile_to_json(prof)
+    assert back.repeatability == pytest.approx(prof.repeatability)
     p = torch_monarch.plan(model, x[:1], 8, planner.cluster("cpu", 2), profile=prof)
     assert p.prediction.estimator == "profile: test"
     assert "layer times from the profile: test" in p.report()

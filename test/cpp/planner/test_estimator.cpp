@@ -189,12 +189,18 @@ TEST_CASE("profiles of another model or malformed ones are refused by field", "[
     p.layers[2].points = {{1, 1, 1}};
     p.inter_node = LinkProfile{1e-5, 0};
     CHECK_THROWS_WITH(ProfileEstimator(p), "profile.links.inter_node.bytes_per_s: must be finite and > 0");
+    p.inter_node.reset();
+    p.repeatability = 0.7;
+    CHECK_THROWS_WITH(ProfileEstimator(p), Catch::Contains("profile.repeatability: must be in [0, 0.5)"));
   }
   SECTION("JSON: round trip, unknown field, wrong format") {
     p.intra_node = LinkProfile{1e-5, 1e10};
+    p.repeatability = 0.012;
     const std::string text = to_json(p);
     const MeasuredProfile back = profile_from_json(text);
     CHECK(to_json(back) == text);
+    CHECK(back.repeatability == Approx(0.012));
+    CHECK(ProfileEstimator(back).resolution() == Approx(0.012));
     CHECK_THROWS_WITH(profile_from_json(R"({"format": "monarch-profile", "version": 1, "source": "x",
                                             "layers": [{"name": "a", "points": [{"micro_batch": 1, "forward_s": 1,
                                             "backward_s": 1, "flops": 3}]}]})"),

@@ -34,6 +34,10 @@ class Estimator {
   virtual std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
                                              const TrainingConfig& training,
                                              const Layout& layout) const = 0;
+  // Relative difference between two predictions below which this estimator cannot tell them
+  // apart (0: none stated). The search treats layouts of one mesh this close as equally fast
+  // and takes the simplest (search.cpp, kSameTime is the floor).
+  virtual double resolution() const { return 0; }
 };
 
 // FLOPs at the cluster's achievable rate, memory-bound work at its memory bandwidth, tp
@@ -72,6 +76,10 @@ struct MeasuredProfile {
   std::string source;  // where and how it was measured, e.g. "cpu: 4 ranks on 2 cores"
   std::vector<LayerProfile> layers;
   std::optional<LinkProfile> intra_node, inter_node;
+  // How far repeated measurements of the same layer and size differed, relative (the median
+  // over the profile's points; 0: not measured). Predictions from the profile that differ by
+  // less than this are within its own noise (Estimator::resolution).
+  double repeatability = 0;
 };
 
 // Per-layer times from a MeasuredProfile; everything the profile does not measure (memory,
@@ -94,6 +102,7 @@ class ProfileEstimator final : public Estimator {
                                      const TrainingConfig& training,
                                      const Layout& layout) const override;
   const MeasuredProfile& profile() const { return profile_; }
+  double resolution() const override { return profile_.repeatability; }
 
  private:
   MeasuredProfile profile_;
