@@ -454,8 +454,10 @@ def worker(out_dir):
     prof.intra_node = planner.LinkProfile(latency_s=cluster.intra_node_latency_s,
                                           bytes_per_s=cluster.intra_node_bytes_per_s)
     # Its repeatability: how far the two passes of a size differed (a slow spell lasts minutes,
-    # longer than one call's repeats), or the calls' own spread, whichever is larger.
-    between = statistics.median(abs(a - b) / min(a, b) for a, b in passes.values())
+    # longer than one call's repeats), or the calls' own spread, whichever is larger; both as
+    # measure() defines it, (slowest - fastest) / median. (Size 16 is measured twice in a row,
+    # at the turn: its two passes are the closest in time.)
+    between = statistics.median((max(t) - min(t)) / statistics.median(t) for t in passes.values())
     prof.repeatability = min(0.49, max(between, statistics.median(within)))
     planner._P.validate_profile(prof)
     del model

@@ -181,6 +181,19 @@ bool simpler(const Plan& a, const Plan& b) {
   return parts(a) < parts(b);
 }
 
+// Why `a` is simpler than `b` (simpler(a, b)), for the plan's tie_break.
+std::string simpler_reason(const Plan& a, const Plan& b) {
+  const int ea = (a.virtual_stages > 1) + (a.schedule == ScheduleKind::zero_bubble_h1) + (a.recompute != Recompute::none);
+  const int eb = (b.virtual_stages > 1) + (b.schedule == ScheduleKind::zero_bubble_h1) + (b.recompute != Recompute::none);
+  if (ea != eb) {
+    return std::to_string(ea) + " extra mechanisms (virtual stages, zero-bubble split, recomputation) vs " +
+           std::to_string(eb);
+  }
+  const int64_t za = a.mesh.dp > 1 ? a.zero_stage : 0, zb = b.mesh.dp > 1 ? b.zero_stage : 0;
+  if (za != zb) return "ZeRO stage " + std::to_string(za) + " vs " + std::to_string(zb);
+  return std::to_string(a.num_micro_batches) + " micro-batches vs " + std::to_string(b.num_micro_batches);
+}
+
 
 // "1.21x slower: bubble 9.1 s vs 2.3 s" -- the component that grew the most.
 std::string why_slower(const Prediction& loser, const Prediction& winner) {
@@ -717,7 +730,15 @@ class Searcher {
 
   Plan finish() {
     if (options_.stats) *options_.stats = stats_;
-    // Each mesh's layout: the simplest of its near ties (kSameTime), the fastest among equals.
+    // The fastest layout of all, before any tie rule: every tie window is measured from it,
+    // so the rules do not compound (the pick is never more than tie_tolerance behind it).
+    const Candidate* fastest_of_all = nullptr;
+    for (const auto& [_, c] : best_per_mesh_) {
+      if (!fastest_of_all || better(c, *fastest_of_all)) fastest_of_all = &c;
+    }
+    const Candidate true_fastest = fastest_of_all ? *fastest_of_all : Candidate{};
+    // Each mesh's layout: the simplest of its near ties (same_time_), the fastest among equals.
+    std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> passed_over;  // per mesh: its fastest, when replaced
     for (auto& [mesh, near] : near_per_mesh_) {
       Candidate& best = best_per_mesh_.at(mesh);
       if (best.over_memory || near.empty()) continue;
@@ -725,6 +746,7 @@ class Searcher {
       for (const Candidate& n : near) {
         if (simpler(n.plan, chosen->plan) || (!simpler(chosen->plan, n.plan) && better(n, *chosen))) chosen = &n;
       }
+      if (chosen->plan.summary() != best.plan.summary()) passed_over.emplace(mesh, best);
       best = *chosen;
     }
     std::vector<const Candidate*> ranked;
@@ -736,7 +758,7 @@ class Searcher {
     std::string tie_reason;
     const double tolerance = options_.tie_tolerance;
     if (tolerance > 0 && !ranked.front()->over_memory) {
-      const double fastest = ranked.front()->plan.prediction.step_time_s;
+      const double fastest = true_fastest.plan.prediction.step_time_s;
       MovingParts chosen_parts = moving_parts(ranked.front()->plan);
       for (size_t i = 1; i < ranked.size(); ++i) {
         const Candidate& c = *ranked[i];
@@ -755,14 +777,41 @@ class Searcher {
       }
     }
     Plan best = ranked[chosen]->plan;
-    if (chosen != 0) {
-      const Plan& fastest = ranked.front()->plan;
+    const auto mesh_of = [](const Plan& p) { return std::make_tuple(p.mesh.pp, p.mesh.dp, p.mesh.tp); };
+    const auto replaced = passed_over.find(mesh_of(best));
+    if (!true_fastest.over_memory && best.summary() != true_fastest.plan.summary() &&
+        best.prediction.step_time_s > true_fastest.plan.prediction.step_time_s) {
+      // Said against the fastest layout of all, whichever rule moved the pick: across meshes
+      // (fewer moving parts) and within its mesh (simpler, within same_time_).
+      const Plan& fastest = true_fastest.plan;
+      std::vector<std::string> why;
+      if (chosen != 0) why.push_back("fewer moving parts, " + tie_reason);
+      if (replaced != passed_over.end()) {
+        why.push_back("simpler than its mesh's fastest, " + simpler_reason(best, replaced->second.plan) + " (within " +
+                      percent(same_time_) + (same_time_ > kSameTime ? ", from the estimator's resolution " +
+                                                                          percent(estimator_.resolution())
+                                                                    : std::string()) +
+                      ")");
+      }
+      std::string reasons;
+      for (const auto& w : why) reasons += (reasons.empty() ? "" : "; ") + w;
       best.tie_break = "preferred over " + fastest.summary() + " (predicted " +
                        percent(best.prediction.step_time_s / fastest.prediction.step_time_s - 1) +
-                       " faster, within the " + percent(tolerance) +
-                       " tie tolerance): fewer moving parts, " + tie_reason;
+                       " faster, within the " + percent(tolerance) + " tie tolerance): " + reasons;
     }
     int64_t kept = 0;
+    // The pick's own mesh's fastest layout, when the within-mesh rule passed it over: first.
+    if (replaced != passed_over.end() && kept < options_.alternatives) {
+      const Plan& alt = replaced->second.plan;
+      Alternative a;
+      a.summary = alt.summary();
+      a.step_time_s = alt.prediction.step_time_s;
+      a.memory_bytes_per_device = alt.prediction.memory_bytes_per_device;
+      a.reason = "predicted " + percent(best.prediction.step_time_s / alt.prediction.step_time_s - 1) +
+                 " faster, within the same mesh's " + percent(same_time_) + " window, with more moving parts";
+      best.alternatives.push_back(a);
+      ++kept;
+    }
     for (size_t i = 0; i < ranked.size() && kept < options_.alternatives; ++i) {
       if (i == chosen) continue;
       const Plan& alt = ranked[i]->plan;

@@ -494,11 +494,46 @@ TEST_CASE("an estimator's stated resolution widens the within-mesh tie window", 
   const Plan fine = search(g, cluster, training, options);
   CHECK(fine.micro_batch_size == 1);  // 1% faster is more than kSameTime (0.5%)
   options.estimator = &coarse;
+  options.alternatives = 3;
   const Plan simple = search(g, cluster, training, options);
   CHECK(simple.num_micro_batches == 1);  // within the estimator's 2%: the simpler layout
   CHECK(simple.prediction.step_time_s > fine.prediction.step_time_s);
+  // Said, against the fastest layout, and that layout is the first alternative.
+  INFO(simple.tie_break);
+  CHECK_THAT(simple.tie_break, Catch::Contains("preferred over " + fine.summary()));
+  CHECK_THAT(simple.tie_break, Catch::Contains("1 micro-batches vs 4"));
+  CHECK_THAT(simple.tie_break, Catch::Contains("from the estimator's resolution 2.00%"));
+  REQUIRE(!simple.alternatives.empty());
+  CHECK(simple.alternatives.front().summary == fine.summary());
+  options.alternatives = 0;
+  CHECK(search(g, cluster, training, options).summary() == simple.summary());
   options.tie_tolerance = 0;  // never wider than the tie tolerance
   CHECK(search(g, cluster, training, options).micro_batch_size == 1);
+}
+
+TEST_CASE("the tie rules do not compound: the pick is within the tie tolerance of the fastest layout of all",
+          "[search][ties]") {
+  // A resolution as coarse as the tolerance, over the whole space (every mesh of 4 ranks).
+  const ModelGraph g = build_transformer(transformer_config(4, 256, 8, 64, 1024));
+  Cluster cluster = cluster_preset("cpu", 1);
+  cluster.devices_per_node = 4;
+  cluster.nodes = 1;
+  cluster.cores_per_node = 2;
+  TrainingConfig training = batch(16);
+  training.compute_dtype = DType::fp32;
+  const SkewedEstimator coarse(0.05);
+  SearchOptions options;
+  options.estimator = &coarse;
+  options.tie_tolerance = 0.05;
+  options.alternatives = 0;
+  const Plan pick = search(g, cluster, training, options);
+  SearchOptions exact = options;
+  exact.tie_tolerance = 0;
+  const Plan fastest = search(g, cluster, training, exact);
+  INFO(pick.summary() << " " << pick.tie_break << " vs " << fastest.summary());
+  CHECK(pick.prediction.step_time_s <= fastest.prediction.step_time_s * 1.05 * (1 + 1e-12));
+  options.alternatives = 5;  // the pick does not depend on how many alternatives are asked for
+  CHECK(search(g, cluster, training, options).summary() == pick.summary());
 }
 
 TEST_CASE("ranks lend idle cores only on one node, and only as many times as there are stages", "[search][cores]") {
