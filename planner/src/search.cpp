@@ -169,31 +169,32 @@ bool better(const Candidate& a, const Candidate& b) {
 // Never wider than the tie tolerance (0: always the fastest).
 constexpr double kSameTime = 0.005;
 
+// Extra mechanisms a plan uses (virtual stages, zero-bubble split, recomputation), and its
+// ZeRO stage where it matters (dp > 1).
+int extras(const Plan& p) {
+  return (p.virtual_stages > 1) + (p.schedule == ScheduleKind::zero_bubble_h1) + (p.recompute != Recompute::none);
+}
+int64_t effective_zero(const Plan& p) { return p.mesh.dp > 1 ? p.zero_stage : 0; }
+
 // Fewer moving parts, in order: fewer extra mechanisms (virtual stages, zero-bubble split,
 // recomputation), a lower ZeRO stage, fewer micro-batches (each one more pass of every
 // kernel at a smaller size, and more per-micro-batch work the model does not cost).
 bool simpler(const Plan& a, const Plan& b) {
-  auto parts = [](const Plan& p) {
-    const int extras = (p.virtual_stages > 1) + (p.schedule == ScheduleKind::zero_bubble_h1) +
-                       (p.recompute != Recompute::none);
-    return std::make_tuple(extras, p.mesh.dp > 1 ? p.zero_stage : 0, p.num_micro_batches);
-  };
+  auto parts = [](const Plan& p) { return std::make_tuple(extras(p), effective_zero(p), p.num_micro_batches); };
   return parts(a) < parts(b);
 }
 
 // Why `a` is simpler than `b` (simpler(a, b)), for the plan's tie_break.
 std::string simpler_reason(const Plan& a, const Plan& b) {
-  const int ea = (a.virtual_stages > 1) + (a.schedule == ScheduleKind::zero_bubble_h1) + (a.recompute != Recompute::none);
-  const int eb = (b.virtual_stages > 1) + (b.schedule == ScheduleKind::zero_bubble_h1) + (b.recompute != Recompute::none);
-  if (ea != eb) {
-    return std::to_string(ea) + " extra mechanisms (virtual stages, zero-bubble split, recomputation) vs " +
-           std::to_string(eb);
+  if (extras(a) != extras(b)) {
+    return std::to_string(extras(a)) + " extra mechanisms (virtual stages, zero-bubble split, recomputation) vs " +
+           std::to_string(extras(b));
   }
-  const int64_t za = a.mesh.dp > 1 ? a.zero_stage : 0, zb = b.mesh.dp > 1 ? b.zero_stage : 0;
-  if (za != zb) return "ZeRO stage " + std::to_string(za) + " vs " + std::to_string(zb);
+  if (effective_zero(a) != effective_zero(b)) {
+    return "ZeRO stage " + std::to_string(effective_zero(a)) + " vs " + std::to_string(effective_zero(b));
+  }
   return std::to_string(a.num_micro_batches) + " micro-batches vs " + std::to_string(b.num_micro_batches);
 }
-
 
 // "1.21x slower: bubble 9.1 s vs 2.3 s" -- the component that grew the most.
 std::string why_slower(const Prediction& loser, const Prediction& winner) {

@@ -380,15 +380,42 @@ TEST_CASE("search compresses the inter-node hop only when allowed and faster", "
   CHECK(data_parallel(cluster_preset("a100-80gb", 16), int8, 1).inter_node_compression == Compression::none);
 }
 
+namespace {
+
+// This machine as the layouts bench sees it: 4 CPU ranks on one node; a small GPT in fp32.
+Cluster four_cpu_ranks() {
+  Cluster cluster = cluster_preset("cpu", 1);
+  cluster.devices_per_node = 4;
+  cluster.nodes = 1;
+  return cluster;
+}
+
+TrainingConfig fp32_batch(int64_t global_batch) {
+  TrainingConfig training = batch(global_batch);
+  training.compute_dtype = DType::fp32;
+  return training;
+}
+
+// pp=1 dp=4 tp=1 without recomputation or sequence parallelism.
+Pins dp4_pins() {
+  Pins pins;
+  pins.pp = 1;
+  pins.dp = 4;
+  pins.tp = 1;
+  pins.recompute = Recompute::none;
+  pins.sequence_parallel = false;
+  return pins;
+}
+
+}  // namespace
+
 TEST_CASE("within a mesh, layouts predicted within 0.5% go to the one with fewer moving parts", "[search][ties]") {
   // A small GPT on 4 CPU ranks sharing 2 cores (this machine), dp = 4: ZeRO-1 is predicted a
   // fraction of a percent faster than plain dp (its optimizer step is a quarter), and the
   // micro-batch count changes nothing the model sees. Measured (bench/layouts.py), the
   // simpler layouts ran faster: the pick is the simplest among the equal ones.
   const ModelGraph g = build_transformer(transformer_config(4, 256, 8, 64, 1024));
-  Cluster cluster = cluster_preset("cpu", 1);
-  cluster.devices_per_node = 4;
-  cluster.nodes = 1;
+  Cluster cluster = four_cpu_ranks();
   cluster.cores_per_node = 1.9;
   // The rates bench/layouts.py measured here (per rank, all busy).
   cluster.peak_flops_fp32 = cluster.peak_flops_tf32 = cluster.peak_flops_bf16 = 3.2e9;
@@ -396,14 +423,8 @@ TEST_CASE("within a mesh, layouts predicted within 0.5% go to the one with fewer
   cluster.hbm_bytes_per_s = 19.8e9;
   cluster.intra_node_bytes_per_s = cluster.inter_node_bytes_per_s = 1.5e9;
   cluster.intra_node_latency_s = cluster.inter_node_latency_s = 1.2e-3;
-  TrainingConfig training = batch(16);
-  training.compute_dtype = DType::fp32;
-  Pins pins;
-  pins.pp = 1;
-  pins.dp = 4;
-  pins.tp = 1;
-  pins.recompute = Recompute::none;
-  pins.sequence_parallel = false;
+  const TrainingConfig training = fp32_batch(16);
+  const Pins pins = dp4_pins();
   SearchOptions options;
   options.pins = pins;
   const Plan chosen = search(g, cluster, training, options);
@@ -475,18 +496,10 @@ class SkewedEstimator final : public Estimator {
 
 TEST_CASE("an estimator's stated resolution widens the within-mesh tie window", "[search][ties]") {
   const ModelGraph g = build_transformer(transformer_config(4, 256, 8, 64, 1024));
-  Cluster cluster = cluster_preset("cpu", 1);
-  cluster.devices_per_node = 4;
-  cluster.nodes = 1;
-  TrainingConfig training = batch(16);
-  training.compute_dtype = DType::fp32;
-  Pins pins;
-  pins.pp = 1;
-  pins.dp = 4;
-  pins.tp = 1;
+  const Cluster cluster = four_cpu_ranks();
+  const TrainingConfig training = fp32_batch(16);
+  Pins pins = dp4_pins();
   pins.zero_stage = 0;
-  pins.recompute = Recompute::none;
-  pins.sequence_parallel = false;
   SearchOptions options;
   options.pins = pins;
   const SkewedEstimator sharp(0), coarse(0.02);
@@ -515,12 +528,9 @@ TEST_CASE("the tie rules do not compound: the pick is within the tie tolerance o
           "[search][ties]") {
   // A resolution as coarse as the tolerance, over the whole space (every mesh of 4 ranks).
   const ModelGraph g = build_transformer(transformer_config(4, 256, 8, 64, 1024));
-  Cluster cluster = cluster_preset("cpu", 1);
-  cluster.devices_per_node = 4;
-  cluster.nodes = 1;
+  Cluster cluster = four_cpu_ranks();
   cluster.cores_per_node = 2;
-  TrainingConfig training = batch(16);
-  training.compute_dtype = DType::fp32;
+  const TrainingConfig training = fp32_batch(16);
   const SkewedEstimator coarse(0.05);
   SearchOptions options;
   options.estimator = &coarse;
