@@ -442,13 +442,61 @@ struct RankLoad {
   double activations_per_micro_batch = 0;  // summed over the rank's chunks
   double workspace = 0;
   double largest_gathered = 0;             // ZeRO-3: largest sharding unit
-  double root_params = 0;                  // ZeRO-3: parameters outside the units
+  double root_params = 0;                  // parameters outside the plan's sharding units
   double largest_block = 0;                // the runtime's default sharding unit
+  double non_block_params = 0;             // ZeRO-1/2: the runtime's root unit (layers outside blocks)
   double compute_s = 0, recompute_s = 0, tp_comm_s = 0, zero_exposed_s = 0;
   double backward_s = 0;                   // one micro-batch, all chunks
   double p2p_bytes = 0;                    // largest stage output it sends
   double tied_all_reduce_s = 0;            // gradients of weights it shares with other ranks
 };
+
+}  // namespace
+
+namespace {
+
+// ZeRO-1/2 as the runtime holds them (fully_shard.cpp), `mem` holding the rank's params,
+// optimizer state and activations. Beside the whole parameters it keeps this rank's rows in
+// fp32 for the optimizer: with mixed precision those are the master weights (counted in
+// optimizer_bytes, Rajbhandari et al. 2020 Sec. 3.1), in fp32 training a second copy of them.
+// The shards' reduced gradients are there at the end of every backward. Its working set,
+// per sharding unit (the blocks; the other layers are one root unit): Gloo's reduce-scatter
+// receives a unit's whole gradient for each of the two reductions in flight; stage 2 also
+// holds the unsharded gradients of the unit being filled and of the one being reduced;
+// stage 1 keeps every unit's whole gradient until its backward ends.
+// Under gradient accumulation (several micro-batches) the whole gradients add up from the
+// first backward to the step's end, beside the activations: all of it is counted at once.
+// With one micro-batch the unsharded gradients live only within the backward, which frees
+// the activations as it fills them; both grow and shrink layer by layer, so the sum peaks at
+// one of the backward's ends: its start (every activation, the root unit's gradient and the
+// first unit's) or its end (activations gone, every gradient that is still whole). The
+// breakdown is that of the larger moment.
+MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
+                                   const TrainingConfig& training, const Layout& layout) {
+  const double dp = static_cast<double>(layout.dp), g = training.grad_bytes;
+  // The plan's sharding units when it marks some, else the blocks, else the whole model.
+  const double unit = load.largest_gathered > 0 ? load.largest_gathered
+                      : load.largest_block > 0  ? load.largest_block
+                                                : load.params;
+  const double root = load.largest_gathered > 0 ? load.root_params
+                      : load.largest_block > 0  ? load.non_block_params
+                                                : 0.0;
+  const double shard = load.params / dp;
+  if (training.param_bytes >= 4) mem.params += shard * 4;  // fp32: the optimizer's copy of its rows
+  const double whole = load.params * g;
+  if (layout.num_micro_batches > 1) {
+    mem.grads = whole;
+    mem.buffers = 2 * unit * g + shard * g;
+    return mem;
+  }
+  MemoryBreakdown start = mem, end = mem;
+  start.grads = end.grads = shard * g;
+  start.buffers = (root + unit) * g;
+  end.activations = 0;
+  if (layout.zero_stage == 1) end.grads += whole;
+  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * g;
+  return end.total() > start.total() ? end : start;
+}
 
 }  // namespace
 
@@ -494,7 +542,11 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     r.activations_per_micro_batch += e.activation_bytes_per_micro_batch;
     r.workspace = std::max(r.workspace, e.workspace_bytes);
     for (int64_t i = first[s]; i <= last[s]; ++i) {
-      if (plan.layers[i].kind == LayerKind::block) r.largest_block = std::max(r.largest_block, costs[i].params);
+      if (plan.layers[i].kind == LayerKind::block) {
+        r.largest_block = std::max(r.largest_block, costs[i].params);
+      } else {
+        r.non_block_params += costs[i].params;
+      }
       if (plan.layers[i].sharding_unit) {
         r.largest_gathered = std::max(r.largest_gathered, costs[i].params);
       } else {
@@ -613,23 +665,8 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // 2020, Sec. 3.2.3; the runtime's DataParallelEngine does the same).
       buffers += load.params * training.grad_bytes;
     } else if (layout.dp > 1) {
-      // ZeRO-1/2, the runtime's working set (fully_shard.cpp), per unit (the root is one
-      // when there are no sharding units): Gloo's reduce-scatter receives a unit's whole
-      // gradient for each of the two reductions in flight; stage 2 on one micro-batch also
-      // holds the unsharded gradients of the unit being filled and of the one being reduced;
-      // where the whole gradients are kept (stage 1, or stage 2 accumulating micro-batches),
-      // the shards' own reduced gradients (what the optimizer reads) come on top of them.
-      // Plans below stage 3 mark no sharding units: the runtime's default units are the blocks.
-      const double unit = load.largest_gathered > 0 ? load.largest_gathered
-                          : load.largest_block > 0  ? load.largest_block
-                                                    : load.params;
-      buffers += 2 * unit * training.grad_bytes;
-      const bool whole_grads = layout.zero_stage == 1 || layout.num_micro_batches > 1;
-      if (whole_grads) {
-        buffers += load.params / static_cast<double>(layout.dp) * training.grad_bytes;
-      } else {
-        buffers += 2 * unit * training.grad_bytes;
-      }
+      mem = zero12_peak_memory(mem, load, training, layout);
+      buffers = mem.buffers;
     }
     if (layout.pp > 1) buffers += 2 * load.p2p_bytes;  // activation and gradient buffers
     mem.buffers = buffers;

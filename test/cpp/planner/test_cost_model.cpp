@@ -6,6 +6,7 @@
 #include "monarch/planner/collectives.h"
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/model_graph.h"
+#include "monarch/planner/search.h"
 #include "test_configs.h"
 
 using namespace monarch::planner;
@@ -465,4 +466,84 @@ TEST_CASE("GEMM shapes: cutting a small model's GEMMs with tp costs more per FLO
   l.micro_batch_size = 8;
   const LayerCost bigger = layer_costs(g, a100, t, l)[1];
   CHECK((bigger.forward_s - bigger.forward_tp_s) / 8 < split.forward_s - split.forward_tp_s);
+}
+
+namespace {
+
+// fp32 training with AdamW as the runtime runs it (torch_monarch.api.runtime_training).
+TrainingConfig fp32_adamw(int64_t global_batch) {
+  TrainingConfig t;
+  t.global_batch = global_batch;
+  t.compute_dtype = DType::fp32;
+  t.param_bytes = t.grad_bytes = t.activation_bytes = 4;
+  t.optimizer_bytes = 8;
+  return t;
+}
+
+MemoryBreakdown zero_memory_of(const ModelGraph& g, const TrainingConfig& t, int64_t zero, int64_t micro_batch) {
+  Pins pins = layout_pins(1, 1, 4, zero, micro_batch, ScheduleKind::none);
+  pins.recompute = Recompute::none;
+  const Plan p = evaluate_layout(g, cluster_preset("cpu", 4), t, pins, /*allow_over_memory=*/true);
+  CHECK(p.prediction.memory_bytes_per_device == Approx(p.prediction.memory.total()));
+  return p.prediction.memory;
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO-1/2 memory as the runtime holds it: an fp32 copy of the rank's rows, whole gradients only "
+          "within one backward", "[cost_model][zero]") {
+  // bench/layouts.py's GPT (4 blocks, h 256, s 64, V 1024), fp32, on 4 ranks.
+  TransformerConfig cfg = transformer_config(4, 256, 8, 64, 1024);
+  cfg.dtype = DType::fp32;
+  cfg.attention = AttentionKernel::materialized;
+  const ModelGraph g = build_transformer(cfg);
+  const double P = static_cast<double>(g.total_params()), block = static_cast<double>(g.layers.at(1).params);
+  REQUIRE(g.layers.at(1).kind == LayerKind::block);
+  const double root = P - 4 * block;
+  const TrainingConfig t = fp32_adamw(16);
+  const MemoryBreakdown dp = zero_memory_of(g, t, 0, 4);
+
+  for (int64_t zero : {1, 2}) {
+    INFO("ZeRO-" << zero);
+    // One micro-batch of 4: the activations (larger than the gradients here) are all there at
+    // the backward's start, beside the root unit's and the first block's whole gradients.
+    const MemoryBreakdown m = zero_memory_of(g, t, zero, 4);
+    CHECK(m.params == Approx(4 * P + 4 * P / 4));  // whole parameters + the optimizer's fp32 rows
+    CHECK(m.optimizer == Approx(8 * P / 4));
+    CHECK(m.grads == Approx(4 * P / 4));           // the shards' reduced gradients
+    CHECK(m.activations == Approx(dp.activations));
+    CHECK(m.buffers == Approx(4 * (root + block)));
+    REQUIRE(m.activations + m.buffers > 4 * P + 2 * 4 * block);  // so the start is the peak
+    // Not the sum of every part at once (whole gradients and all activations together).
+    CHECK(m.total() < m.params + 4 * P + m.optimizer + m.activations);
+
+    // Four micro-batches of 1: the whole gradients add up from the first backward on, beside
+    // the activations of the micro-batch in flight.
+    const MemoryBreakdown acc = zero_memory_of(g, t, zero, 1);
+    CHECK(acc.grads == Approx(4 * P));
+    CHECK(acc.activations == Approx(dp.activations / 4));
+    CHECK(acc.buffers == Approx(2 * 4 * block + 4 * P / 4));
+  }
+
+  // Few activations (a 1-token sequence): the peak is the backward's end, activations freed.
+  TransformerConfig tiny = cfg;
+  tiny.seq = 1;
+  const ModelGraph h = build_transformer(tiny);
+  const double Ph = static_cast<double>(h.total_params()), bh = static_cast<double>(h.layers.at(1).params);
+  const MemoryBreakdown z1 = zero_memory_of(h, t, 1, 4), z2 = zero_memory_of(h, t, 2, 4);
+  CHECK(z1.activations == 0);
+  CHECK(z1.grads == Approx(4 * Ph + 4 * Ph / 4));  // every whole gradient, then the shards'
+  CHECK(z1.buffers == Approx(2 * 4 * bh));         // two reductions' receive buffers
+  CHECK(z2.grads == Approx(4 * Ph / 4));
+  CHECK(z2.buffers == Approx(4 * 4 * bh));          // + the units being filled and reduced
+  CHECK(z2.total() < z1.total());
+
+  // Mixed precision: the fp32 rows are the master weights, already in optimizer_bytes (12).
+  TrainingConfig bf16 = t;
+  bf16.compute_dtype = DType::bf16;
+  bf16.param_bytes = bf16.grad_bytes = bf16.activation_bytes = 2;
+  bf16.optimizer_bytes = 12;
+  const MemoryBreakdown mixed = zero_memory_of(g, bf16, 1, 4);
+  CHECK(mixed.params == Approx(2 * P));
+  CHECK(mixed.optimizer == Approx(12 * P / 4));
 }
