@@ -40,12 +40,15 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     parallelism only when pinned, tensor parallelism only for models with split-able
     layers, pipelines only for models with blocks. Bytes per parameter follow the dtype:
     fp32 training with Adam keeps 4 (weights) + 4 (grads) + 8 (two moments); bf16/fp16
-    mixed precision ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020, Sec. 3.1)."""
+    mixed precision ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020, Sec. 3.1). The runtime's ZeRO
+    engine keeps the gradients it accumulates and reduces, and the shards' reduced ones, in
+    fp32 whatever the compute dtype: zero_grad_bytes = 4."""
     pins = pins or {}
     dtype = _planner._enum(_planner.DType, dtype, "dtype") if dtype is not None else info.graph.layers[0].param_dtype
     t = _planner.training(global_batch, compute_dtype=dtype)
     if dtype == _planner.DType.fp32:
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
+    t.zero_grad_bytes = 4  # fully_shard.cpp: unsharded and shard gradients in fp32
     # The runtime recomputes whole blocks or their attention cores (torch_monarch/recompute.py).
     t.allow_recompute = len(info.blocks) > 0
     t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.selective, _planner.Recompute.full]

@@ -342,6 +342,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("compute_dtype", &TrainingConfig::compute_dtype)
       .def_readwrite("param_bytes", &TrainingConfig::param_bytes)
       .def_readwrite("grad_bytes", &TrainingConfig::grad_bytes)
+      .def_readwrite("zero_grad_bytes", &TrainingConfig::zero_grad_bytes)
       .def_readwrite("optimizer_bytes", &TrainingConfig::optimizer_bytes)
       .def_readwrite("activation_bytes", &TrainingConfig::activation_bytes)
       .def_readwrite("allow_tensor_parallel", &TrainingConfig::allow_tensor_parallel)

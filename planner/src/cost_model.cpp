@@ -279,11 +279,13 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     largest_layer = std::max(largest_layer, c.params);
   }
   e.params = stage_params(graph, costs, first, last);
+  // A ZeRO engine's gradients in its own accumulation dtype (TrainingConfig::zero_grad_bytes).
+  const double grad_bytes = layout.zero_stage >= 1 ? training.zero_gradient_bytes() : training.grad_bytes;
   e.state = zero_model_state_bytes(e.params, layout.dp, layout.zero_stage, training.param_bytes,
-                                   training.grad_bytes, training.optimizer_bytes);
+                                   grad_bytes, training.optimizer_bytes);
   // ZeRO-2 under gradient accumulation reduces once per step (as the runtime does), so the
   // micro-batches before the last accumulate into whole gradients.
-  if (layout.zero_stage == 2 && layout.num_micro_batches > 1) e.state.grads = e.params * training.grad_bytes;
+  if (layout.zero_stage == 2 && layout.num_micro_batches > 1) e.state.grads = e.params * grad_bytes;
   e.compute_s = forward + backward - tp_comm;
   e.recompute_s = recompute;
   e.tp_comm_s = tp_comm;
@@ -473,7 +475,7 @@ namespace {
 // breakdown is that of the larger moment.
 MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
                                    const TrainingConfig& training, const Layout& layout) {
-  const double dp = static_cast<double>(layout.dp), g = training.grad_bytes;
+  const double dp = static_cast<double>(layout.dp), g = training.zero_gradient_bytes();
   // The plan's sharding units when it marks some, else the blocks, else the whole model.
   const double unit = load.largest_gathered > 0 ? load.largest_gathered
                       : load.largest_block > 0  ? load.largest_block
@@ -657,8 +659,9 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // prefetched and its all-gather output while it is unpacked (3 units of parameters);
       // the unsharded gradients of the unit being filled and of the one being reduced (2);
       // the root unit (layers outside the units) whole with its gradient for the whole step.
-      buffers += 3 * load.largest_gathered * training.param_bytes + 2 * load.largest_gathered * training.grad_bytes +
-                 load.root_params * (training.param_bytes + training.grad_bytes);
+      const double g = training.zero_gradient_bytes();
+      buffers += 3 * load.largest_gathered * training.param_bytes + 2 * load.largest_gathered * g +
+                 load.root_params * (training.param_bytes + g);
     } else if (layout.dp > 1 && layout.zero_stage == 0) {
       // DDP's buckets hold every gradient a second time (gradients are copied into them and
       // averaged there), allocated once: the rank's whole gradient, not two buckets (Li et al.

@@ -89,6 +89,7 @@ Json training_to_json(const TrainingConfig& t) {
   j["compute_dtype"] = to_string(t.compute_dtype);
   j["param_bytes"] = t.param_bytes;
   j["grad_bytes"] = t.grad_bytes;
+  j["zero_grad_bytes"] = t.zero_grad_bytes;
   j["optimizer_bytes"] = t.optimizer_bytes;
   j["activation_bytes"] = t.activation_bytes;
   j["allow_tensor_parallel"] = t.allow_tensor_parallel;
@@ -297,6 +298,7 @@ TrainingConfig training_from_json(const Fields& f) {
   t.compute_dtype = dtype_from_string(f.string("compute_dtype"), f.path("compute_dtype"));
   t.param_bytes = f.number("param_bytes");
   t.grad_bytes = f.number("grad_bytes");
+  if (f.has("zero_grad_bytes")) t.zero_grad_bytes = f.number("zero_grad_bytes");  // optional: 0
   t.optimizer_bytes = f.number("optimizer_bytes");
   t.activation_bytes = f.number("activation_bytes");
   t.allow_tensor_parallel = f.boolean("allow_tensor_parallel");
@@ -524,7 +526,7 @@ Plan plan_from_value(const Json& root) {
                   "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
-      "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes",
+      "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes", "zero_grad_bytes",
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
                    "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",

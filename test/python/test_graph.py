@@ -221,3 +221,21 @@ def test_the_plans_compute_dtype_is_carried_out_or_refused():
     p = torch_monarch.plan(model, x, 8, cluster, dtype="fp32", tp=1, pp=1, dp=2, zero_stage=0)
     torch_monarch.check_plan(p, model, x, world_size=2)
     assert mixed_precision_of(p, model) is None
+
+
+def test_plans_count_the_runtimes_fp32_zero_gradients():
+    # The runtime's ZeRO engine accumulates and reduces gradients in fp32 whatever the compute
+    # dtype (fully_shard.cpp): its plans say so, and a bf16 ZeRO-2 plan's gradient shards are
+    # predicted at 4 bytes per parameter, not bf16's 2.
+    from torch_monarch.api import runtime_training
+    model = models.GPT2LMHeadModel(vocab=512, hidden=64, heads=4, layers=2, max_positions=32, dropout=0.0)
+    info = read_model(model, torch.zeros(1, 32, dtype=torch.long))
+    for dtype in ("bf16", "fp32"):
+        t = runtime_training(info, 8, dtype=dtype)
+        assert t.zero_grad_bytes == 4, dtype
+    t = runtime_training(info, 8, dtype="bf16")
+    p = planner.evaluate(info.graph, planner.cluster("a100-80gb", 4), t, tp=1, pp=1, dp=4, zero=2, micro_batch=2,
+                         schedule="none", recompute="none", allow_over_memory=True)
+    params = info.graph.total_params()  # a tied weight once
+    assert p.prediction.memory.grads == pytest.approx(4 * params / 4)
+    assert planner.loads(planner.dumps(p)).training.zero_grad_bytes == 4

@@ -6,6 +6,7 @@
 #include "monarch/planner/collectives.h"
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/model_graph.h"
+#include "monarch/planner/plan.h"
 #include "monarch/planner/search.h"
 #include "test_configs.h"
 
@@ -546,4 +547,19 @@ TEST_CASE("ZeRO-1/2 memory as the runtime holds it: an fp32 copy of the rank's r
   const MemoryBreakdown mixed = zero_memory_of(g, bf16, 1, 4);
   CHECK(mixed.params == Approx(2 * P));
   CHECK(mixed.optimizer == Approx(12 * P / 4));
+  CHECK(mixed.grads == Approx(2 * P / 4));
+
+  // A ZeRO engine that keeps its gradients in fp32 (the runtime's, zero_grad_bytes = 4) under
+  // bf16 compute: the shards' gradients and the whole ones it accumulates are 4 bytes; data
+  // parallelism's gradients stay in the compute dtype.
+  TrainingConfig fp32_grads = bf16;
+  fp32_grads.zero_grad_bytes = 4;
+  CHECK(zero_memory_of(g, fp32_grads, 2, 4).grads == Approx(4 * P / 4));
+  CHECK(zero_memory_of(g, fp32_grads, 1, 1).grads == Approx(4 * P));  // accumulating: whole
+  CHECK(zero_memory_of(g, fp32_grads, 0, 4).grads == Approx(2 * P));
+  // It is part of the plan, and the JSON keeps it.
+  Pins pins = layout_pins(1, 1, 4, 2, 4, ScheduleKind::none);
+  pins.recompute = Recompute::none;
+  const Plan plan = evaluate_layout(g, cluster_preset("cpu", 4), fp32_grads, pins, true);
+  CHECK(plan_from_json(to_json(plan)).training.zero_grad_bytes == 4);
 }

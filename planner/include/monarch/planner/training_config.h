@@ -48,6 +48,12 @@ struct TrainingConfig {
   DType compute_dtype = DType::bf16;
   double param_bytes = 2;       // per parameter as the model holds it (ZeRO's Psi: 2 for fp16/bf16)
   double grad_bytes = 2;        // per parameter gradient
+  // Per parameter, the gradients a ZeRO engine (stage >= 1) holds: the unsharded ones it
+  // accumulates and reduces, and the shards' reduced ones. 0: grad_bytes (ZeRO's accounting,
+  // Rajbhandari et al. 2020). torch_monarch's runtime accumulates them in fp32 whatever the
+  // compute dtype (fully_shard.cpp), and its planning says 4 (torch_monarch.api).
+  double zero_grad_bytes = 0;
+  double zero_gradient_bytes() const { return zero_grad_bytes > 0 ? zero_grad_bytes : grad_bytes; }
   double optimizer_bytes = 12;  // ZeRO's K: fp32 master copy + Adam m and v = 12
   double activation_bytes = 2;  // bytes per activation element (Korthikanti assume 2)
   bool allow_tensor_parallel = true;
