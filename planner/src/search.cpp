@@ -661,12 +661,14 @@ class Searcher {
     bool slow_link_inter_node = false;
     int dimensions = 0;          // parallel axes larger than 1
     int extras = 0;              // virtual stages, zero-bubble split, ZeRO-3, recomputation
+    int64_t micro_batches = 1;   // per step on each pipeline
   };
 
   MovingParts moving_parts(const Plan& plan) const {
     MovingParts m;
     const int64_t pp = plan.mesh.pp, dp = plan.mesh.dp, tp = plan.mesh.tp;
     m.dimensions = (pp > 1) + (dp > 1) + (tp > 1);
+    m.micro_batches = plan.num_micro_batches;
     m.extras = (plan.virtual_stages > 1) + (plan.schedule == ScheduleKind::zero_bubble_h1) +
                (plan.zero_stage == 3 && dp > 1) + (plan.recompute != Recompute::none);
     const bool inter[] = {axis_link(cluster_, pp, dp, tp, Axis::pp).inter_node,
@@ -684,9 +686,14 @@ class Searcher {
   }
 
   // "" when `a` has no fewer moving parts than `b`; else why it has fewer. In order: less
-  // traffic over the network (when either crosses nodes), fewer parallel dimensions, fewer
-  // extra mechanisms, less traffic inside the node. Traffic within 10% counts as the same
-  // (the byte counts are exact, what they cost is not).
+  // traffic over the network (when either crosses nodes), at most half the micro-batches,
+  // fewer parallel dimensions, fewer extra mechanisms, less traffic inside the node. Traffic
+  // within 10% counts as the same (the byte counts are exact, what they cost is not).
+  // Micro-batches before dimensions: each is a round of kernel launches, framework dispatch
+  // and pipeline messages that neither estimator fully counts. On this project's CPU bench
+  // (bench/layouts.py) 4 micro-batches of 1 measured 3-5% slower than 1 of 4 in every run,
+  // and a 4-stage pipeline of 16 micro-batches, predicted 4% behind a 2 x 2 mesh of one
+  // micro-batch, measured 8.5% behind it (docs/cost_model.md).
   static std::string fewer_moving_parts(const MovingParts& a, const MovingParts& b) {
     auto traffic = [](const MovingParts& x, const MovingParts& y) -> int {
       if (x.slow_link_bytes < 0.9 * y.slow_link_bytes) return -1;
@@ -705,6 +712,10 @@ class Searcher {
       const int t = traffic(x, y);
       if (t != 0) return t < 0 ? bytes_text(x, y, "inter-node") : "";
     }
+    if (2 * a.micro_batches <= b.micro_batches) {
+      return std::to_string(a.micro_batches) + " micro-batches vs " + std::to_string(b.micro_batches);
+    }
+    if (2 * b.micro_batches <= a.micro_batches) return "";
     if (a.dimensions != b.dimensions) {
       return a.dimensions < b.dimensions ? std::to_string(a.dimensions) + " parallel dimensions vs " +
                                                std::to_string(b.dimensions)

@@ -1,4 +1,6 @@
 #include <catch2/catch.hpp>
+#include <map>
+#include <tuple>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -544,6 +546,74 @@ TEST_CASE("the tie rules do not compound: the pick is within the tie tolerance o
   CHECK(pick.prediction.step_time_s <= fastest.prediction.step_time_s * 1.05 * (1 + 1e-12));
   options.alternatives = 5;  // the pick does not depend on how many alternatives are asked for
   CHECK(search(g, cluster, training, options).summary() == pick.summary());
+}
+
+namespace {
+
+// The analytic model, each layout's layer costs scaled by a factor of its own (2 for layouts
+// not listed): the search sees only the listed ones as contenders.
+class ScaledEstimator final : public Estimator {
+ public:
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t>;  // pp, dp, tp, micro-batch size
+  explicit ScaledEstimator(std::map<Key, double> factors) : factors_(std::move(factors)) {}
+  std::string name() const override { return "scaled"; }
+  std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
+                                     const Layout& layout) const override {
+    auto costs = analytic_estimator().layer_costs(graph, cluster, training, layout);
+    const auto it = factors_.find({layout.pp, layout.dp, layout.tp, layout.micro_batch_size});
+    const double f = it == factors_.end() ? 2.0 : it->second;
+    for (auto& c : costs) {
+      c.forward_s *= f;
+      c.backward_s *= f;
+      c.backward_compute_s *= f;
+    }
+    return costs;
+  }
+
+ private:
+  std::map<Key, double> factors_;
+};
+
+}  // namespace
+
+TEST_CASE("within the tie tolerance, at most half the micro-batches counts before fewer dimensions",
+          "[search][ties]") {
+  // What the layouts bench ran into: a 4-stage pipeline of 16 micro-batches of 1, predicted 4%
+  // ahead of a 2 x 2 mesh of one micro-batch of 8 (one dimension against two), measured 8.5%
+  // behind it. Per-micro-batch work is what the estimators undercount.
+  const ModelGraph g = build_transformer(transformer_config(4, 256, 8, 64, 1024));
+  const Cluster cluster = four_cpu_ranks();
+  const TrainingConfig training = fp32_batch(16);
+  const auto step = [&](const Estimator& e, int64_t pp, int64_t dp, int64_t mbs) {
+    Pins p = layout_pins(1, pp, dp, 0, mbs, ScheduleKind::gpipe);
+    p.recompute = Recompute::none;
+    return evaluate_layout(g, cluster, training, p, true, &e).prediction.step_time_s;
+  };
+  const ScaledEstimator plain({{{4, 1, 1, 1}, 1.0}, {{2, 2, 1, 8}, 1.0}});
+  // Scale the 2 x 2 mesh so that it is predicted 3% behind the pipeline.
+  const double f = 1.03 * step(plain, 4, 1, 1) / step(plain, 2, 2, 8);
+  const ScaledEstimator skewed({{{4, 1, 1, 1}, 1.0}, {{2, 2, 1, 8}, f}});
+  const double deep = step(skewed, 4, 1, 1), wide = step(skewed, 2, 2, 8);
+  REQUIRE(wide > deep);
+  REQUIRE(wide < 1.05 * deep);
+  SearchOptions options;
+  options.estimator = &skewed;
+  options.pins.tp = 1;
+  options.pins.zero_stage = 0;
+  options.pins.recompute = Recompute::none;
+  options.pins.schedule = ScheduleKind::gpipe;
+  options.alternatives = 0;
+  const Plan pick = search(g, cluster, training, options);
+  INFO(pick.summary() << " / " << pick.tie_break);
+  CHECK(pick.mesh.pp == 2);
+  CHECK(pick.mesh.dp == 2);
+  CHECK(pick.num_micro_batches == 1);
+  CHECK_THAT(pick.tie_break, Catch::Contains("1 micro-batches vs 16"));
+  // Tie tolerance 0: the pipeline, the fastest.
+  options.tie_tolerance = 0;
+  const Plan fastest = search(g, cluster, training, options);
+  CHECK(fastest.mesh.pp == 4);
+  CHECK(fastest.num_micro_batches == 16);
 }
 
 TEST_CASE("ranks lend idle cores only on one node, and only as many times as there are stages", "[search][cores]") {
