@@ -453,10 +453,6 @@ struct RankLoad {
   double tied_all_reduce_s = 0;            // gradients of weights it shares with other ranks
 };
 
-}  // namespace
-
-namespace {
-
 // ZeRO-1/2 as the runtime holds them (fully_shard.cpp), `mem` holding the rank's params,
 // optimizer state and activations. Beside the whole parameters it keeps this rank's rows in
 // fp32 for the optimizer: with mixed precision those are the master weights (counted in
