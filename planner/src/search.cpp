@@ -669,8 +669,7 @@ class Searcher {
     const int64_t pp = plan.mesh.pp, dp = plan.mesh.dp, tp = plan.mesh.tp;
     m.dimensions = (pp > 1) + (dp > 1) + (tp > 1);
     m.micro_batches = plan.num_micro_batches;
-    m.extras = (plan.virtual_stages > 1) + (plan.schedule == ScheduleKind::zero_bubble_h1) +
-               (plan.zero_stage == 3 && dp > 1) + (plan.recompute != Recompute::none);
+    m.extras = extras(plan) + (effective_zero(plan) == 3);
     const bool inter[] = {axis_link(cluster_, pp, dp, tp, Axis::pp).inter_node,
                           axis_link(cluster_, pp, dp, tp, Axis::dp).inter_node,
                           axis_link(cluster_, pp, dp, tp, Axis::tp).inter_node};
@@ -692,8 +691,8 @@ class Searcher {
   // Micro-batches before dimensions: each is a round of kernel launches, framework dispatch
   // and pipeline messages that neither estimator fully counts. On this project's CPU bench
   // (bench/layouts.py) 4 micro-batches of 1 measured 3-5% slower than 1 of 4 in every run,
-  // and a 4-stage pipeline of 16 micro-batches, predicted 4% behind a 2 x 2 mesh of one
-  // micro-batch, measured 8.5% behind it (docs/cost_model.md).
+  // and a 4-stage pipeline of 16 micro-batches, picked over a 2 x 2 mesh of one micro-batch
+  // predicted 4% faster, measured 8.5% behind the fastest layout (docs/cost_model.md).
   static std::string fewer_moving_parts(const MovingParts& a, const MovingParts& b) {
     auto traffic = [](const MovingParts& x, const MovingParts& y) -> int {
       if (x.slow_link_bytes < 0.9 * y.slow_link_bytes) return -1;

@@ -469,6 +469,18 @@ TEST_CASE("within a mesh, layouts predicted within 0.5% go to the one with fewer
 
 namespace {
 
+// The analytic model's layer costs with every compute time scaled by `f`.
+std::vector<LayerCost> scaled_costs(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
+                                    const Layout& layout, double f) {
+  auto costs = analytic_estimator().layer_costs(graph, cluster, training, layout);
+  for (auto& c : costs) {
+    c.forward_s *= f;
+    c.backward_s *= f;
+    c.backward_compute_s *= f;
+  }
+  return costs;
+}
+
 // The analytic model with micro-batches of 1 predicted 1% cheaper (what a measured profile's
 // noise did on this machine: four micro-batch-1 layer times under one micro-batch-4 time),
 // stating a resolution.
@@ -478,15 +490,7 @@ class SkewedEstimator final : public Estimator {
   std::string name() const override { return "skewed"; }
   std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
                                      const Layout& layout) const override {
-    auto costs = analytic_estimator().layer_costs(graph, cluster, training, layout);
-    if (layout.micro_batch_size == 1) {
-      for (auto& c : costs) {
-        c.forward_s *= 0.99;
-        c.backward_s *= 0.99;
-        c.backward_compute_s *= 0.99;
-      }
-    }
-    return costs;
+    return scaled_costs(graph, cluster, training, layout, layout.micro_batch_size == 1 ? 0.99 : 1.0);
   }
   double resolution() const override { return resolution_; }
 
@@ -559,15 +563,8 @@ class ScaledEstimator final : public Estimator {
   std::string name() const override { return "scaled"; }
   std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster, const TrainingConfig& training,
                                      const Layout& layout) const override {
-    auto costs = analytic_estimator().layer_costs(graph, cluster, training, layout);
     const auto it = factors_.find({layout.pp, layout.dp, layout.tp, layout.micro_batch_size});
-    const double f = it == factors_.end() ? 2.0 : it->second;
-    for (auto& c : costs) {
-      c.forward_s *= f;
-      c.backward_s *= f;
-      c.backward_compute_s *= f;
-    }
-    return costs;
+    return scaled_costs(graph, cluster, training, layout, it == factors_.end() ? 2.0 : it->second);
   }
 
  private:
