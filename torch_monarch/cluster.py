@@ -174,18 +174,60 @@ def _measured(kind, world, local, fn, measure):
 
 # -- links ------------------------------------------------------------------------------------
 
-def _time_all_reduce(group, nbytes, repeats):
-    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    group.all_reduce(t).wait()  # warm-up (connection set-up, buffers)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        group.all_reduce(t).wait()
-        best = min(best, time.perf_counter() - t0)
+def _time_all_reduces(group, sizes, rounds, device):
+    """The median time of one all-reduce at each of ``sizes`` (bytes), on the group's slowest
+    member. The sizes are interleaved, one of each per round, so a slow spell of the machine
+    (another tenant of a VM, a rank descheduled while its peers wait) lands on all sizes alike
+    instead of on whichever size it happened to coincide with: with 4 ranks on 2 vCPUs, a
+    best-of-3 per size in turn gave bandwidths from 0.7 to 9.6 GB/s over twelve probes, and
+    one slope below zero (no fit at all); interleaved medians stay within about 25%."""
+    import statistics
+    bufs = [torch.zeros(max(1, s // 4), dtype=torch.float32, device=device) for s in sizes]
+    cuda = device != "cpu"
+    for b in bufs:  # warm-up: connection set-up, buffers
+        group.all_reduce(b).wait()
+    per = [[] for _ in sizes]
+    for _ in range(rounds):
+        for i, b in enumerate(bufs):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            group.all_reduce(b).wait()
+            if cuda:
+                torch.cuda.synchronize(device)
+            per[i].append(time.perf_counter() - t0)
     # Every member takes the slowest member's time: a collective ends when all have it.
-    out = torch.tensor([best], dtype=torch.float64)
+    out = torch.tensor([statistics.median(p) for p in per], dtype=torch.float64)
     group.all_reduce_max(out).wait()
-    return out.item()
+    return out.tolist()
+
+
+def fit_error(sizes, seconds, n, latency, bandwidth):
+    """The largest relative gap between measured times and the fitted ring model."""
+    steps = 2.0 * (n - 1)
+    return max(abs(steps * latency + steps / n * s / bandwidth - t) / t for s, t in zip(sizes, seconds))
+
+
+# A fit whose worst point is further than this from the line (relative to the point: twice
+# the time, or below zero) is measured again (twice the
+# rounds), and kept only if the second is within it; otherwise the preset's figure stays.
+_FIT_TOLERANCE = 1.0
+
+
+def measure_link(group, n, sizes, rounds, device):
+    """Latency and bandwidth of the link under ``group`` (n members; every member calls it),
+    fitted to interleaved medians (_time_all_reduces) and checked: a fit with no positive
+    slope, or a point further than _FIT_TOLERANCE from it, is measured again with twice the
+    rounds. Returns (latency, bandwidth, times, error); (0, 0, ...) if no measurement fits, and
+    the caller keeps the preset's figures (with a warning naming the measured times)."""
+    for attempt in range(2):
+        times = _time_all_reduces(group, sizes, rounds * (attempt + 1), device)
+        latency, bandwidth = fit_alpha_beta(sizes, times, n)
+        if 0 < bandwidth < float("inf"):
+            error = fit_error(sizes, times, n, latency, bandwidth)
+            if error <= _FIT_TOLERANCE:
+                return latency, bandwidth, times, error
+    return 0.0, 0.0, times, float("inf")
 
 
 def fit_alpha_beta(sizes, seconds, n):
@@ -272,19 +314,30 @@ def _cpu_cache_usable(cached):
         cached.get("cpu_threads") == torch.get_num_threads()
 
 
-def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3, use_cache=True):
+# All-reduce sizes the probe times (bytes): latency-bound to bandwidth-bound on each kind of
+# link (on GPUs NVLink reaches its bandwidth only at tens of MiB).
+_PROBE_SIZES_CPU = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
+_PROBE_SIZES_CUDA = (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28)
+# Cached links are reused only if timed this way (2: interleaved medians, fit checked).
+_LINKS_METHOD = 2
+
+
+def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     """Times all-reduces at a few sizes on the real process groups (all ranks of a node;
     one rank per node between nodes) and fits latency and bandwidth per link level into a
     copy of ``cluster``. On CPU ranks it also measures the compute rates the ranks get
     (measure_cpu_rates): the peak FLOP/s and memory bandwidth per rank all busy, and the
     effective cores per node, in place of detect()'s cores / ranks share. Every rank must
-    call it. Cached per machine and world shape."""
+    call it. Cached per machine and world shape, unless a link's times fit no line (then that
+    link keeps the preset's figures, with a warning, and the next job measures again)."""
     local = cluster.devices_per_node
     on_cpu = not torch.cuda.is_available()
     path = _cache_path("links", world.size, local)
     cached = _read_cache(path) if use_cache else None
     if cached and on_cpu and not _cpu_cache_usable(cached):
         cached = None  # measured before the CPU rates were part of the probe, on GPUs, or at other threads
+    if cached and cached.get("links_method") != _LINKS_METHOD:
+        cached = None  # links timed the earlier way (best of 3 per size in turn: too noisy to keep)
     from . import _runtime
     values = torch.zeros(7, dtype=torch.float64)
     have = torch.tensor([1.0 if cached else 0.0], dtype=torch.float64)
@@ -297,21 +350,34 @@ def probe(cluster, world, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=3,
     else:
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
-        if local > 1:
-            times = [_time_all_reduce(intra.group("dp"), s, repeats) for s in sizes]
-            values[0], values[1] = fit_alpha_beta(sizes, times, local)
-        if inter is not None:
-            times = [_time_all_reduce(inter.group("dp"), s, repeats) for s in sizes]
-            values[2], values[3] = fit_alpha_beta(sizes, times, cluster.nodes)
+        # The collectives a job runs: CUDA tensors go over NCCL, CPU tensors over Gloo.
+        device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}" if not on_cpu else "cpu"
+        sizes = sizes or (_PROBE_SIZES_CPU if on_cpu else _PROBE_SIZES_CUDA)
+        for level, group, n, at in (("intra-node", intra.group("dp") if local > 1 else None, local, 0),
+                                    ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
+            if group is None:
+                continue
+            latency, bandwidth, times, error = measure_link(group, n, sizes, rounds, device)
+            values[at], values[at + 1] = latency, bandwidth
+            if bandwidth == 0 and world.rank == 0:
+                from .log import get
+                get("cluster").warning(
+                    "the %s all-reduce times fit no latency + size / bandwidth line (medians %s s at %s bytes); "
+                    "keeping the %s preset's %.3g s and %.3g B/s for this link", level,
+                    ", ".join(f"{t:.3g}" for t in times), ", ".join(str(s) for s in sizes), cluster.name,
+                    *((cluster.intra_node_latency_s, cluster.intra_node_bytes_per_s) if at == 0 else
+                      (cluster.inter_node_latency_s, cluster.inter_node_bytes_per_s)))
         if on_cpu:
             values[4], values[5], values[6] = measure_cpu_rates(everyone, local)
         everyone.broadcast(values, 0).wait()  # one measurement for all ranks
-        if world.rank % local == 0:
+        fitted = (local == 1 or values[1] > 0) and (inter is None or values[3] > 0)
+        if world.rank % local == 0 and fitted:
             cpu = {k: values[4 + i].item() for i, k in enumerate(_CPU_KEYS)} if on_cpu else {}
             if on_cpu:
                 cpu["cpu_threads"] = torch.get_num_threads()
             _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
-                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(), **cpu})
+                                "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
+                                "links_method": _LINKS_METHOD, **cpu})
     c = _copy_cluster(cluster)
     if values[1] > 0 and values[1] != float("inf"):
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()
