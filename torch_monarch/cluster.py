@@ -351,7 +351,13 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
         # The collectives a job runs: CUDA tensors go over NCCL, CPU tensors over Gloo.
-        device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}" if not on_cpu else "cpu"
+        device = "cpu"
+        if not on_cpu and _runtime.built_with_nccl:
+            device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
+        elif not on_cpu and world.rank == 0:
+            from .log import get
+            get("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
+                                   "tensors, and CUDA tensors cannot be reduced by this build")
         sizes = sizes or (_PROBE_SIZES_CPU if on_cpu else _PROBE_SIZES_CUDA)
         for level, group, n, at in (("intra-node", intra.group("dp") if local > 1 else None, local, 0),
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):

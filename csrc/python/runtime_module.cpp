@@ -382,6 +382,11 @@ PYBIND11_MODULE(_runtime, m) {
   m.doc() = "torch_monarch runtime: world, mesh, collectives, data-parallel, sharded, tensor- and pipeline-parallel engines";
   // The planner's types (Schedule) are registered by torch_monarch._C.
   py::module_::import("torch_monarch._C");
+#ifdef MONARCH_WITH_NCCL
+  m.attr("built_with_nccl") = true;  // CUDA tensors in a collective go over NCCL
+#else
+  m.attr("built_with_nccl") = false;  // a CUDA tensor in a collective is an error
+#endif
 
   py::class_<World, std::shared_ptr<World>>(m, "World")
       .def_static("init", [](double timeout_s) { return World::init(options_with_timeout(timeout_s)); },
