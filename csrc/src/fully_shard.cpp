@@ -143,13 +143,24 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     u.shard_offsets.push_back(u.shard_numel);
     u.shard_numel += chunk * u.row_numel.back();
   }
-  // My rows of every parameter, packed; the shard tensors the optimizer sees are views of it
-  // (detached: leaves of their own that share its storage and version counter).
-  u.flat_shard = at::zeros({u.shard_numel}, at::kFloat);
+  // My rows of every parameter: the shard tensors the optimizer sees are views of them
+  // (detached: leaves of their own that share the viewed storage and its version counter).
+  // Packed in a flat shard of their own, or, when they are the parameters' own values
+  // (shards_alias_parameters), where they sit in the gathered unit.
+  if (shards_alias_parameters()) {
+    u.full = at::empty({u.numel}, at::kFloat);
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      u.full.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
+    }
+  } else {
+    u.flat_shard = at::zeros({u.shard_numel}, at::kFloat);
+  }
   for (size_t i = 0; i < u.params.size(); ++i) {
     const int64_t l = local_rows(u, i, rank), rn = u.row_numel[i];
-    auto mine = u.flat_shard.narrow(0, u.shard_offsets[i], l * rn);
-    if (l > 0) mine.copy_(u.params[i].detach().reshape({-1}).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
+    auto mine = my_rows(u, i);
+    if (u.flat_shard.defined() && l > 0) {
+      mine.copy_(u.params[i].detach().reshape({-1}).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
+    }
     std::vector<int64_t> shape = u.shapes[i];
     if (shape.empty()) shape.push_back(1);
     shape[0] = l;
@@ -176,15 +187,34 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     // Parameters hold no storage until gathered.
     for (auto& p : u.params) p.set_data(at::empty({0}, p.options().dtype(options_.compute_dtype)));
   } else {
-    u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
+    const bool filled = u.full.defined();  // by the aliasing shards above
+    if (!filled) u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto whole = u.full.narrow(0, u.offsets[i], u.numels[i]);
-      whole.copy_(u.params[i].detach().reshape({-1}));
+      if (!filled) whole.copy_(u.params[i].detach().reshape({-1}));
       u.params[i].set_data(whole.view(u.shapes[i]));
     }
     u.gathered = true;
-    u.shard_version = u.flat_shard._version();
+    u.shard_version = shard_storage(u)._version();
   }
+}
+
+at::Tensor FullyShardEngine::my_rows(const Unit& u, size_t i) const {
+  const int64_t l = local_rows(u, i, group_.group_rank()), rn = u.row_numel[i];
+  if (u.flat_shard.defined()) return u.flat_shard.narrow(0, u.shard_offsets[i], l * rn);
+  if (l == 0) return u.full.narrow(0, 0, 0);  // past the parameter's rows (and maybe the unit's end)
+  return u.full.narrow(0, u.offsets[i] + group_.group_rank() * u.chunk_rows[i] * rn, l * rn);
+}
+
+at::Tensor FullyShardEngine::packed_shard(const Unit& u) const {
+  if (u.flat_shard.defined()) return u.flat_shard;
+  // One unit's rows at a time, for a collective: Psi / N of the unit, transient.
+  auto packed = at::zeros({u.shard_numel}, at::kFloat);
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    auto mine = my_rows(u, i);
+    packed.narrow(0, u.shard_offsets[i], mine.numel()).copy_(mine);
+  }
+  return packed;
 }
 
 std::vector<at::Tensor> FullyShardEngine::shards() const {
@@ -202,7 +232,7 @@ void FullyShardEngine::start_gather(int64_t unit) {
   }
   at::NoGradGuard no_grad;
   u.incoming = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
-  u.gather = group_.all_gather(u.incoming, u.flat_shard.to(options_.compute_dtype));
+  u.gather = group_.all_gather(u.incoming, u.flat_shard.to(options_.compute_dtype));  // stage 3: never aliased
 }
 
 void FullyShardEngine::finish_gather(int64_t unit) {
@@ -267,14 +297,14 @@ void FullyShardEngine::sync_parameters() {
     g.handle.wait();
     Unit& u = units_[g.unit];
     for (size_t i = 0; i < u.params.size(); ++i) unpack(u, i, g.padded, u.full.narrow(0, u.offsets[i], u.numels[i]));
-    u.shard_version = u.flat_shard._version();
+    u.shard_version = shard_storage(u)._version();  // aliased: after the unpack, which wrote my rows too
   };
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
-    if (u.numel == 0 || u.flat_shard._version() == u.shard_version) continue;
+    if (u.numel == 0 || shard_storage(u)._version() == u.shard_version) continue;
     // In the compute dtype: what the parameters hold (bf16 training moves half the bytes).
     auto padded = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
-    Handle h = group_.all_gather(padded, u.flat_shard.to(options_.compute_dtype));
+    Handle h = group_.all_gather(padded, packed_shard(u).to(options_.compute_dtype));
     flight.push_back({k, padded, std::move(h)});
     if (flight.size() == 2) {
       finish(flight.front());
@@ -476,7 +506,7 @@ std::vector<at::Tensor> FullyShardEngine::full_parameters() {
   for (auto& u : units_) {
     if (u.numel == 0) continue;  // no parameters, no collective
     auto padded = at::empty({u.shard_numel * group_.size()}, at::kFloat);
-    group_.all_gather(padded, u.flat_shard).wait();
+    group_.all_gather(padded, packed_shard(u)).wait();
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto whole = at::empty({u.numels[i]}, at::kFloat);
       unpack(u, i, padded, whole);
@@ -503,16 +533,15 @@ void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& value
       given = true;
       TORCH_CHECK(v.sizes().vec() == u.shapes[i], "monarch: fully_shard: load_full_parameters: parameter ", k,
                   " has shape ", v.sizes(), ", the unit holds ", at::IntArrayRef(u.shapes[i]));
-      // My rows; the copy into the flat shard (whose version counter the parameters watch)
-      // makes them refresh before the next forward.
+      // My rows; the copy into the shards' storage (whose version counter the parameters
+      // watch) makes them refresh before the next forward.
       const int64_t l = local_rows(u, i, rank), rn = u.row_numel[i];
       if (l == 0) continue;
-      u.flat_shard.narrow(0, u.shard_offsets[i], l * rn)
-          .copy_(v.detach().reshape(-1).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
+      my_rows(u, i).copy_(v.detach().reshape(-1).narrow(0, rank * u.chunk_rows[i] * rn, l * rn));
     }
     // Every rank marks the unit changed, also one holding none of the loaded rows: whether
     // a unit is re-gathered must be the same decision on all of them (sync_parameters).
-    if (given) torch::autograd::impl::bump_version(u.flat_shard);
+    if (given) torch::autograd::impl::bump_version(shard_storage(u));
     if (given && sharded_parameters()) free_parameters(&u - units_.data());
   }
 }

@@ -454,9 +454,9 @@ struct RankLoad {
 };
 
 // ZeRO-1/2 as the runtime holds them (fully_shard.cpp), `mem` holding the rank's params,
-// optimizer state and activations. Beside the whole parameters it keeps this rank's rows in
-// fp32 for the optimizer: with mixed precision those are the master weights (counted in
-// optimizer_bytes, Rajbhandari et al. 2020 Sec. 3.1), in fp32 training a second copy of them.
+// optimizer state and activations. The optimizer steps on this rank's fp32 rows: with mixed
+// precision they are the master weights (counted in optimizer_bytes, Rajbhandari et al. 2020
+// Sec. 3.1); in fp32 training they are views of the whole parameters' rows (no second copy).
 // The shards' reduced gradients are there at the end of every backward. Its working set,
 // per sharding unit (the blocks; the other layers are one root unit): Gloo's reduce-scatter
 // receives a unit's whole gradient for each of the two reductions in flight; stage 2 also
@@ -480,7 +480,6 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
                       : load.largest_block > 0  ? load.non_block_params
                                                 : 0.0;
   const double shard = load.params / dp;
-  if (training.param_bytes >= 4) mem.params += shard * 4;  // fp32: the optimizer's copy of its rows
   const double whole = load.params * g;
   if (layout.num_micro_batches > 1) {
     mem.grads = whole;

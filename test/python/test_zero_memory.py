@@ -4,8 +4,8 @@ started by the launcher: gathered units are freed as soon as their backward is d
 storage emptied, so autograd's saved views of it hold nothing), full gradients never outlive
 their unit's reduction, and at most two units' gradient buffers exist at once; and the peak
 of data parallelism and of ZeRO-1, -2 and -3 is what the planner predicts for the layout,
-within 15% (ZeRO-1/2 with the optimizer's fp32 copy of the rank's rows beside the whole
-parameters, and their unsharded gradients only within the backward)."""
+within 15% (ZeRO-1/2 with the optimizer stepping on the rank's rows of the whole fp32
+parameters, no copy of them, and the unsharded gradients only within the backward)."""
 
 import json
 import os

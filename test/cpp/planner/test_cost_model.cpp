@@ -491,8 +491,8 @@ MemoryBreakdown zero_memory_of(const ModelGraph& g, const TrainingConfig& t, int
 
 }  // namespace
 
-TEST_CASE("ZeRO-1/2 memory as the runtime holds it: an fp32 copy of the rank's rows, whole gradients only "
-          "within one backward", "[cost_model][zero]") {
+TEST_CASE("ZeRO-1/2 memory as the runtime holds it: the optimizer on the parameters' own rows in fp32, whole "
+          "gradients only within one backward", "[cost_model][zero]") {
   // bench/layouts.py's GPT (4 blocks, h 256, s 64, V 1024), fp32, on 4 ranks.
   TransformerConfig cfg = transformer_config(4, 256, 8, 64, 1024);
   cfg.dtype = DType::fp32;
@@ -509,7 +509,7 @@ TEST_CASE("ZeRO-1/2 memory as the runtime holds it: an fp32 copy of the rank's r
     // One micro-batch of 4: the activations (larger than the gradients here) are all there at
     // the backward's start, beside the root unit's and the first block's whole gradients.
     const MemoryBreakdown m = zero_memory_of(g, t, zero, 4);
-    CHECK(m.params == Approx(4 * P + 4 * P / 4));  // whole parameters + the optimizer's fp32 rows
+    CHECK(m.params == Approx(4 * P));  // whole parameters; the optimizer steps on this rank's rows of them
     CHECK(m.optimizer == Approx(8 * P / 4));
     CHECK(m.grads == Approx(4 * P / 4));           // the shards' reduced gradients
     CHECK(m.activations == Approx(dp.activations));

@@ -4,7 +4,8 @@
 // unit in fp32. The slice is per parameter, along dim 0 (as PyTorch FSDP2 shards): rank r
 // holds rows [r*c, (r+1)*c) of each parameter, c = ceil(rows / N), so the last ranks may hold
 // fewer rows or none. Each parameter's slice is its own leaf tensor (a view of the unit's
-// flat shard, which the collectives move), so the optimizer (any elementwise torch.optim /
+// flat shard, which the collectives move, or under stages 1-2 in fp32 of the whole
+// parameters themselves: no second copy), so the optimizer (any elementwise torch.optim /
 // torch::optim optimizer) steps on tensors that keep the parameters' order, names and
 // number of dimensions: parameter groups by name or by dim work as with the plain model.
 // Frontends call before_forward / after_forward around each unit; gradient reduction runs
@@ -115,8 +116,10 @@ class FullyShardEngine {
     std::vector<int64_t> shard_offsets;  // of each parameter's slice in a rank's flat shard
     int64_t numel = 0;             // real elements
     int64_t shard_numel = 0;       // sum of chunk_rows * row_numel: one rank's flat shard
-    at::Tensor flat_shard;         // fp32, this rank's slices packed (padding stays zero)
-    std::vector<at::Tensor> shards;  // per parameter: leaf views of flat_shard (its version counter)
+    // fp32, this rank's slices packed (padding stays zero); undefined when the shards alias
+    // the full parameters (shards_alias_parameters), whose storage then holds them.
+    at::Tensor flat_shard;
+    std::vector<at::Tensor> shards;  // per parameter: leaf views of shard_storage (its version counter)
     at::Tensor grad_flat;          // fp32 gradient in the padded rank-major layout during backward
     at::Tensor full;               // gathered parameters (compute dtype) when gathered
     at::Tensor incoming;           // all-gather output (padded rank-major) while in flight
@@ -127,7 +130,7 @@ class FullyShardEngine {
     bool gathered = false;
     bool backward_ready = false;   // re-gathered for this backward
     bool reduce_launched = false;  // its gradient reduction was started this backward
-    int64_t shard_version = -1;    // flat shard's version when parameters were last synced
+    int64_t shard_version = -1;    // shard_storage's version when parameters were last synced
   };
 
   // Rows of parameter i that rank r holds.
@@ -147,6 +150,19 @@ class FullyShardEngine {
   void finish_backward();
   void recover_if_abandoned();
   bool sharded_parameters() const { return options_.zero_stage >= 3; }
+  // Stages 1-2 computing in fp32: the whole parameters stay on every rank in fp32, so this
+  // rank's rows of them are the optimizer's shards themselves (views), not a second fp32
+  // copy of Psi / N: the optimizer steps on them in place and the refresh gathers the other
+  // ranks' rows around them. (Under mixed precision the fp32 shards are the master weights
+  // and the parameters a bf16 copy: two tensors.)
+  bool shards_alias_parameters() const { return !sharded_parameters() && options_.compute_dtype == at::kFloat; }
+  // The tensor whose version counter the shards share: the flat shard, or the full unit.
+  const at::Tensor& shard_storage(const Unit& u) const { return u.flat_shard.defined() ? u.flat_shard : u.full; }
+  // This rank's rows of parameter i, flat (a view of shard_storage).
+  at::Tensor my_rows(const Unit& u, size_t i) const;
+  // This rank's rows of the unit packed as the collectives lay them out (the flat shard, or
+  // a transient packed copy when the shards alias the parameters).
+  at::Tensor packed_shard(const Unit& u) const;
 
   std::vector<Unit> units_;
   Communicator& group_;
