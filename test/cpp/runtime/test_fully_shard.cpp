@@ -12,7 +12,7 @@ namespace {
 
 constexpr double kRelTol = 1e-5;
 
-enum Fact { kShard, kShardGrad, kOptimizerState, kHeld, kHeldGrad, kExpected, kLogitsDiff, kStateDictSize };
+enum Fact { kShard, kShardGrad, kOptimizerState, kHeld, kHeldGrad, kExpected, kLogitsDiff, kStateDictSize, kShardApart };
 
 int64_t total_params() {
   int64_t n = 0;
@@ -58,8 +58,11 @@ TEST_CASE("ZeRO-1, ZeRO-2 and ZeRO-3 on 2 and 4 ranks match one process", "[runt
         CHECK(facts[kOptimizerState].item<double>() == expected);
         if (stage == 3) {
           CHECK(facts[kHeld].item<double>() == 0);  // parameters freed between steps
+          CHECK(facts[kShardApart].item<double>() == expected);
         } else {
           CHECK(facts[kHeld].item<double>() == P);
+          // fp32: the shards are the parameters' own rows, not a second copy of them.
+          CHECK(facts[kShardApart].item<double>() == 0);
         }
         CHECK(facts[kHeldGrad].item<double>() == 0);  // stage 1 reduce-scatters too
         // The full state dict loads into the plain model and computes the same logits.

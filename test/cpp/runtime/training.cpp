@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <thread>
 
 #include "harness.h"
@@ -130,10 +131,14 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
   // Memory facts, from the real local tensors: [shard elements, shard grad elements,
   // optimizer state elements per shard (exp_avg + exp_avg_sq) / 2, model-parameter elements
   // held, model-gradient elements held, expected ceil(unit / N) summed].
-  double shard = 0, shard_grad = 0, state = 0, held = 0, held_grad = 0, expected = 0;
+  double shard = 0, shard_grad = 0, state = 0, held = 0, held_grad = 0, expected = 0, apart = 0;
   const auto shards = sharded.shards();
+  std::set<const void*> param_storages;
+  for (const auto& p : model->parameters()) param_storages.insert(p.storage().unsafeGetStorageImpl());
   for (const auto& s : shards) {
     shard += s.numel();
+    // Shard elements in a storage of their own, not the parameters' (a second fp32 copy).
+    if (s.numel() > 0 && !param_storages.count(s.storage().unsafeGetStorageImpl())) apart += s.numel();
     shard_grad += s.grad().defined() ? s.grad().numel() : 0;
     auto& st = static_cast<torch::optim::AdamWParamState&>(
         *optimizer.state().at(c10::guts::to_string(s.unsafeGetTensorImpl())));
@@ -170,7 +175,7 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
   }
   const double logits_diff = (sharded_logits - plain_logits).abs().max().item<double>();
   facts = {shard, shard_grad, state, held, held_grad, expected, logits_diff,
-           static_cast<double>(state_dict.size())};
+           static_cast<double>(state_dict.size()), apart};
   return finish(plain, losses);  // the loaded plain model: parameters in module order
 }
 
