@@ -336,9 +336,16 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     cached = _read_cache(path) if use_cache else None
     if cached and on_cpu and not _cpu_cache_usable(cached):
         cached = None  # measured before the CPU rates were part of the probe, on GPUs, or at other threads
-    if cached and cached.get("links_method") != _LINKS_METHOD:
-        cached = None  # links timed the earlier way (best of 3 per size in turn: too noisy to keep)
     from . import _runtime
+    # The collectives a job runs: CUDA tensors go over NCCL, CPU tensors over Gloo.
+    device = "cpu"
+    if not on_cpu and _runtime.built_with_nccl:
+        device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
+    backend = "gloo" if device == "cpu" else "nccl"
+    if cached and (cached.get("links_method") != _LINKS_METHOD or cached.get("links_backend") != backend):
+        # Links timed the earlier way (best of 3 per size in turn: too noisy to keep), or over
+        # the other backend (a build with or without NCCL).
+        cached = None
     values = torch.zeros(7, dtype=torch.float64)
     have = torch.tensor([1.0 if cached else 0.0], dtype=torch.float64)
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
@@ -350,15 +357,11 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     else:
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
-        # The collectives a job runs: CUDA tensors go over NCCL, CPU tensors over Gloo.
-        device = "cpu"
-        if not on_cpu and _runtime.built_with_nccl:
-            device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
-        elif not on_cpu and world.rank == 0:
+        if device == "cpu" and not on_cpu and world.rank == 0:
             from .log import get
             get("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
                                    "tensors, and CUDA tensors cannot be reduced by this build")
-        sizes = sizes or (_PROBE_SIZES_CPU if on_cpu else _PROBE_SIZES_CUDA)
+        sizes = sizes or (_PROBE_SIZES_CPU if device == "cpu" else _PROBE_SIZES_CUDA)
         for level, group, n, at in (("intra-node", intra.group("dp") if local > 1 else None, local, 0),
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
             if group is None:
@@ -373,6 +376,8 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                     ", ".join(f"{t:.3g}" for t in times), ", ".join(str(s) for s in sizes), cluster.name,
                     *((cluster.intra_node_latency_s, cluster.intra_node_bytes_per_s) if at == 0 else
                       (cluster.inter_node_latency_s, cluster.inter_node_bytes_per_s)))
+        if device != "cpu":
+            torch.cuda.empty_cache()  # the probe's buffers (up to 256 MiB each) back to the device
         if on_cpu:
             values[4], values[5], values[6] = measure_cpu_rates(everyone, local)
         everyone.broadcast(values, 0).wait()  # one measurement for all ranks
@@ -383,7 +388,7 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                 cpu["cpu_threads"] = torch.get_num_threads()
             _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
                                 "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
-                                "links_method": _LINKS_METHOD, **cpu})
+                                "links_method": _LINKS_METHOD, "links_backend": backend, **cpu})
     c = _copy_cluster(cluster)
     if values[1] > 0 and values[1] != float("inf"):
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()

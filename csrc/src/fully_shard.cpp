@@ -83,6 +83,11 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     }
     init_unit(units_[u], std::move(real));
   }
+  // Deferred stages 1-2: each rank initialized the whole units itself, but only its own rows
+  // are the model's; the first forward gathers the owners' rows into every rank's copy.
+  if (materialize && !sharded_parameters()) {
+    for (auto& u : units_) u.shard_version = -1;
+  }
   unit_grads_ready_.assign(units_.size(), false);
   next_reduce_ = num_units() - 1;
   callback_ = std::make_unique<detail::BackwardCallback>();

@@ -30,8 +30,12 @@ def main():
     t2 = time.perf_counter()
     if world.rank == 0:
         cache = [f for f in os.listdir(os.path.join(out, "cache")) if f.startswith("links-")]
-        with open(os.path.join(out, "cache", cache[0])) as f:
-            cached = json.load(f)
+        # No links cache: the link's times fit no line twice (the probe warned) and nothing
+        # was kept; the test names that instead of failing on a missing file.
+        cached = {}
+        if cache:
+            with open(os.path.join(out, "cache", cache[0])) as f:
+                cached = json.load(f)
         with open(os.path.join(out, "facts.json"), "w") as f:
             json.dump({"detected": facts(detected), "first": facts(first), "second": facts(second),
                        "cached": cached, "first_s": t1 - t0, "second_s": t2 - t1,
