@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import planner as _planner
+from .log import get as _log
 
 # Known devices by the name CUDA reports, mapped to the planner preset that holds their
 # peak FLOP/s (vendor data sheets, dense) and link figures; the first match wins.
@@ -179,8 +180,9 @@ def _time_all_reduces(group, sizes, rounds, device):
     member. The sizes are interleaved, one of each per round, so a slow spell of the machine
     (another tenant of a VM, a rank descheduled while its peers wait) lands on all sizes alike
     instead of on whichever size it happened to coincide with: with 4 ranks on 2 vCPUs, a
-    best-of-3 per size in turn gave bandwidths from 0.7 to 9.6 GB/s over twelve probes, and
-    one slope below zero (no fit at all); interleaved medians stay within about 25%."""
+    best-of-3 per size in turn gave bandwidths from 0.7 to 9.6 GB/s over twelve probes (and
+    in one bench run no positive slope at all); interleaved medians gave 1.1-1.6 ms and
+    1.2-2.3 GB/s over ten."""
     import statistics
     bufs = [torch.zeros(max(1, s // 4), dtype=torch.float32, device=device) for s in sizes]
     cuda = device != "cpu"
@@ -209,8 +211,8 @@ def fit_error(sizes, seconds, n, latency, bandwidth):
 
 
 # A fit whose worst point is further than this from the line (relative to the point: twice
-# the time, or below zero) is measured again (twice the
-# rounds), and kept only if the second is within it; otherwise the preset's figure stays.
+# the time, or below zero) is measured again with twice the rounds, and kept only if the
+# second is within it; otherwise the preset's figures stay.
 _FIT_TOLERANCE = 1.0
 
 
@@ -358,9 +360,8 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
         if device == "cpu" and not on_cpu and world.rank == 0:
-            from .log import get
-            get("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
-                                   "tensors, and CUDA tensors cannot be reduced by this build")
+            _log("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
+                                    "tensors, and CUDA tensors cannot be reduced by this build")
         sizes = sizes or (_PROBE_SIZES_CPU if device == "cpu" else _PROBE_SIZES_CUDA)
         for level, group, n, at in (("intra-node", intra.group("dp") if local > 1 else None, local, 0),
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
@@ -369,8 +370,7 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
             latency, bandwidth, times, error = measure_link(group, n, sizes, rounds, device)
             values[at], values[at + 1] = latency, bandwidth
             if bandwidth == 0 and world.rank == 0:
-                from .log import get
-                get("cluster").warning(
+                _log("cluster").warning(
                     "the %s all-reduce times fit no latency + size / bandwidth line (medians %s s at %s bytes); "
                     "keeping the %s preset's %.3g s and %.3g B/s for this link", level,
                     ", ".join(f"{t:.3g}" for t in times), ", ".join(str(s) for s in sizes), cluster.name,
@@ -390,9 +390,9 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                                 "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
                                 "links_method": _LINKS_METHOD, "links_backend": backend, **cpu})
     c = _copy_cluster(cluster)
-    if values[1] > 0 and values[1] != float("inf"):
+    if values[1] > 0:  # measured (measure_link returns 0 for a link that fits no line)
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()
-    if values[3] > 0 and values[3] != float("inf"):
+    if values[3] > 0:
         c.inter_node_latency_s, c.inter_node_bytes_per_s = values[2].item(), values[3].item()
     elif cluster.nodes == 1:
         c.inter_node_latency_s, c.inter_node_bytes_per_s = c.intra_node_latency_s, c.intra_node_bytes_per_s

@@ -148,18 +148,18 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     u.shard_offsets.push_back(u.shard_numel);
     u.shard_numel += chunk * u.row_numel.back();
   }
-  // My rows of every parameter: the shard tensors the optimizer sees are views of them
-  // (detached: leaves of their own that share the viewed storage and its version counter).
-  // Packed in a flat shard of their own, or, when they are the parameters' own values
-  // (shards_alias_parameters), where they sit in the gathered unit.
-  if (shards_alias_parameters()) {
-    u.full = at::empty({u.numel}, at::kFloat);
+  // Stages 1-2: the whole parameters, in the compute dtype, one unit-wide tensor.
+  if (!sharded_parameters()) {
+    u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
     for (size_t i = 0; i < u.params.size(); ++i) {
       u.full.narrow(0, u.offsets[i], u.numels[i]).copy_(u.params[i].detach().reshape({-1}));
     }
-  } else {
-    u.flat_shard = at::zeros({u.shard_numel}, at::kFloat);
   }
+  // My rows of every parameter: the shard tensors the optimizer sees are views of them
+  // (detached: leaves of their own that share the viewed storage and its version counter).
+  // Packed in a flat shard of their own, or, when they are the parameters' own values
+  // (shards_alias_parameters), where they sit in the whole unit.
+  if (!shards_alias_parameters()) u.flat_shard = at::zeros({u.shard_numel}, at::kFloat);
   for (size_t i = 0; i < u.params.size(); ++i) {
     const int64_t l = local_rows(u, i, rank), rn = u.row_numel[i];
     auto mine = my_rows(u, i);
@@ -192,12 +192,8 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     // Parameters hold no storage until gathered.
     for (auto& p : u.params) p.set_data(at::empty({0}, p.options().dtype(options_.compute_dtype)));
   } else {
-    const bool filled = u.full.defined();  // by the aliasing shards above
-    if (!filled) u.full = at::empty({u.numel}, at::TensorOptions().dtype(options_.compute_dtype));
     for (size_t i = 0; i < u.params.size(); ++i) {
-      auto whole = u.full.narrow(0, u.offsets[i], u.numels[i]);
-      if (!filled) whole.copy_(u.params[i].detach().reshape({-1}));
-      u.params[i].set_data(whole.view(u.shapes[i]));
+      u.params[i].set_data(u.full.narrow(0, u.offsets[i], u.numels[i]).view(u.shapes[i]));
     }
     u.gathered = true;
     u.shard_version = shard_storage(u)._version();

@@ -130,7 +130,8 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
   }
   // Memory facts, from the real local tensors: [shard elements, shard grad elements,
   // optimizer state elements per shard (exp_avg + exp_avg_sq) / 2, model-parameter elements
-  // held, model-gradient elements held, expected ceil(unit / N) summed].
+  // held, model-gradient elements held, expected ceil(unit / N) summed, ..., shard elements
+  // stored apart from the parameters].
   double shard = 0, shard_grad = 0, state = 0, held = 0, held_grad = 0, expected = 0, apart = 0;
   const auto shards = sharded.shards();
   std::set<const void*> param_storages;
