@@ -1,25 +1,35 @@
 # The two commands a newcomer runs (README): `make demo` and `make test`.
-# Both install missing Debian packages first, then build with CMake.
+# Both install missing Debian packages first, make .venv with the pinned Python packages
+# (requirements.txt: torch among them), then build with CMake against that venv's torch.
 BUILD  ?= build
-PYTHON ?= /usr/bin/python3
+PYTHON ?= python3
 VENV   ?= .venv
 JOBS   ?= 2
 CMAKE_FLAGS ?=
+VENV_PYTHON := $(abspath $(VENV))/bin/python
 
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
-export PIP_NO_INDEX = 1
 
-.PHONY: all deps configure build test test-cpp test-python python demo bench format clean
+.PHONY: all deps venv configure build test test-cpp test-python python demo bench format clean
 
 all: build
 
 deps:
 	bash scripts/install_deps.sh
 
-$(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+# The venv and its pinned packages; made again only when requirements.txt changes.
+$(VENV)/.requirements: requirements.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	cp requirements.txt $@
 
-configure: deps $(BUILD)/CMakeCache.txt
+venv: $(VENV)/.requirements
+
+# LibTorch and pybind11 are the venv's (cmake/monarch_torch.cmake asks its interpreter).
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$(VENV_PYTHON) $(CMAKE_FLAGS)
+
+configure: deps venv $(BUILD)/CMakeCache.txt
 
 build: configure
 	cmake --build $(BUILD) --parallel $(JOBS)
@@ -27,10 +37,9 @@ build: configure
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure --parallel $(JOBS)
 
-# The Python package is installed the way users install it (pip, no build isolation: no
-# PyPI here) into a venv that sees Debian's packages, and tested from outside the tree.
-python: deps
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+# The Python package is installed the way users install it next to the torch they have (pip,
+# no build isolation: it builds against the venv's torch), and tested from outside the tree.
+python: deps venv
 	$(VENV)/bin/python -m pip install --no-build-isolation --no-deps --quiet .
 
 test-python: python
@@ -47,7 +56,7 @@ demo: build python
 	$(BUILD)/bin/monarch-plan validate $(BUILD)/gpt3-175b-1024.plan.json
 	@echo
 	@echo "== a small GPT on this machine: 4 CPU ranks through the launcher, the planner's layout =="
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m torch_monarch.run --nproc-per-node 4 examples/python/train_gpt.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 4 examples/python/train_gpt.py
 
 bench: build python
 	$(BUILD)/bin/bench_planner bench/results/planner.json

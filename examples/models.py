@@ -1,5 +1,5 @@
 """Models as users write them, with the module names of the libraries they come from (Hugging
-Face GPT-2, Llama and BERT; a plain MLP; torchvision's ResNet-18). Examples and tests build
+Face GPT-2, Llama and BERT; a plain MLP; ResNet-18 as torchvision names it). Examples and tests build
 them small; ``gpt3_175b`` builds the real size on the meta device for planning.
 
     python3 -m torch_monarch plan examples/models.py:gpt2_small --gpus 64 --cluster a100-80gb ...
@@ -380,10 +380,61 @@ class MLP(nn.Module):
         return self.out(x)
 
 
+class BasicBlock(nn.Module):
+    """ResNet's two-convolution block with its shortcut (He et al. 2016, Fig. 2 and Table 1),
+    with torchvision's attribute names."""
+
+    def __init__(self, inputs, channels, stride, norm):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = norm(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = norm(channels)
+        self.downsample = None
+        if stride != 1 or inputs != channels:
+            self.downsample = nn.Sequential(nn.Conv2d(inputs, channels, 1, stride=stride, bias=False), norm(channels))
+
+    def forward(self, x):
+        shortcut = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + shortcut)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 (He et al. 2016, Table 1): a 7x7 stem, four stages of two basic blocks
+    (64, 128, 256, 512 channels), global average pooling and a linear classifier; module names
+    and initialization as torchvision's ``resnet18`` (Kaiming-normal convolutions, norms one)."""
+
+    def __init__(self, num_classes=1000, norm=nn.BatchNorm2d):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = norm(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        stages, inputs = [], 64
+        for channels, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            stages.append(nn.Sequential(BasicBlock(inputs, channels, stride, norm), BasicBlock(channels, channels, 1, norm)))
+            inputs = channels
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
 def resnet18(num_classes=10, batch_stats=True):
-    """torchvision's ResNet-18. ``batch_stats=False`` swaps BatchNorm for GroupNorm: batch
-    statistics are per rank under data parallelism (as with DDP without SyncBatchNorm), so
-    only a norm without them can match a one-process run exactly."""
-    import torchvision
-    norm = None if batch_stats else (lambda channels: nn.GroupNorm(8, channels))
-    return torchvision.models.resnet18(num_classes=num_classes, norm_layer=norm)
+    """ResNet-18. ``batch_stats=False`` swaps BatchNorm for GroupNorm: batch statistics are per
+    rank under data parallelism (as with DDP without SyncBatchNorm), so only a norm without
+    them can match a one-process run exactly."""
+    norm = nn.BatchNorm2d if batch_stats else (lambda channels: nn.GroupNorm(8, channels))
+    return ResNet18(num_classes=num_classes, norm=norm)

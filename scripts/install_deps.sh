@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Installs every Debian package the project needs that is not already present.
-# Idempotent: a machine that has everything runs no apt command at all.
+# Installs the Debian packages the project builds and tests with that are not already present
+# (Debian 12 or 13). Idempotent: a machine that has everything runs no apt command at all.
+# Python packages, torch among them, come from PyPI into .venv (requirements.txt, `make venv`);
+# Debian provides only the C++ libraries, the build tools and the browser the report tests use.
 set -euo pipefail
 
 PACKAGES=(
   build-essential cmake ninja-build ccache
-  nlohmann-json3-dev libspdlog-dev catch2 pybind11-dev
-  libtorch-dev libgloo-dev
-  python3 python3-dev python3-pip python3-venv python3-setuptools python3-wheel
-  python3-pytest python3-numpy python3-torch python3-torchvision python3-pybind11
+  nlohmann-json3-dev libspdlog-dev catch2
+  libgloo-dev          # gloo's headers: torch's wheels ship gloo's library, not its headers
   chromium fonts-dejavu-core
 )
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import compat
 from . import planner as _planner
 from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
@@ -151,9 +151,7 @@ class _Recorder:
 
 
 def _make_mode(recorder):
-    base = compat.dispatch_mode_base()
-
-    class FlopCounter(base):
+    class FlopCounter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
@@ -262,7 +260,7 @@ def _capture(model, example_input, recorder, tensors):
     try:
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder):
             with torch.enable_grad():
-                compat.functional_call(model, tensors, args, kwargs)
+                torch.func.functional_call(model, tensors, args, kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from . import _runtime, compat
+from . import _runtime
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,23 +464,11 @@ def _gather_at_module_inputs(group, sequence_dim, units):
             hooked.add(id(parent))
             for m in linears:
                 m.sequence_parallel = False
-            if compat.forward_pre_hooks_take_kwargs():
-                parent.register_forward_pre_hook(_sequence_gather_hook(group, sequence_dim), with_kwargs=True)
-            else:
-                parent.register_forward_pre_hook(_sequence_gather_hook_args(group, sequence_dim))
+            parent.register_forward_pre_hook(_sequence_gather_hook(group, sequence_dim), with_kwargs=True)
 
 
 def _gather_sequence(x, group, sequence_dim):
     return _runtime.tp_gather_from_group(x.contiguous(), group, sequence_dim)
-
-
-def _sequence_gather_hook_args(group, sequence_dim):
-    def hook(_module, args):
-        if args and isinstance(args[0], torch.Tensor):
-            return (_gather_sequence(args[0], group, sequence_dim),) + tuple(args[1:])
-        raise ValueError("sequence parallel: a module with column-parallel linears inside a block takes its "
-                         "hidden states as its first positional argument (pass them positionally)")
-    return hook
 
 
 def _sequence_gather_hook(group, sequence_dim):

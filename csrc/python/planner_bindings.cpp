@@ -64,7 +64,7 @@ py::handle new_exception(py::module_& m, const char* name, PyObject* base, const
   return py::handle(type);
 }
 
-void set_error(py::handle type, const char* message, const std::string* field = nullptr) {
+void set_python_error(py::handle type, const char* message, const std::string* field = nullptr) {
   py::object exc = type(message);
   if (field) exc.attr("field") = *field;
   PyErr_SetObject(type.ptr(), exc.ptr());
@@ -85,13 +85,13 @@ void bind_exceptions(py::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const ValidationError& e) {
-      set_error(g_validation_error, e.what(), &e.field());
+      set_python_error(g_validation_error, e.what(), &e.field());
     } catch (const FormatError& e) {
-      set_error(g_format_error, e.what());
+      set_python_error(g_format_error, e.what());
     } catch (const InfeasibleError& e) {
-      set_error(g_infeasible_error, e.what());
+      set_python_error(g_infeasible_error, e.what());
     } catch (const PlannerError& e) {
-      set_error(g_planner_error, e.what());
+      set_python_error(g_planner_error, e.what());
     }
   });
 }

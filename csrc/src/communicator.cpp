@@ -1,7 +1,7 @@
 #include "monarch/runtime/communicator.h"
 
-#include <spdlog/spdlog.h>
 
+#include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
 #include "monarch/runtime/trace.h"
 
@@ -86,7 +86,7 @@ void Handle::wait() {
   const std::string message = what_ + " failed: " + error;
   if (failure_ && failure_->empty()) {
     *failure_ = message;
-    log::get("comm").error("{}", message);  // once per group: later calls repeat it
+    log::error("comm", message);  // once per group: later calls repeat it
   }
   TORCH_CHECK(false, message);
 }
@@ -119,7 +119,7 @@ bool checks_from_environment() {
 
 }  // namespace
 
-Communicator::Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name,
+Communicator::Communicator(compat::BackendPtr group, std::vector<int> ranks, int rank, std::string name,
                            c10::intrusive_ptr<c10d::Store> store, std::string key)
     : group_(std::move(group)),
       ranks_(std::move(ranks)),
@@ -314,7 +314,7 @@ at::Tensor transport(const at::Tensor& t) {
 void latch(const std::shared_ptr<std::string>& failure, const std::string& message) {
   if (failure && failure->empty()) {
     *failure = message;
-    log::get("comm").error("{}", message);
+    log::error("comm", message);
   }
 }
 
@@ -366,7 +366,7 @@ std::shared_ptr<NcclBackend> Communicator::nccl(const at::Tensor& t, const std::
     TORCH_CHECK(store_, "monarch: ", what, ": group '", name_, "' was created without a store, which NCCL needs "
                 "to exchange its unique id");
     nccl_ = NcclBackend::create(ranks_, group_rank_, device, store_, key_ + "/nccl", name_,
-                                std::chrono::milliseconds(group_->getOptions()->timeout));
+                                gloo_group::timeout(group_));
   } catch (const std::exception& e) {
     // Some members may have their communicator and others not: the group is unusable.
     const std::string message = what + " failed: " + error_text(e);

@@ -1,6 +1,5 @@
 #include "monarch/runtime/device_mesh.h"
 
-#include <spdlog/spdlog.h>
 
 #include "monarch/runtime/log.h"
 
@@ -87,8 +86,8 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       world_->skip_group();
     }
   }
-  log::get("mesh").info("mesh pp={} dp={} tp={}: groups connected; this rank at pp {}, dp {}, tp {}", mesh.pp,
-                        mesh.dp, mesh.tp, coordinate("pp"), coordinate("dp"), coordinate("tp"));
+  log::info("mesh", "mesh pp=", mesh.pp, " dp=", mesh.dp, " tp=", mesh.tp, ": groups connected; this rank at pp ",
+            coordinate("pp"), ", dp ", coordinate("dp"), ", tp ", coordinate("tp"));
 }
 
 bool DeviceMesh::has_pipeline_ends_group() const {
@@ -164,8 +163,8 @@ NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
   };
   groups->intra = make(mine, "intra");
   groups->inter = make(across, "inter");
-  log::get("mesh").info("{} split by node: {} rank(s) on this node ({}), {} node(s) ({})", axis, mine.size(),
-                        groups->intra->name(), across.size(), groups->inter->name());
+  log::info("mesh", axis, " split by node: ", mine.size(), " rank(s) on this node (", groups->intra->name(), "), ",
+            across.size(), " node(s) (", groups->inter->name(), ")");
   return *node_groups_.emplace(axis, std::move(groups)).first->second;
 }
 

@@ -1,7 +1,6 @@
 // Runtime logging (log.h).
 #include "monarch/runtime/log.h"
 
-#include <c10/util/Exception.h>
 #include <spdlog/sinks/stdout_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -9,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <vector>
 
 namespace monarch::log {
@@ -57,9 +57,10 @@ std::string level_for(const std::string& spec, const std::string& component, int
     const auto eq = item.find('=');
     const std::string name = eq == std::string::npos ? "" : item.substr(0, eq);
     const std::string value = eq == std::string::npos ? item : item.substr(eq + 1);
-    TORCH_CHECK(is_level(value) && (eq == std::string::npos || !name.empty()),
-                "monarch: MONARCH_LOG_LEVEL: '", item,
-                "' is neither a level (trace, debug, info, warn, error, off) nor component=level");
+    if (!is_level(value) || (eq != std::string::npos && name.empty())) {
+      throw std::invalid_argument("monarch: MONARCH_LOG_LEVEL: '" + item +
+                                  "' is neither a level (trace, debug, info, warn, error, off) nor component=level");
+    }
     if (eq == std::string::npos) {
       level = value;
     } else if (name == component) {
@@ -69,8 +70,11 @@ std::string level_for(const std::string& spec, const std::string& component, int
   return overridden.empty() ? level : overridden;
 }
 
-spdlog::logger& get(const std::string& component) {
-  std::lock_guard<std::mutex> lock(mutex);
+namespace {
+
+// The component's logger, created on first use at the level the environment gives it. The
+// caller holds `mutex`.
+spdlog::logger& get_locked(const std::string& component) {
   auto it = loggers.find(component);
   if (it != loggers.end()) return *it->second;
   // stderr: the launcher keeps each rank's stderr in its own log file.
@@ -78,6 +82,34 @@ spdlog::logger& get(const std::string& component) {
   configure(*logger, component);
   loggers[component] = logger;
   return *logger;
+}
+
+spdlog::level::level_enum to_spdlog(Level level) {
+  switch (level) {
+    case Level::trace: return spdlog::level::trace;
+    case Level::debug: return spdlog::level::debug;
+    case Level::info: return spdlog::level::info;
+    case Level::warn: return spdlog::level::warn;
+    case Level::error: return spdlog::level::err;
+  }
+  return spdlog::level::err;
+}
+
+}  // namespace
+
+bool enabled(const std::string& component, Level level) {
+  std::lock_guard<std::mutex> lock(mutex);
+  return get_locked(component).should_log(to_spdlog(level));
+}
+
+void write(const std::string& component, Level level, const std::string& message) {
+  std::shared_ptr<spdlog::logger> logger;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    get_locked(component);
+    logger = loggers.at(component);  // shared: a line is written outside the lock
+  }
+  logger->log(to_spdlog(level), "{}", message);
 }
 
 void set_rank(int rank) {

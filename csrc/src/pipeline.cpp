@@ -1,6 +1,5 @@
 #include "monarch/runtime/pipeline.h"
 
-#include <spdlog/spdlog.h>
 
 #include "monarch/runtime/log.h"
 #include "monarch/runtime/trace.h"
@@ -484,8 +483,8 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   stats.wait_s += seconds_since(t);
   stats.total_s = seconds_since(step_start);
   last_step_complete_ = true;
-  log::get("pipeline").debug("step {} on pipeline rank {}: {:.4f} s, {:.4f} s computing, {:.4f} s waiting", step,
-                             rank_, stats.total_s, stats.compute_s, stats.wait_s);
+  log::debug("pipeline", "step ", step, " on pipeline rank ", rank_, ": ", log::fixed(stats.total_s, 4), " s, ",
+             log::fixed(stats.compute_s, 4), " s computing, ", log::fixed(stats.wait_s, 4), " s waiting");
   trace::Event e;
   // A forward-only run (inference) is not a training step: the report's measured step is a
   // training one.

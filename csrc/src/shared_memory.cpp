@@ -15,7 +15,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <spdlog/spdlog.h>
 
 #include "monarch/runtime/log.h"
 
@@ -126,9 +125,8 @@ std::shared_ptr<NodeSharedBuffer> NodeSharedBuffer::create(Communicator& intra, 
   intra.all_reduce_max(failed).wait();
   if (failed.item<float>() != 0.0f) {
     if (!problem.empty()) {
-      log::get("mesh").info("group {}: no shared memory between the node's ranks: {}; the intra-node steps use "
-                            "the group's collectives",
-                            intra.name(), problem);
+      log::info("mesh", "group ", intra.name(), ": no shared memory between the node's ranks: ", problem,
+                "; the intra-node steps use the group's collectives");
     }
     return nullptr;
   }

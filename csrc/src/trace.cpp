@@ -10,7 +10,6 @@
 #include <sstream>
 #include <thread>
 
-#include <spdlog/spdlog.h>
 
 #include "monarch/runtime/communicator.h"
 #include "monarch/runtime/log.h"
@@ -241,7 +240,7 @@ void save(const std::string& path, DeviceMesh& mesh) {
     }
     store->set(done, std::vector<uint8_t>(error.begin(), error.end()));
     TORCH_CHECK(error.empty(), "monarch: rank 0 saving trace '", path, "': ", error);
-    log::get("trace").info("wrote {} ({} ranks, {} events dropped by the ring buffers)", path, size, dropped_total);
+    log::info("trace", "wrote ", path, " (", size, " ranks, ", dropped_total, " events dropped by the ring buffers)");
   } else {
     // Twice rank 0's deadline: rank 0 reports a missing rank first, by name.
     if (!wait_for({done}, 2 * deadline).empty()) {

@@ -1,7 +1,6 @@
 #include "monarch/runtime/world.h"
 
-#include <spdlog/spdlog.h>
-
+#include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
 
 #include <cstdlib>
@@ -87,9 +86,9 @@ std::shared_ptr<World> World::init(const InitOptions& options) {
         "/worker/attempt_" + std::to_string(env.restart_count), store);
   }
   auto world = from_store(store, env.rank, env.world_size, options);
-  log::get("world").info("rendezvous with {} ranks at {}:{}{} in {:.2f} s", env.world_size, env.master_addr,
-                         env.master_port, env.use_agent_store ? " (torchrun's agent store)" : "",
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  log::info("world", "rendezvous with ", env.world_size, " ranks at ", env.master_addr, ":", env.master_port,
+            env.use_agent_store ? " (torchrun's agent store)" : "", " in ",
+            log::fixed(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2), " s");
   return world;
 }
 
@@ -99,38 +98,30 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
               " is not in a world of ", world_size);
   store->setTimeout(options.timeout);
   log::set_rank(rank);
-  log::get("world").debug("joined a world of {} ranks (timeout {} ms)", world_size, options.timeout.count());
+  log::debug("world", "joined a world of ", world_size, " ranks (timeout ", options.timeout.count(), " ms)");
   return std::shared_ptr<World>(new World(std::move(store), rank, world_size, options.timeout));
 }
 
-compat::GlooPtr World::new_group(const std::vector<int>& ranks, const std::string& name) const {
+compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::string& name) const {
   int group_rank = -1;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] == rank_) group_rank = static_cast<int>(i);
   }
   TORCH_INTERNAL_ASSERT(group_rank >= 0, "rank ", rank_, " is not a member of group ", name);
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout_);
+  gloo_group::DevicePtr device;
   {
     std::lock_guard<std::mutex> lock(device_mutex_);
     if (!device_) {
-      const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
       const char* addr = std::getenv("MASTER_ADDR");
-      if (iface != nullptr && *iface != '\0') {
-        device_ = c10d::ProcessGroupGloo::createDeviceForInterface(iface);
-      } else if (addr != nullptr && is_loopback(addr)) {
-        device_ = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-      } else {
-        device_ = c10d::ProcessGroupGloo::createDefaultDevice();
-      }
+      device_ = gloo_group::device_from_environment(addr != nullptr && is_loopback(addr));
     }
-    options->devices.push_back(device_);
+    device = device_;
   }
   const int64_t id = groups_created_++;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
       "monarch/" + std::to_string(id) + "/" + name + "/", store_);
   try {
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank,
-                                                       static_cast<int>(ranks.size()), options);
+    return gloo_group::connect(prefixed, group_rank, static_cast<int>(ranks.size()), timeout_, device);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "monarch: rank ", rank_, " could not connect group '", name, "' within ",
                 timeout_.count(), " ms (a peer may have died): ", e.what());

@@ -2,8 +2,8 @@
 // the ranks the launcher started, then checked against the same model trained in one
 // process. Launch it as users launch jobs:
 //
-//   python3 -m torch_monarch.run --no-python --nproc-per-node 4 build/bin/train_gpt
-//   python3 -m torch_monarch.run --no-python --nproc-per-node 4 build/bin/train_gpt --pp 2 --zero 3
+//   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt
+//   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt --pp 2 --zero 3
 //   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
 //
 // Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S

@@ -2,7 +2,7 @@
 Recommendation Systems") on synthetic click data, its embedding tables planned and sharded by
 torch_monarch, its dense part data-parallel.
 
-    python3 -m torch_monarch.run --nproc-per-node 4 examples/python/dlrm.py --steps 20
+    torchrun --nproc-per-node 4 examples/python/dlrm.py --steps 20
     python3 examples/python/dlrm.py --steps 20              # one process, unsharded
 
 Model: a bottom MLP over 13 dense features to the embedding width, 8 embedding tables of

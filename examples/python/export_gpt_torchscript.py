@@ -1,7 +1,7 @@
 """Writes a small GPT as a TorchScript nn.Sequential, for the C++ example to train:
 
     python3 examples/python/export_gpt_torchscript.py gpt.pt
-    python3 -m torch_monarch.run --no-python --nproc-per-node 4 build/bin/train_gpt --torchscript gpt.pt
+    torchrun --no-python --nproc-per-node 4 build/bin/train_gpt --torchscript gpt.pt
 
 The C++ frontend cuts a scripted Sequential between its children like a torch::nn one. The
 layers have the shapes the planner's transformer builder counts (untied head: weights tied

@@ -1,4 +1,4 @@
-# Launch: .venv/bin/python -m torch_monarch.run --nproc-per-node 4 examples/python/quickstart.py
+# Launch: .venv/bin/torchrun --nproc-per-node 4 examples/python/quickstart.py
 import os
 import sys
 

@@ -1,7 +1,7 @@
 """Trains a small GPT-2 with the layout the planner picks for this job, and checks it against
 one process. Launch (from the repository's root):
 
-    python3 -m torch_monarch.run --nproc-per-node 4 examples/python/train_gpt.py
+    torchrun --nproc-per-node 4 examples/python/train_gpt.py
 
 Every rank reads the model, the machine is detected and its links probed, rank 0 plans and
 broadcasts the plan, the model is laid out and trained. Rank 0 then trains the same model

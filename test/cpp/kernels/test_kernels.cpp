@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "monarch/kernels/adamw.h"
+#include "monarch/runtime/compat.h"
 #include "monarch/kernels/cross_entropy.h"
 #include "monarch/kernels/pack.h"
 #include "monarch/kernels/quantize.h"
@@ -373,7 +374,7 @@ TEST_CASE("fused AdamW matches torch::optim::AdamW over several steps, bf16 copi
         INFO("wd " << wd << " step " << step << " tensor " << k);
         at::Tensor r = ref_params[k].detach();
         auto& st = static_cast<torch::optim::AdamWParamState&>(
-            *opt.state().at(c10::guts::to_string(ref_params[k].unsafeGetTensorImpl())));
+            monarch::compat::optimizer_state(opt, ref_params[k]));
         CHECK(at::allclose(p[k], r, 1e-6, 1e-7));
         CHECK(at::allclose(m[k], st.exp_avg(), 1e-6, 1e-7));  // ulps of terms that cancel
         CHECK(at::allclose(v[k], st.exp_avg_sq(), 1e-6, 1e-12));

@@ -5,7 +5,7 @@
 // Megatron-LM" (SC'21), on Selene (DGX A100 80GB, 8 HDR InfiniBand NICs per node), GPT with
 // s = 2048, V = 51200, mixed precision, activation recomputation, no sequence parallelism
 // (it came later: Korthikanti et al. 2022), materialized attention.
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 #include <cstdint>
 #include <string>
 

@@ -1,6 +1,6 @@
 // Cost model against published worked examples (docs/cost_model.md).
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 #include <set>
 
 #include "monarch/planner/collectives.h"

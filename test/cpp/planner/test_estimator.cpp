@@ -1,4 +1,4 @@
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 #include <cstdint>
 #include <string>
 

@@ -1,5 +1,5 @@
 // Tests planner/src/plan_json.cpp (and the equality / summary / enum names it relies on).
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 
 #include <cstdio>
 #include <fstream>
@@ -16,7 +16,7 @@
 
 using namespace monarch::planner;
 using Json = nlohmann::ordered_json;
-using Catch::Matchers::Contains;
+using Catch::Contains;
 
 namespace {
 

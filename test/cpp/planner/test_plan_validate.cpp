@@ -1,5 +1,5 @@
 // Tests planner/src/plan_validate.cpp: one case per rule, each checking the field path.
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 
 #include <cmath>
 #include <cstdio>
@@ -9,8 +9,8 @@
 #include "monarch/planner/plan.h"
 
 using namespace monarch::planner;
-using Catch::Matchers::Contains;
-using Catch::Matchers::StartsWith;
+using Catch::Contains;
+using Catch::StartsWith;
 
 namespace {
 

@@ -2,7 +2,7 @@
 // row per pipeline rank, one memory bar per rank class, the limit line), the fit advice of a
 // plan that does not fit, the measured rows of a trace, old plans without the per-stage
 // details, and escaping. Rendering in a browser is tested in test/python/test_report.py.
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 
 #include <regex>
 #include <string>

@@ -2,7 +2,7 @@
 // reach the published bubble fractions, respect memory bounds, and broken programs are
 // rejected with the offending action named.
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -1,4 +1,4 @@
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 #include <map>
 #include <tuple>
 #include <algorithm>
@@ -196,7 +196,7 @@ TEST_CASE("sequence parallelism pinned on is never dropped: it implies tp > 1", 
   const ModelGraph g = tiny_model();
   // One device: no tp to split along; refused by name rather than planned without it.
   CHECK_THROWS_WITH(search(g, cluster_preset("cpu", 1), batch(8), with_pins(pins)),
-                    Catch::Matchers::Contains("pins.sequence_parallel"));
+                    Catch::Contains("pins.sequence_parallel"));
   // Four devices: only layouts with tp > 1 are candidates.
   const Plan p = search(g, cluster_preset("cpu", 4), batch(8), with_pins(pins));
   CHECK(p.mesh.tp > 1);

@@ -1,7 +1,7 @@
 // bytes_per_step: what each rank sends per step and axis, from the layout alone. The runtime's
 // counters are checked against it on 4 ranks by test/python/test_traffic.py; these cases pin
 // the formulas on a graph small enough to add up by hand.
-#include <catch2/catch.hpp>
+#include "catch_compat.h"
 
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/search.h"

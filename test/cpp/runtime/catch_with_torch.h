@@ -3,4 +3,4 @@
 // drop glog's CHECK, then Catch2.
 #include <torch/torch.h>
 #undef CHECK
-#include <catch2/catch.hpp>
+#include "catch_compat.h"

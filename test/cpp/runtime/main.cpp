@@ -1,5 +1,5 @@
 // Runtime test binary: the Catch2 driver, or, when started by harness.h, one worker rank.
-#define CATCH_CONFIG_RUNNER
+#define MONARCH_CATCH_RUNNER
 #include "catch_with_torch.h"
 
 #include <cstdlib>

@@ -17,7 +17,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include "monarch/runtime/gloo_group.h"
 
 #include "monarch/runtime/communicator.h"
 #ifdef MONARCH_WITH_NCCL
@@ -26,7 +26,7 @@
 #include "monarch/runtime/nccl_backend.h"
 #endif
 
-using Catch::Matchers::Contains;
+using Catch::Contains;
 using monarch::Communicator;
 
 namespace {
@@ -57,10 +57,8 @@ std::vector<Seen> run_group(int n, const std::string& prefix, const std::functio
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r]() {
       try {
-        auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(20));
-        options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-        auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
-            c10::make_intrusive<c10d::PrefixStore>(prefix + "/gloo", store), r, n, options);
+        auto pg = monarch::gloo_group::connect(c10::make_intrusive<c10d::PrefixStore>(prefix + "/gloo", store), r, n,
+                                      std::chrono::seconds(20), monarch::gloo_group::device_from_environment(true));
         Communicator comm(pg, ranks, r, prefix, store, prefix);
         body(comm, r, seen[r]);
       } catch (const c10::Error& e) {

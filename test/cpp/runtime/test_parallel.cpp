@@ -72,7 +72,7 @@ TEST_CASE("an inconsistent action list is refused on every rank before anything 
   CHECK(seconds < 30);
   for (const auto& rank : r.ranks) {
     CHECK(rank.exit_code == 1);
-    CHECK_THAT(rank.stderr_text, Catch::Matchers::Contains("refuses the schedule before running it"));
-    CHECK_THAT(rank.stderr_text, Catch::Matchers::Contains("no matching send_activation on rank 0"));
+    CHECK_THAT(rank.stderr_text, Catch::Contains("refuses the schedule before running it"));
+    CHECK_THAT(rank.stderr_text, Catch::Contains("no matching send_activation on rank 0"));
   }
 }

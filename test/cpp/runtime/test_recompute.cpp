@@ -164,10 +164,10 @@ TEST_CASE("attention_core computes softmax(q k^T / sqrt(d) + mask) v, with group
   CHECK(!monarch::attention_core(q, k, v, all).isnan().any().item<bool>());
   // kv heads that do not divide the query heads, and dropout outside [0, 1): one clear error.
   CHECK_THROWS_WITH(monarch::attention_core(q, torch::randn({3, 3, 7, 8}), torch::randn({3, 3, 7, 6})),
-                    Catch::Matchers::Contains("k has 3 heads, which do not divide q's 4"));
+                    Catch::Contains("k has 3 heads, which do not divide q's 4"));
   monarch::AttentionOptions bad;
   bad.dropout = 1.0;
-  CHECK_THROWS_WITH(monarch::attention_core(q, k, v, bad), Catch::Matchers::Contains("dropout 1 is not in [0, 1)"));
+  CHECK_THROWS_WITH(monarch::attention_core(q, k, v, bad), Catch::Contains("dropout 1 is not in [0, 1)"));
 }
 
 TEST_CASE("attention_core without grad mode is a plain call, scope or not", "[runtime][recompute][selective]") {
@@ -205,5 +205,5 @@ TEST_CASE("attention_core: a learned additive bias gets its gradient under selec
   m.mask = torch::zeros({3, 3});
   CHECK(monarch::attention_core(q, q, q, m).scalar_type() == torch::kBFloat16);
   m.mask = torch::ones({3, 3}, torch::kLong);
-  CHECK_THROWS_WITH(monarch::attention_core(q, q, q, m), Catch::Matchers::Contains("an integer mask"));
+  CHECK_THROWS_WITH(monarch::attention_core(q, q, q, m), Catch::Contains("an integer mask"));
 }

@@ -142,7 +142,7 @@ TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullySh
     if (s.numel() > 0 && !param_storages.count(s.storage().unsafeGetStorageImpl())) apart += s.numel();
     shard_grad += s.grad().defined() ? s.grad().numel() : 0;
     auto& st = static_cast<torch::optim::AdamWParamState&>(
-        *optimizer.state().at(c10::guts::to_string(s.unsafeGetTensorImpl())));
+        monarch::compat::optimizer_state(optimizer, s));
     state += (st.exp_avg().numel() + st.exp_avg_sq().numel()) / 2.0;
   }
   for (const auto& p : model->parameters()) {

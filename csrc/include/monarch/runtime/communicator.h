@@ -103,7 +103,7 @@ class Communicator {
   // `ranks`: the group's global ranks in group order; `rank`: this process's global rank.
   // `store` / `key`: the job's store and a key prefix unique to this group (for
   // expect_all); without them expect_all is a no-op.
-  Communicator(compat::GlooPtr group, std::vector<int> ranks, int rank, std::string name,
+  Communicator(compat::BackendPtr group, std::vector<int> ranks, int rank, std::string name,
                c10::intrusive_ptr<c10d::Store> store = {}, std::string key = {});
 
   const std::string& name() const { return name_; }
@@ -205,7 +205,7 @@ class Communicator {
   std::shared_ptr<NcclBackend> nccl(const at::Tensor& t, const std::string& what);
   std::shared_ptr<NcclBackend> nccl_;
   void* cuda_stream_ = nullptr;
-  compat::GlooPtr group_;
+  compat::BackendPtr group_;
   std::vector<int> ranks_;
   int group_rank_ = 0;
   std::string name_;

@@ -97,7 +97,7 @@ class DataParallelEngine {
   std::vector<bool> ready_;
   // Hooks run after each parameter's gradient accumulator (as DDP's reducer): they see the
   // gradient after any tensor hooks a user registered changed it, whenever registered.
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // held: the tensor holds them weakly
+  std::vector<compat::NodePtr> accumulators_;  // held: the tensor holds them weakly
   std::vector<uintptr_t> hook_keys_;
   size_t next_launch_ = 0;
   std::unique_ptr<detail::BackwardCallback> callback_;

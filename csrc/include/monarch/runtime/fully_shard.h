@@ -168,7 +168,7 @@ class FullyShardEngine {
   Communicator& group_;
   FullyShardOptions options_;
   // Post hooks on the parameters' gradient accumulators (see on_gradient).
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   int64_t next_reduce_ = 0;  // reductions launch in unit order on every rank
   std::vector<bool> unit_grads_ready_;

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "monarch/runtime/compat.h"
+#include "monarch/runtime/gloo_group.h"
 
 namespace monarch {
 
@@ -56,7 +57,7 @@ class World {
   // A Gloo group over `ranks` (global ranks, this rank among them) named `name`. Every
   // member must create its groups in the same order (a per-world counter keeps the store
   // keys of successive groups with the same name apart).
-  compat::GlooPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
+  compat::BackendPtr new_group(const std::vector<int>& ranks, const std::string& name) const;
   // For ranks outside a group the others are creating: keeps group ids aligned everywhere.
   void skip_group() const { ++groups_created_; }
   // Groups created (or skipped) so far: with a group's name, a store key unique to it.
@@ -79,7 +80,7 @@ class World {
   // when idle; with one per group, the groups of a few parallelized models kept alive took
   // a tenth of a core per rank doing nothing.
   mutable std::mutex device_mutex_;
-  mutable std::shared_ptr<::gloo::transport::Device> device_;
+  mutable gloo_group::DevicePtr device_;
   mutable std::atomic<int64_t> agreements_{0};
 };
 

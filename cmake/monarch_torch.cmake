@@ -1,0 +1,49 @@
+# Finds LibTorch for the runtime (csrc/): MONARCH_WITH_TORCH = AUTO (build the runtime if
+# torch is found) | ON (required) | OFF. Sets MONARCH_HAVE_TORCH.
+#
+# LibTorch is the one inside the installed torch package (torch.utils.cmake_prefix_path),
+# which brings torch's C++ standard, ABI (_GLIBCXX_USE_CXX11_ABI) and compile definitions
+# with its targets. Supported: torch 2.9 through 2.14; any other version stops the configure
+# with one line saying so (MONARCH_ALLOW_ANY_TORCH=ON to try anyway).
+set(MONARCH_TORCH_MIN 2.9)
+set(MONARCH_TORCH_MAX 2.14)
+option(MONARCH_ALLOW_ANY_TORCH "Configure against a torch outside ${MONARCH_TORCH_MIN}-${MONARCH_TORCH_MAX}" OFF)
+
+set(MONARCH_HAVE_TORCH OFF)
+string(TOUPPER "${MONARCH_WITH_TORCH}" _monarch_torch_mode)
+if(NOT _monarch_torch_mode STREQUAL "OFF" AND NOT _monarch_torch_mode STREQUAL "FALSE")
+  if(NOT Torch_DIR)
+    if(NOT Python3_EXECUTABLE)
+      find_program(Python3_EXECUTABLE NAMES python3 python)
+    endif()
+    if(Python3_EXECUTABLE)
+      execute_process(
+        COMMAND "${Python3_EXECUTABLE}" -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+        OUTPUT_VARIABLE _monarch_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE
+        ERROR_QUIET RESULT_VARIABLE _monarch_torch_rc)
+      if(_monarch_torch_rc EQUAL 0 AND _monarch_torch_prefix)
+        list(APPEND CMAKE_PREFIX_PATH "${_monarch_torch_prefix}")
+      endif()
+    endif()
+  endif()
+  if(_monarch_torch_mode STREQUAL "AUTO")
+    find_package(Torch QUIET)
+  else()
+    find_package(Torch)
+    if(NOT TORCH_FOUND AND NOT Torch_FOUND)
+      message(FATAL_ERROR "MONARCH_WITH_TORCH=ON but torch was not found: install torch "
+              "${MONARCH_TORCH_MIN}-${MONARCH_TORCH_MAX} for ${Python3_EXECUTABLE} (make python does it), "
+              "or set Torch_DIR")
+    endif()
+  endif()
+  if(TORCH_FOUND OR Torch_FOUND)
+    string(REGEX MATCH "^[0-9]+\\.[0-9]+" _monarch_torch_minor "${Torch_VERSION}")
+    if((_monarch_torch_minor VERSION_LESS MONARCH_TORCH_MIN OR _monarch_torch_minor VERSION_GREATER MONARCH_TORCH_MAX)
+       AND NOT MONARCH_ALLOW_ANY_TORCH)
+      message(FATAL_ERROR "torch ${Torch_VERSION} (${Torch_DIR}) is outside the supported range "
+              "${MONARCH_TORCH_MIN} through ${MONARCH_TORCH_MAX}: install a supported torch, or configure "
+              "with -DMONARCH_ALLOW_ANY_TORCH=ON to try it anyway")
+    endif()
+    set(MONARCH_HAVE_TORCH ON)
+  endif()
+endif()
