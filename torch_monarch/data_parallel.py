@@ -7,6 +7,7 @@ from torch import nn
 
 from . import _runtime
 from .distributed import device_mesh
+from .interop import refuse_foreign_layout
 
 
 class DataParallel(nn.Module):
@@ -29,6 +30,7 @@ class DataParallel(nn.Module):
                  gradient_compression: str = None, broadcast_from_rank0: bool = True, exclude=(),
                  reduction: str = "flat", inter_node_compression: str = None):
         super().__init__()
+        refuse_foreign_layout(module, "torch_monarch.DataParallel")
         if gradient_compression not in (None, "bf16"):
             raise ValueError(f"gradient_compression: expected None or 'bf16', got {gradient_compression!r}")
         if reduction not in ("flat", "hierarchical"):

@@ -258,8 +258,10 @@ def _capture(model, example_input, recorder, tensors):
     was_training = model.training
     model.train()  # what training saves for backward (dropout masks included)
     try:
+        # Tensors the forward makes without naming a device (a causal mask from torch.ones,
+        # positions from torch.arange) are made on meta too, beside the meta activations.
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder):
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.device("meta"):
                 torch.func.functional_call(model, tensors, args, kwargs)
     finally:
         for h in handles:

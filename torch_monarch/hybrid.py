@@ -427,6 +427,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     from .api import check_plan, plan_for_job
     from .distributed import init
     from .embeddings import EmbeddingBagCollection, EmbeddingCollection, parallelize_recommendation
+    from .interop import refuse_foreign_layout
+    refuse_foreign_layout(model, "torch_monarch.parallelize")
     if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,

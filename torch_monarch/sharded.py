@@ -12,6 +12,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime, deferred
 from .distributed import device_mesh
+from .interop import refuse_foreign_layout
 
 
 def _default_units(module: nn.Module):
@@ -218,6 +219,7 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     each submodule's ``reset_parameters()``): under ZeRO-3 no rank ever holds more than one
     whole unit. Ignored parameters must already be real.
     """
+    refuse_foreign_layout(module, "torch_monarch.fully_shard")
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage: expected 1, 2 or 3, got {zero_stage}")
     mesh = mesh if mesh is not None else device_mesh()

@@ -381,6 +381,8 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     ``torch.initial_seed()`` and the tp rank); the others use the default generator, which
     the caller seeds alike on every tp rank (``seed_tensor_parallel_rng``).
     """
+    from .interop import refuse_foreign_layout
+    refuse_foreign_layout(model, "torch_monarch.tensor_parallel")
     group = mesh.group("tp")
     tp = group.size
     whole = resolve_plan(model, plan, keep_replicate=True)

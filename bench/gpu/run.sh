@@ -43,8 +43,10 @@ echo "== python: $PYTHON ($("$PYTHON" -c 'import torch;print("torch", torch.__ve
 
 tests=1
 if [ $skip = 0 ]; then
+  # LibTorch, pybind11 and NCCL (the nvidia-nccl wheel beside a CUDA torch) are found through
+  # the interpreter (cmake/monarch_torch.cmake, csrc/CMakeLists.txt); kernels/ alone needs the prefix.
   prefix=$("$PYTHON" -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  common=(-DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=$prefix" -DMONARCH_WITH_CUDA=$cuda)
+  common=(-DCMAKE_BUILD_TYPE=Release "-DPython3_EXECUTABLE=$PYTHON" "-DCMAKE_PREFIX_PATH=$prefix" -DMONARCH_WITH_CUDA=$cuda)
   echo "== configure $build (MONARCH_WITH_CUDA=$cuda)"
   mkdir -p "$build"
   log=$build/monarch-configure.log

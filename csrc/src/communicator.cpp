@@ -303,8 +303,9 @@ double bytes_of(const at::Tensor& t) { return static_cast<double>(t.numel() * t.
 // object). Gloo's worker thread drops its references after the work completes; if the last
 // reference to a Python-owned tensor went with it, freeing it would take the GIL from that
 // thread, and at interpreter exit that aborts the process ("terminate called without an
-// active exception", seen on rank 0 after training had finished). Gloo (LibTorch 1.13) also
-// knows no bf16: operations that only move bytes carry bf16 as fp16 bit patterns.
+// active exception", seen on rank 0 after training had finished). Operations that only move
+// bytes carry bf16 as fp16 bit patterns (Gloo's bf16 support differs between torch versions;
+// moving bits needs none).
 at::Tensor transport(const at::Tensor& t) {
   at::Tensor alias = t.detach();
   return alias.scalar_type() == at::kBFloat16 ? alias.view(at::kHalf) : alias;
@@ -460,7 +461,8 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
       .traced("all_reduce", sent, name_);
 }
 
-// Gloo (LibTorch 1.13) cannot reduce bf16. Same bytes as a ring all-reduce of the bf16
+// bf16 summed in fp32 (Gloo's own bf16 sum, where a torch version has one, adds in bf16 and
+// rounds at every step). Same bytes as a ring all-reduce of the bf16
 // buffer: an all-to-all of 2-byte chunks (moved as fp16 bit patterns, no arithmetic), an fp32
 // sum of this rank's chunk, and an all-gather of the reduced bf16 chunks. The second phase
 // runs inside wait().

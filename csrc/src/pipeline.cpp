@@ -12,7 +12,9 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "monarch/planner/errors.h"
 
@@ -22,6 +24,35 @@ using planner::Action;
 using planner::ActionType;
 
 namespace {
+
+// Since torch 2.0, capturing a leaf's gradient with autograd::grad runs the tensor hooks
+// registered on it (Tensor.register_hook). The zero-bubble input pass (B) only captures the
+// parameters' gradients; the weight pass (W) hands them to autograd, where the hooks and the
+// accumulators run. Parking the hooks during B keeps them to one call per step, in W, as a
+// plain backward makes them.
+class ParkedTensorHooks {
+ public:
+  explicit ParkedTensorHooks(const std::vector<at::Tensor>& leaves) {
+    for (const auto& leaf : leaves) {
+      auto accumulator = torch::autograd::impl::try_get_grad_accumulator(leaf);
+      if (!accumulator || accumulator->tensor_pre_hooks().empty()) continue;
+      parked_.emplace_back(accumulator, std::move(accumulator->tensor_pre_hooks()));
+      accumulator->tensor_pre_hooks().clear();
+    }
+  }
+  ~ParkedTensorHooks() {
+    for (auto& [accumulator, hooks] : parked_) {
+      auto& now = accumulator->tensor_pre_hooks();  // hooks registered meanwhile run after
+      for (auto& hook : now) hooks.push_back(std::move(hook));
+      now = std::move(hooks);
+    }
+  }
+  ParkedTensorHooks(const ParkedTensorHooks&) = delete;
+  ParkedTensorHooks& operator=(const ParkedTensorHooks&) = delete;
+
+ private:
+  std::vector<std::pair<compat::NodePtr, std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>>> parked_;
+};
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -178,6 +209,7 @@ std::vector<at::Tensor> AutogradStageWork::backward_input(int64_t stage, int64_t
     // weight gradients of deferred linears are left for backward_weight (Qi et al. 2023).
     s.deferred = std::make_shared<WeightGradSink>();
     WeightGradSink::Collecting collecting(*s.deferred);
+    ParkedTensorHooks parked({wanted.begin() + static_cast<std::ptrdiff_t>(num_inputs), wanted.end()});
     got = torch::autograd::grad(outs, wanted, gs, /*retain_graph=*/false, /*create_graph=*/false,
                                 /*allow_unused=*/true);
   }

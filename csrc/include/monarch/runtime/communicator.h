@@ -118,7 +118,7 @@ class Communicator {
   Handle all_reduce_max(at::Tensor buffer);
   // `input` holds size() equal chunks; `output` receives the sum of every rank's chunk
   // group_rank(), summed in fp32 (fp64 stays fp64) and stored in output's dtype, which may
-  // be wider than input's (bf16 on the wire, an fp32 result). Gloo has no reduce-scatter in LibTorch 1.13: it runs as an all-to-all
+  // be wider than input's (bf16 on the wire, an fp32 result). Over Gloo it runs as an all-to-all
   // plus a local sum, which sends the same (n-1)/n S bytes as a ring reduce-scatter.
   Handle reduce_scatter(at::Tensor output, at::Tensor input);
   // `output` (size() x input's numel) receives every rank's `input`, in group order.
