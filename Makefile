@@ -47,7 +47,10 @@ test-python: python
 
 test: test-cpp test-python
 
-demo: build python
+# The demo needs only the planner's command line tool (and the Python package): it does not
+# wait for the test binaries to build.
+demo: configure python
+	cmake --build $(BUILD) --parallel $(JOBS) --target monarch-plan
 	@echo "== GPT-3 175B (built on the meta device, read from its nn.Module) on 1024 A100-80GB: the planner's choice =="
 	$(VENV)/bin/python -m torch_monarch plan examples/models.py:gpt3_175b --seq 2048 --global-batch 1536 \
 		--gpus 1024 --cluster a100-80gb -o $(BUILD)/gpt3-175b-1024.plan.json

@@ -26,6 +26,26 @@ if(NOT _monarch_torch_mode STREQUAL "OFF" AND NOT _monarch_torch_mode STREQUAL "
       endif()
     endif()
   endif()
+  # The same interpreter for FindPython, which a CUDA build of torch's package calls too.
+  if(Python3_EXECUTABLE AND NOT Python_EXECUTABLE)
+    set(Python_EXECUTABLE "${Python3_EXECUTABLE}")
+  endif()
+  # A CUDA build of torch finds CUDA with CMake's old FindCUDA, which guesses the toolkit's root
+  # from nvcc's real path (/usr/local for /usr/local/cuda-13.0/bin/nvcc); the toolkit found for
+  # the kernels (cmake/monarch_cuda.cmake) is the one meant.
+  if(MONARCH_HAVE_CUDA AND NOT CUDA_TOOLKIT_ROOT_DIR AND CUDAToolkit_BIN_DIR)
+    get_filename_component(CUDA_TOOLKIT_ROOT_DIR "${CUDAToolkit_BIN_DIR}" DIRECTORY)
+  endif()
+  # Its libraries that a machine's toolkit may lack (nvrtc) come with torch's CUDA wheels as
+  # nvidia-* packages (site-packages/nvidia/*/lib): looked for there too.
+  if(MONARCH_HAVE_CUDA AND Python3_EXECUTABLE AND NOT CUDA_nvrtc_LIBRARY)
+    execute_process(
+      COMMAND "${Python3_EXECUTABLE}" -c
+              "import os, nvidia; print(';'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in sorted(os.listdir(p))))"
+      OUTPUT_VARIABLE _monarch_nvidia_libs OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    find_library(CUDA_nvrtc_LIBRARY NAMES nvrtc libnvrtc.so.13 libnvrtc.so.12
+                 HINTS ${CUDAToolkit_LIBRARY_DIR} ${_monarch_nvidia_libs})
+  endif()
   if(_monarch_torch_mode STREQUAL "AUTO")
     find_package(Torch QUIET)
   else()
