@@ -47,6 +47,8 @@ _RUNTIME = {
 def __getattr__(name):
     if name in _RUNTIME:
         import importlib
+        from . import compat
+        compat.check_supported()  # once torch is loaded: a torch outside 2.9-2.14 is named here
         if _RUNTIME[name] is None:  # a submodule
             return importlib.import_module(f".{name}", __name__)
         module = importlib.import_module(f".{_RUNTIME[name]}", __name__)

@@ -31,3 +31,20 @@ def test_models_laid_out_by_pytorch_wrappers_are_refused_by_name():
             assert "pass the plain module" in got
     for wrapper in ("parallelize", "DataParallel", "fully_shard", "tensor_parallel"):
         assert seen[f"plain {wrapper}"] == "wrapped", seen[f"plain {wrapper}"]
+
+
+def test_the_supported_torch_range_is_checked():
+    import warnings
+
+    import pytest
+    from torch_monarch import compat
+    assert compat.check_supported("2.13.0+cpu") == (2, 13)
+    assert compat.check_supported("2.9.1") == (2, 9)
+    with pytest.raises(RuntimeError, match=r"needs torch 2.9 through 2.14; this is torch 1.13.1"):
+        compat.check_supported("1.13.1")
+    with pytest.raises(RuntimeError, match=r"this is torch 2.8.0"):
+        compat.check_supported("2.8.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compat.check_supported("2.15.0") == (2, 15)
+    assert any("tested with torch 2.9 through 2.14; this is torch 2.15.0" in str(w.message) for w in caught)
