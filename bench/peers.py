@@ -1,0 +1,311 @@
+"""torch_monarch against PyTorch's own distributed stack, side by side: the same model, the same
+data, the same launch, in one run. This first part covers sharded data parallelism:
+
+    ZeRO-3 (torch_monarch.fully_shard, zero_stage=3)  vs  FSDP2 fully_shard(reshard_after_forward=True)
+    ZeRO-2 (torch_monarch.fully_shard, zero_stage=2)  vs  FSDP2 fully_shard(reshard_after_forward=False)
+
+on a GPT-2 and a Llama-style decoder (grouped-query attention, SwiGLU) from examples/models.py,
+fp32, AdamW, 4 ranks with Gloo, each block a sharding unit on both sides.
+
+    python3 bench/peers.py [--ranks 4] [--rounds 12] [--out bench/results/peers.json]
+
+Step time: every engine is built in one launch and kept alive; rounds of one step each run the
+engines one after another, each round starting at a different engine, so both sides meet the
+same machine; a step's time is the slowest rank's (barrier before it, max over ranks after);
+per engine the best and the median over the rounds. Bytes sent per rank per step: ours from the
+runtime's counters, FSDP2's from its collectives (all-gather (n-1)/n of the output, reduce-scatter
+(n-1)/n of the input, all-reduce 2(n-1)/n: the ring volumes the planner uses). Peak memory: one
+launch per engine; the high-water mark (VmHWM) growth over three steps above the rank's memory
+after a warm-up step on a tiny model, worst rank. Parity: every engine's losses (the global mean,
+all rounds) and parameters after the last round against one process training the plain model on
+the global batches; tolerances in TOLERANCE.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from procmem import vm  # noqa: E402
+
+SEQ, VOCAB, GLOBAL_BATCH, LR = 64, 1024, 16, 1e-3
+MEMORY_STEPS = 3
+WARMUP_ROUNDS = 2
+# fp32 on both sides; the sums of gradients over 4 ranks are added in another order than one
+# process adds them (per rank, then across), so parameters differ in the last bits after each
+# AdamW step, and AdamW's normalisation amplifies that for elements whose gradient is tiny.
+TOLERANCE = {"loss": 1e-4, "parameters": 1e-3}
+PAIRS = (("ZeRO-3", "FSDP2 reshard"), ("ZeRO-2", "FSDP2 no reshard"))
+
+
+def build(model_name):
+    import torch
+    from models import GPT2LMHeadModel, LlamaForCausalLM
+    torch.manual_seed(0)
+    if model_name == "gpt2":
+        model = GPT2LMHeadModel(vocab=VOCAB, hidden=256, heads=8, layers=4, max_positions=SEQ, dropout=0.0)
+        return model, list(model.transformer.h)
+    model = LlamaForCausalLM(vocab=VOCAB, hidden=256, heads=8, kv_heads=2, intermediate=688, layers=4)
+    return model, list(model.model.layers)
+
+
+def batch(step):
+    import torch
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model, x, y):
+    import torch.nn.functional as F
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def wrap(engine, model, blocks, mesh):
+    """The engine's sharded model (engine: 'ZeRO-3', 'ZeRO-2', 'FSDP2 reshard', 'FSDP2 no reshard')."""
+    if engine.startswith("ZeRO"):
+        import torch_monarch
+        return torch_monarch.fully_shard(model, mesh=mesh, units=blocks, zero_stage=int(engine[-1]))
+    from torch.distributed.fsdp import fully_shard
+    reshard = engine == "FSDP2 reshard"
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+class CollectiveBytes:
+    """Counts what torch.distributed's collectives send from this rank (ring volumes), by
+    wrapping the functions FSDP2 calls (their names differ between torch versions)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.bytes = 0.0
+        n = dist.get_world_size()
+
+        def size(t):
+            return t.numel() * t.element_size()
+
+        # (function, which argument's bytes, ring factor)
+        volumes = {"all_gather_single": (1, n - 1), "all_gather_into_tensor": (1, n - 1),
+                   "reduce_scatter_single": (1, (n - 1) / n), "reduce_scatter_tensor": (1, (n - 1) / n),
+                   "all_reduce": (0, 2 * (n - 1) / n)}
+        for name, (position, factor) in volumes.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            signature = inspect.signature(original)
+
+            def counted(*args, _original=original, _signature=signature, _position=position, _factor=factor,
+                        **kwargs):
+                bound = _signature.bind(*args, **kwargs)
+                tensor = list(bound.arguments.values())[_position]
+                self.bytes += _factor * size(tensor)
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+
+def engines():
+    return [(m, e) for m in ("gpt2", "llama") for pair in PAIRS for e in pair]
+
+
+def full_parameters(engine, wrapped):
+    """{name: whole tensor} after training (FSDP2's parameters are DTensors)."""
+    state = wrapped.state_dict()
+    if engine.startswith("FSDP2"):
+        state = {k: v.full_tensor() for k, v in state.items()}
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def time_worker(rounds, out_dir):
+    import torch
+    import torch.distributed as dist
+    import torch_monarch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    counter = CollectiveBytes()  # before anything is wrapped
+    torch_monarch.init()  # joins torch.distributed's store
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mesh = torch_monarch.device_mesh()
+    from torch.distributed.device_mesh import init_device_mesh
+    torch_mesh = init_device_mesh("cpu", (n,))
+    local = GLOBAL_BATCH // n
+    jobs = []
+    for model_name, engine in engines():
+        model, blocks = build(model_name)
+        wrapped = wrap(engine, model, blocks, mesh if engine.startswith("ZeRO") else torch_mesh)
+        jobs.append(dict(model=model_name, engine=engine, wrapped=wrapped,
+                         opt=torch.optim.AdamW(wrapped.parameters(), lr=LR), times=[], bytes=[], losses=[]))
+    total = WARMUP_ROUNDS + rounds
+    for step in range(total):
+        x, y = batch(step)
+        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        order = jobs[step % len(jobs):] + jobs[:step % len(jobs)]
+        for job in order:
+            ours = job["engine"].startswith("ZeRO")
+            if ours:
+                mesh.group("dp").reset_counters()
+            before = counter.bytes
+            dist.barrier()
+            start = time.perf_counter()
+            loss = loss_of(job["wrapped"], x, y)
+            loss.backward()
+            job["opt"].step()
+            job["opt"].zero_grad(set_to_none=True)
+            elapsed = torch.tensor([time.perf_counter() - start, loss.item() / n])
+            sent = mesh.group("dp").total_bytes_sent() if ours else counter.bytes - before
+            # after the timed step: the slowest rank's time and the global mean loss
+            slowest = elapsed[:1].clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            mean_loss = elapsed[1:].clone()
+            dist.all_reduce(mean_loss)
+            job["losses"].append(mean_loss.item())
+            if step >= WARMUP_ROUNDS:
+                job["times"].append(slowest.item())
+                job["bytes"].append(sent)
+    params = {(j["model"], j["engine"]): full_parameters(j["engine"], j["wrapped"]) for j in jobs}
+    if rank == 0:
+        reference = {}
+        for model_name in ("gpt2", "llama"):
+            model, _ = build(model_name)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(total):
+                loss = loss_of(model, *batch(step))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            reference[model_name] = (losses, {k: v.detach() for k, v in model.state_dict().items()})
+        rows = []
+        for j in jobs:
+            ref_losses, ref_params = reference[j["model"]]
+            got = params[(j["model"], j["engine"])]
+            loss_diff = max(abs(a - b) / abs(b) for a, b in zip(j["losses"], ref_losses))
+            param_diff = max(((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items())
+            rows.append(dict(model=j["model"], engine=j["engine"], best_s=min(j["times"]),
+                             median_s=statistics.median(j["times"]), times_s=j["times"],
+                             bytes_per_step=statistics.median(j["bytes"]), losses=j["losses"],
+                             reference_losses=ref_losses, loss_rel_diff=loss_diff, parameter_rel_diff=param_diff))
+        with open(os.path.join(out_dir, "time.json"), "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def memory_worker(model_name, engine, out_dir):
+    import torch
+    import torch.distributed as dist
+    import torch_monarch
+    from torch import nn
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if engine.startswith("ZeRO"):
+        torch_monarch.init()
+        mesh = torch_monarch.device_mesh()
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (n,))
+    # What torch loads on its first training step is loaded before the baseline (as in
+    # bench/zero_memory.py): a one-time cost of the process, not the engine's memory.
+    tiny = nn.Linear(4, 4)
+    tiny_opt = torch.optim.AdamW(tiny.parameters(), lr=LR)
+    tiny(torch.randn(2, 4)).square().mean().backward()
+    tiny_opt.step()
+    del tiny, tiny_opt
+    dist.barrier()
+    baseline = vm("VmRSS")
+    model, blocks = build(model_name)
+    wrapped = wrap(engine, model, blocks, mesh)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    local = GLOBAL_BATCH // n
+    for step in range(MEMORY_STEPS):
+        x, y = batch(step)
+        loss_of(wrapped, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks, *args, env=None):
+    out = tempfile.mkdtemp(prefix="monarch-peers-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(free_port()), __file__, *args, out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    import torch
+    started = time.time()
+    with open(os.path.join(launch(args.ranks, "--time-worker", str(args.rounds)), "time.json")) as f:
+        rows = {(r["model"], r["engine"]): r for r in json.load(f)}
+    for (model_name, engine), row in rows.items():
+        out = launch(args.ranks, "--memory-worker", model_name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+        row["peak_bytes"] = max(json.load(open(os.path.join(out, f"rank{r}.json")))["peak_growth"]
+                                for r in range(args.ranks))
+    print(f"{args.ranks} ranks, Gloo, fp32, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
+          f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
+    print(f"{'model':<6} {'ours':<7} {'peer':<17} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "
+          f"{'peak MiB':>11} {'x':>5} {'MB sent/step':>13} {'x':>5}  parity loss / params (ours, peer)")
+    pairs = []
+    for model_name in ("gpt2", "llama"):
+        for ours_name, peer_name in PAIRS:
+            ours, peer = rows[(model_name, ours_name)], rows[(model_name, peer_name)]
+            pair = dict(model=model_name, ours=ours, peer=peer,
+                        best_ratio=ours["best_s"] / peer["best_s"], median_ratio=ours["median_s"] / peer["median_s"],
+                        memory_ratio=ours["peak_bytes"] / peer["peak_bytes"],
+                        bytes_ratio=ours["bytes_per_step"] / peer["bytes_per_step"])
+            pairs.append(pair)
+            print(f"{model_name:<6} {ours_name:<7} {peer_name:<17} "
+                  f"{ours['best_s'] * 1e3:>7.1f}/{peer['best_s'] * 1e3:<7.1f} {pair['best_ratio']:>5.2f} "
+                  f"{ours['median_s'] * 1e3:>7.1f}/{peer['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} "
+                  f"{ours['peak_bytes'] / 2**20:>5.0f}/{peer['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f} "
+                  f"{ours['bytes_per_step'] / 1e6:>6.2f}/{peer['bytes_per_step'] / 1e6:<6.2f} {pair['bytes_ratio']:>5.2f}  "
+                  f"{ours['loss_rel_diff']:.1e}/{ours['parameter_rel_diff']:.1e}, "
+                  f"{peer['loss_rel_diff']:.1e}/{peer['parameter_rel_diff']:.1e}")
+    worst = max(max(r["loss_rel_diff"] / TOLERANCE["loss"], r["parameter_rel_diff"] / TOLERANCE["parameters"])
+                for r in rows.values())
+    print(f"parity with one process: {'OK' if worst <= 1 else 'FAILED'} (tolerances: losses {TOLERANCE['loss']}, "
+          f"parameters {TOLERANCE['parameters']}, relative)")
+    result = dict(ranks=args.ranks, rounds=args.rounds, torch=torch.__version__, global_batch=GLOBAL_BATCH, seq=SEQ,
+                  dtype="fp32", tolerance=TOLERANCE, pairs=pairs, seconds=time.time() - started)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--time-worker":
+        time_worker(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker":
+        memory_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        main()
