@@ -26,7 +26,7 @@ $(VENV)/.requirements: requirements.txt
 venv: $(VENV)/.requirements
 
 # LibTorch and pybind11 are the venv's (cmake/monarch_torch.cmake asks its interpreter).
-$(BUILD)/CMakeCache.txt:
+$(BUILD)/CMakeCache.txt: | $(VENV)/.requirements
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$(VENV_PYTHON) $(CMAKE_FLAGS)
 
 configure: deps venv $(BUILD)/CMakeCache.txt

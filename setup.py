@@ -2,11 +2,12 @@
 
     pip install --no-build-isolation .        # or -e . for an editable install
 
-The CMake build directory is build/python-<interpreter>-<platform> in the source tree and
-is reused between runs, so a rebuild only recompiles what changed. Extra CMake arguments
+The CMake build directory is build/python-<interpreter>-<platform>-<environment> in the source
+tree and is reused between runs, so a rebuild only recompiles what changed. Extra CMake arguments
 can be given in the CMAKE_ARGS environment variable (e.g. CMAKE_ARGS="-G Ninja").
 """
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -36,8 +37,10 @@ class CMakeBuild(build_ext):
         ext_dir = os.path.dirname(ext_path)
         os.makedirs(ext_dir, exist_ok=True)
 
-        tag = "{}{}{}-{}".format(sys.implementation.name, *sys.version_info[:2],
-                                 sysconfig.get_platform())
+        # One build folder per interpreter and environment: CMake caches the torch (and
+        # pybind11) it found, so a second venv with another torch must not reuse it.
+        tag = "{}{}{}-{}-{}".format(sys.implementation.name, *sys.version_info[:2], sysconfig.get_platform(),
+                                    hashlib.sha1(sys.prefix.encode()).hexdigest()[:8])
         build_dir = os.path.join(ext.source_dir, "build", "python-" + tag)
         os.makedirs(build_dir, exist_ok=True)
 

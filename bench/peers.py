@@ -25,6 +25,7 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -256,6 +257,11 @@ def launch(ranks, *args, env=None):
     return out
 
 
+def read_json(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -264,12 +270,13 @@ def main():
     args = parser.parse_args()
     import torch
     started = time.time()
-    with open(os.path.join(launch(args.ranks, "--time-worker", str(args.rounds)), "time.json")) as f:
-        rows = {(r["model"], r["engine"]): r for r in json.load(f)}
+    out = launch(args.ranks, "--time-worker", str(args.rounds))
+    rows = {(r["model"], r["engine"]): r for r in read_json(out, "time.json")}
+    shutil.rmtree(out)
     for (model_name, engine), row in rows.items():
         out = launch(args.ranks, "--memory-worker", model_name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-        row["peak_bytes"] = max(json.load(open(os.path.join(out, f"rank{r}.json")))["peak_growth"]
-                                for r in range(args.ranks))
+        row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
+        shutil.rmtree(out)
     print(f"{args.ranks} ranks, Gloo, fp32, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
           f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
     print(f"{'model':<6} {'ours':<7} {'peer':<17} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "

@@ -11,7 +11,14 @@ option(MONARCH_ALLOW_ANY_TORCH "Configure against a torch outside ${MONARCH_TORC
 
 set(MONARCH_HAVE_TORCH OFF)
 string(TOUPPER "${MONARCH_WITH_TORCH}" _monarch_torch_mode)
-if(NOT _monarch_torch_mode STREQUAL "OFF" AND NOT _monarch_torch_mode STREQUAL "FALSE")
+if(NOT _monarch_torch_mode STREQUAL "AUTO")
+  if(MONARCH_WITH_TORCH)
+    set(_monarch_torch_mode ON)
+  else()
+    set(_monarch_torch_mode OFF)
+  endif()
+endif()
+if(NOT _monarch_torch_mode STREQUAL "OFF")
   if(NOT Torch_DIR)
     if(NOT Python3_EXECUTABLE)
       find_program(Python3_EXECUTABLE NAMES python3 python)
@@ -60,10 +67,16 @@ if(NOT _monarch_torch_mode STREQUAL "OFF" AND NOT _monarch_torch_mode STREQUAL "
     string(REGEX MATCH "^[0-9]+\\.[0-9]+" _monarch_torch_minor "${Torch_VERSION}")
     if((_monarch_torch_minor VERSION_LESS MONARCH_TORCH_MIN OR _monarch_torch_minor VERSION_GREATER MONARCH_TORCH_MAX)
        AND NOT MONARCH_ALLOW_ANY_TORCH)
-      message(FATAL_ERROR "torch ${Torch_VERSION} (${Torch_DIR}) is outside the supported range "
-              "${MONARCH_TORCH_MIN} through ${MONARCH_TORCH_MAX}: install a supported torch, or configure "
-              "with -DMONARCH_ALLOW_ANY_TORCH=ON to try it anyway")
+      set(_monarch_torch_text "torch ${Torch_VERSION} (${Torch_DIR}) is outside the supported range "
+          "${MONARCH_TORCH_MIN} through ${MONARCH_TORCH_MAX}: install a supported torch, or configure "
+          "with -DMONARCH_ALLOW_ANY_TORCH=ON to try it anyway")
+      if(_monarch_torch_mode STREQUAL "AUTO")  # the planner still builds
+        message(WARNING ${_monarch_torch_text} " (MONARCH_WITH_TORCH=AUTO: building the planner only)")
+      else()
+        message(FATAL_ERROR ${_monarch_torch_text})
+      endif()
+    else()
+      set(MONARCH_HAVE_TORCH ON)
     endif()
-    set(MONARCH_HAVE_TORCH ON)
   endif()
 endif()

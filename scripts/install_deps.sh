@@ -9,6 +9,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache
   nlohmann-json3-dev libspdlog-dev catch2
   libgloo-dev          # gloo's headers: torch's wheels ship gloo's library, not its headers
+  python3-venv python3-dev   # for a Debian python3 (venv, Python.h); a pyenv python3 has its own
   chromium fonts-dejavu-core
 )
 

@@ -8,8 +8,11 @@ it joins that process group's store instead of opening a second port.
 import torch  # noqa: F401  (registers the tensor and c10d types _runtime uses)
 import torch.distributed as dist
 
-from . import _runtime
-from . import log as _log
+from . import compat
+
+compat.check_supported()  # before the runtime extension loads: a torch outside 2.9-2.14 is named
+from . import _runtime  # noqa: E402
+from . import log as _log  # noqa: E402
 
 _world = None
 

@@ -33,6 +33,7 @@ namespace {
 class ParkedTensorHooks {
  public:
   explicit ParkedTensorHooks(const std::vector<at::Tensor>& leaves) {
+    parked_.reserve(leaves.size());  // no reallocation may throw once a hook is parked
     for (const auto& leaf : leaves) {
       auto accumulator = torch::autograd::impl::try_get_grad_accumulator(leaf);
       if (!accumulator || accumulator->tensor_pre_hooks().empty()) continue;
