@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from procmem import vm  # noqa: E402
+from procmem import vm, warm_up_torch  # noqa: E402
 
 SEQ, VOCAB, GLOBAL_BATCH, LR = 64, 1024, 16, 1e-3
 MEMORY_STEPS = 3
@@ -208,7 +208,6 @@ def memory_worker(model_name, engine, out_dir):
     import torch
     import torch.distributed as dist
     import torch_monarch
-    from torch import nn
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -218,13 +217,7 @@ def memory_worker(model_name, engine, out_dir):
     else:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (n,))
-    # What torch loads on its first training step is loaded before the baseline (as in
-    # bench/zero_memory.py): a one-time cost of the process, not the engine's memory.
-    tiny = nn.Linear(4, 4)
-    tiny_opt = torch.optim.AdamW(tiny.parameters(), lr=LR)
-    tiny(torch.randn(2, 4)).square().mean().backward()
-    tiny_opt.step()
-    del tiny, tiny_opt
+    warm_up_torch()
     dist.barrier()
     baseline = vm("VmRSS")
     model, blocks = build(model_name)

@@ -22,7 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from procmem import vm
+from procmem import vm, warm_up_torch
 WIDTH, BLOCKS, BATCH, STEPS = 2048, 8, 8, 3
 LAYOUTS = ["torch_ddp", "dp", "zero1", "zero2", "zero3"]
 
@@ -74,7 +74,6 @@ def predicted_peak(layout, ranks):
 
 def worker(layout, out_dir):
     import torch
-    from torch import nn
     import torch_monarch
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -84,14 +83,7 @@ def worker(layout, out_dir):
     else:
         torch_monarch.init()
         mesh = torch_monarch.device_mesh()
-    # What torch loads on its first training step (torch 2.x imports modules worth tens of MiB on
-    # the first optimizer step and backward) is loaded before the baseline: a one-time cost of
-    # the process, the same for every layout, not the layout's memory.
-    tiny = nn.Linear(4, 4)
-    tiny_opt = torch.optim.AdamW(tiny.parameters(), lr=1e-4)
-    tiny(torch.randn(2, 4)).square().mean().backward()
-    tiny_opt.step()
-    del tiny, tiny_opt
+    warm_up_torch()
     baseline = vm("VmRSS")
 
     torch.manual_seed(0)
