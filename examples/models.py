@@ -191,6 +191,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary_emb(q_len, hidden_states.device)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # as Hugging Face's: bf16 queries stay bf16
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k, v = _repeat_kv(k, self.num_heads // self.num_key_value_heads), _repeat_kv(v, self.num_heads // self.num_key_value_heads)

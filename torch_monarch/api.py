@@ -34,7 +34,7 @@ def _pins(pins):
     return out
 
 
-def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
+def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, param_dtype=None):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
     recomputation (``full`` or ``selective``) only for models with blocks, sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
@@ -42,13 +42,17 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False):
     fp32 training with Adam keeps 4 (weights) + 4 (grads) + 8 (two moments); bf16/fp16
     mixed precision ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020, Sec. 3.1). The runtime's ZeRO
     engine keeps the gradients it accumulates and reduces, and the shards' reduced ones, in
-    fp32 whatever the compute dtype: zero_grad_bytes = 4."""
+    fp32 whatever the compute dtype: zero_grad_bytes = 4. Without ZeRO the gradients are the
+    parameters' (``param_dtype``: the fp32 master weights under mixed precision,
+    torch_monarch.mixed_precision): master_grad_bytes is their element size."""
     pins = pins or {}
     dtype = _planner._enum(_planner.DType, dtype, "dtype") if dtype is not None else info.graph.layers[0].param_dtype
     t = _planner.training(global_batch, compute_dtype=dtype)
     if dtype == _planner.DType.fp32:
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
     t.zero_grad_bytes = 4  # fully_shard.cpp: unsharded and shard gradients in fp32
+    if param_dtype is not None:
+        t.master_grad_bytes = torch.empty((), dtype=param_dtype).element_size()
     # The runtime recomputes whole blocks or their attention cores (torch_monarch/recompute.py).
     t.allow_recompute = len(info.blocks) > 0
     t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.selective, _planner.Recompute.full]
@@ -84,7 +88,7 @@ def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_pla
     if cluster is None:
         from .cluster import detect
         cluster = detect()
-    training = runtime_training(info, global_batch, dtype, pins)
+    training = runtime_training(info, global_batch, dtype, pins, param_dtype=_param_dtype(model))
     return _planner.plan(graph, cluster, training, alternatives=alternatives, profile=profile, **pins)
 
 
@@ -156,33 +160,29 @@ def _runtime_problems(plan):
     return []
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _param_dtype(model):
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def mixed_precision_of(plan, model):
-    """The dtype ZeRO computes in when the plan's compute dtype differs from the model's
-    parameters (fp32 shards, gathered and cast per unit); None when they agree."""
+    """The dtype the runtime computes in when the plan's compute dtype differs from the model's
+    parameters (they stay the fp32 master weights; hybrid.ParallelModel casts per forward, ZeRO
+    per gathered unit); None when they agree."""
     compute = _TORCH_DTYPES.get(str(plan.training.compute_dtype).split(".")[-1])
     param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return None if compute is None or compute == param else compute
 
 
 def _dtype_problems(plan, model):
-    """The plan's compute dtype is carried out (the model's own, or ZeRO's mixed precision) or
-    refused, never silently trained in another."""
+    """The plan's compute dtype is one the runtime computes in (every layout casts to it when
+    the parameters hold another), or refused, naming the field."""
     name = str(plan.training.compute_dtype).split(".")[-1]
     if name not in _TORCH_DTYPES:
         return [f"training.compute_dtype: {name} is not a dtype the runtime computes in (fp32, tf32, bf16, fp16)"]
-    mixed = mixed_precision_of(plan, model)
-    if mixed is None:
-        return []
-    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    if plan.zero_stage >= 1 and plan.mesh.dp > 1 and plan.mesh.tp == 1 and plan.mesh.pp == 1:
-        return []  # ZeRO gathers fp32 shards and computes in the plan's dtype
-    return [f"training.compute_dtype: the plan computes in {name}, the model's parameters are "
-            f"{str(param).replace('torch.', '')}; the runtime casts only under ZeRO without tp or pp "
-            f"(zero_stage >= 1, dp > 1, tp = pp = 1: pin those, or cast the model, e.g. model.to({mixed}), or "
-            f"plan with dtype matching the model)"]
+    return []
 
 
 def _few(names, limit=6):
@@ -254,14 +254,9 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     from .log import get as get_log, progress
     with progress("api", "reading the model on the meta device"):
         info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
-    # Computing in another dtype than the parameters' is ZeRO's mixed precision here, without
-    # tp or pp (check_plan's rule): this job plans only such layouts. (Planning for another
-    # machine, torch_monarch.plan, has no such limit.)
-    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    mixed = dtype is not None and \
-        _TORCH_DTYPES.get(str(_planner._enum(_planner.DType, dtype, "dtype")).split(".")[-1]) != param
-    if mixed and "zero_stage" not in pins and "zero" not in pins:
-        pins["zero_stage"] = 3
+    # Computing in another dtype than the parameters' is mixed precision: every layout runs it
+    # (master weights in the parameters' dtype, torch_monarch.mixed_precision).
+    param = _param_dtype(model)
     everyone = _runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
     if cluster is None:
         with progress("cluster", "detecting the machine (matmul rate, memory)"):
@@ -272,9 +267,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     text, error = None, ""
     if world.rank == 0:
         try:
-            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred)
-            if mixed:
-                training.allow_tensor_parallel = training.allow_pipeline_parallel = False
+            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param)
             with progress("api", "planning", layers=len(graph), devices=world.size):
                 p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
             get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)

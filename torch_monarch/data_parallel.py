@@ -24,11 +24,15 @@ class DataParallel(nn.Module):
     ``inter_node_compression="bf16"`` or ``"int8"`` (per-256-value scales) rounds only that
     slow hop, with error feedback. The plan's ``dp_reduction`` and
     ``inter_node_compression`` fields say the same.
+
+    ``reduce_dtype`` (e.g. ``torch.bfloat16``): the buckets hold and move gradients in it,
+    ``.grad`` stays in the parameters' dtype and is averaged there (mixed precision: fp32
+    master weights, a bf16 plan's bf16 reduction; no error feedback).
     """
 
     def __init__(self, module: nn.Module, mesh=None, bucket_cap_mb: float = 25.0,
                  gradient_compression: str = None, broadcast_from_rank0: bool = True, exclude=(),
-                 reduction: str = "flat", inter_node_compression: str = None):
+                 reduction: str = "flat", inter_node_compression: str = None, reduce_dtype=None):
         super().__init__()
         refuse_foreign_layout(module, "torch_monarch.DataParallel")
         if gradient_compression not in (None, "bf16"):
@@ -46,6 +50,8 @@ class DataParallel(nn.Module):
         options.broadcast_from_root = broadcast_from_rank0
         options.hierarchical = reduction == "hierarchical"
         options.inter_node_compression = inter_node_compression or "none"
+        if reduce_dtype is not None:
+            options.reduce_dtype = str(reduce_dtype).replace("torch.", "")
         # ``exclude``: ids of parameters someone else synchronises (pipeline-tied weights).
         params = [p for p in module.parameters() if id(p) not in set(exclude)]
         self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)

@@ -26,6 +26,7 @@ from . import zero_bubble as _zero_bubble
 from . import planner as _planner
 from .data_parallel import DataParallel
 from .distributed import device_mesh
+from .mixed_precision import CastParameters
 from .sharded import FullyShardedModule, _default_units, fully_shard
 from .pipeline import split_model
 from .tensor_parallel_modules import shard_spec, tensor_parallel
@@ -155,11 +156,25 @@ class ParallelModel(nn.Module):
         self._composition = _runtime.Composition(layout, mesh, local_stages, entries, self._tied, replicated)
         self._wrapped = {}
         tied_ids = {id(p) for p in self._tied}
+        # The plan's compute dtype when it is not the parameters' (mixed_precision.py): ZeRO's
+        # engine casts what it shards; everything else (plain replicas, tp, pp, the weights
+        # tied between the pipeline's ends) is cast per forward here. Gradients and optimizer
+        # state stay in the parameters' dtype; the dp reduction travels in bf16 when the plan
+        # computes in it (the planner's grad_bytes = 2; FSDP's reduce_dtype defaults to its
+        # param_dtype), and ZeRO's reduce-scatter in the compute dtype already.
+        self.mixed_precision = mixed_precision
+        self._casts = []
+        if mixed_precision is not None:
+            zero_casts = self.dp > 1 and zero_stage > 0
+            for s, m in modules.items():
+                only = {id(p) for p in m.parameters() if id(p) in tied_ids} if zero_casts else None
+                self._casts.append(CastParameters(m, mixed_precision, only=only))
         for s, m in modules.items():
             if self.dp > 1 and zero_stage == 0:
                 self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=layout.bucket_bytes / (1024 * 1024),
                                                 exclude=tied_ids, reduction=layout.dp_reduction,
-                                                inter_node_compression=layout.inter_node_compression)
+                                                inter_node_compression=layout.inter_node_compression,
+                                                reduce_dtype=mixed_precision)
                 self._composition.set_data_parallel(s, self._wrapped[s]._engine)
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
@@ -404,8 +419,12 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
     parallelism, recomputation and bucket size are the plan's; keywords override them. The
-    plan's compute dtype is the model's, or, under ZeRO (tp = pp = 1), ZeRO's mixed precision
-    (fp32 shards, units gathered and computed in it); any other mix is refused.
+    plan's compute dtype (laid out by hand: ``dtype=``, e.g. ``torch.bfloat16``) is carried
+    out in every layout: where it is not the parameters' dtype they stay the master weights
+    (the optimizer's, with their gradients and its state in their dtype) and each forward
+    computes with copies in the compute dtype (ZeRO casts what it gathers; the rest is cast
+    per forward, torch_monarch.mixed_precision), floating-point inputs cast alike, and the dp
+    reduction of a bf16 plan travels in bf16.
     ``recompute="full"`` re-runs each block's forward in its backward, ``"selective"`` only its
     attention core (torch_monarch.recompute).
 
@@ -506,14 +525,22 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
             sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
             block_names=block_names, recompute=_recompute_kind(recompute))
-    # The plan's compute dtype: the model's own, or ZeRO's mixed precision (check_plan refused
-    # any other combination).
-    from .api import mixed_precision_of
-    mixed = mixed_precision_of(plan, model) if plan is not None else None
-    if mixed is not None and layout.zero_stage == 0:
-        raise ValueError(f"parallelize: zero_stage=0 overrides a plan that computes in {mixed} on a model whose "
-                         "parameters are another dtype; the runtime casts only under ZeRO (keep the plan's "
-                         "zero_stage, or cast the model)")
+    # The compute dtype: the plan's (or, laid out by hand, ``dtype=``); where it is not the
+    # parameters' dtype the runtime computes in it with master weights in theirs.
+    from .api import mixed_precision_of, TORCH_DTYPES
+    if plan is not None:
+        mixed = mixed_precision_of(plan, model)
+    elif dtype is not None:
+        name = str(dtype).replace("torch.", "").replace("DType.", "")
+        compute = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name) \
+            or TORCH_DTYPES.get(name)
+        if compute is None:
+            raise ValueError(f"parallelize: dtype={dtype!r} is not a dtype the runtime computes in "
+                             "(fp32, bf16, fp16 or their torch dtypes)")
+        param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        mixed = None if compute == param else compute
+    else:
+        mixed = None
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
                            init_fn=init_fn, mixed_precision=mixed)
     result.plan = plan  # None when laid out by hand

@@ -514,13 +514,19 @@ def _sum_parameter_gradients_over(module, group):
 
     def forward(self, *args, **kwargs):
         originals = dict(self._parameters)
+        # Under mixed precision the module computes with cast copies of its parameters, in
+        # its instance __dict__ (mixed_precision.py): those are what must be summed.
+        shadowed = {k: self.__dict__[k] for k in originals if k in self.__dict__}
         try:
             for key, p in originals.items():
-                if p is not None:
+                if key in shadowed:
+                    self.__dict__[key] = _runtime.tp_copy_to_group(shadowed[key], group)
+                elif p is not None:
                     self._parameters[key] = _runtime.tp_copy_to_group(p, group)
             return cls.forward(self, *args, **kwargs)
         finally:
             self._parameters.update(originals)
+            self.__dict__.update(shadowed)
 
     module.__class__ = type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward})
 

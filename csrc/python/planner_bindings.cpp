@@ -343,6 +343,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("param_bytes", &TrainingConfig::param_bytes)
       .def_readwrite("grad_bytes", &TrainingConfig::grad_bytes)
       .def_readwrite("zero_grad_bytes", &TrainingConfig::zero_grad_bytes)
+      .def_readwrite("master_grad_bytes", &TrainingConfig::master_grad_bytes)
       .def_readwrite("optimizer_bytes", &TrainingConfig::optimizer_bytes)
       .def_readwrite("activation_bytes", &TrainingConfig::activation_bytes)
       .def_readwrite("allow_tensor_parallel", &TrainingConfig::allow_tensor_parallel)

@@ -499,6 +499,20 @@ PYBIND11_MODULE(_runtime, m) {
       .def_readwrite("bf16_compression", &DataParallelOptions::bf16_compression)
       .def_readwrite("hierarchical", &DataParallelOptions::hierarchical)
       .def_property(
+          "reduce_dtype",
+          [](const DataParallelOptions& o) -> py::object {
+            if (!o.reduce_dtype) return py::none();
+            return py::str(std::string(c10::toString(*o.reduce_dtype)));
+          },
+          [](DataParallelOptions& o, const py::object& name) {
+            if (name.is_none()) {
+              o.reduce_dtype.reset();
+            } else {
+              o.reduce_dtype = dtype_from_name(name.cast<std::string>());
+            }
+          },
+          "None (the parameters' dtype) or 'bfloat16' / 'float16' / 'float32': what the buckets hold and move")
+      .def_property(
           "inter_node_compression",
           [](const DataParallelOptions& o) { return planner::to_string(o.inter_node_compression); },
           [](DataParallelOptions& o, const std::string& name) {

@@ -470,7 +470,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   const int64_t n = size();
   const int64_t chunk = (buffer.numel() + n - 1) / n;
   auto padded = at::zeros({n * chunk}, buffer.options());
-  padded.narrow(0, 0, buffer.numel()).copy_(buffer);
+  padded.narrow(0, 0, buffer.numel()).copy_(buffer.reshape({-1}));  // any shape (activations too)
   auto received = at::empty_like(padded);
   std::vector<int64_t> splits(n, chunk);
   auto send_bits = padded.view(at::kHalf);
@@ -492,7 +492,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
     Phase phase(*self, "the all-gather phase of a bf16 all-reduce");
     self->agree(Op::all_gather, reduced);
     self->make(group->allgather(outputs, inputs), what + " (all-gather phase)").wait();
-    buffer.copy_(gathered.narrow(0, 0, buffer.numel()));
+    buffer.copy_(gathered.narrow(0, 0, buffer.numel()).view(buffer.sizes()));
   });
 }
 

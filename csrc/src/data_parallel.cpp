@@ -29,6 +29,10 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
   TORCH_CHECK(options_.hierarchical || options_.inter_node_compression == WireCompression::none,
               "monarch::DataParallel: inter_node_compression='", planner::to_string(options_.inter_node_compression),
               "' compresses the slow hop of a hierarchical reduction: it needs dp_reduction='hierarchical'");
+  TORCH_CHECK(!(options_.reduce_dtype && options_.bf16_compression),
+              "monarch::DataParallel: gradient_compression='bf16' and reduce_dtype both set the wire dtype; give one");
+  TORCH_CHECK(!options_.reduce_dtype || at::isFloatingType(*options_.reduce_dtype),
+              "monarch::DataParallel: reduce_dtype ", *options_.reduce_dtype, " is not a floating-point dtype");
   TORCH_CHECK(!(options_.hierarchical && options_.bf16_compression),
               "monarch::DataParallel: gradient_compression='bf16' compresses the flat all-reduce; with a hierarchical "
               "reduction use inter_node_compression='bf16' instead");
@@ -47,7 +51,9 @@ DataParallelEngine::DataParallelEngine(std::vector<at::Tensor> params, std::vect
                       {"broadcast_from_rank0", options_.broadcast_from_root ? 1.0 : 0.0},
                       {"dp_reduction (hierarchical)", options_.hierarchical ? 1.0 : 0.0},
                       {"inter_node_compression (none 0, bf16 1, int8 2)",
-                       static_cast<double>(options_.inter_node_compression)}},
+                       static_cast<double>(options_.inter_node_compression)},
+                      {"reduce_dtype (a ScalarType number, -1: the parameters')",
+                       options_.reduce_dtype ? static_cast<double>(*options_.reduce_dtype) : -1.0}},
                      group_, "monarch::DataParallel");
   if (options_.broadcast_from_root) {
     std::vector<at::Tensor> state = params_;
@@ -107,12 +113,14 @@ void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
     // On the worker: another engine on the same node groups may still have jobs there.
     if (options_.hierarchical) {
       NodeGroups* nodes = nodes_;
-      const at::ScalarType dtype = first.scalar_type();
+      const at::ScalarType dtype = options_.reduce_dtype.value_or(first.scalar_type());
       std::shared_ptr<NodeSharedBuffer> shared;
       nodes_->worker.submit([nodes, numel, dtype, &shared] { shared = NodeSharedBuffer::create(*nodes->intra, numel, dtype); }).get();
       b.shared = std::move(shared);
     }
-    b.flat = b.shared ? b.shared->mine() : at::zeros({numel}, first.options().requires_grad(false));
+    b.flat = b.shared ? b.shared->mine()
+                      : at::zeros({numel}, first.options().requires_grad(false).dtype(
+                                               options_.reduce_dtype.value_or(first.scalar_type())));
     if (options_.bf16_compression) {
       b.error = at::zeros_like(b.flat);
       b.wire = at::empty(b.flat.sizes(), b.flat.options().dtype(at::kBFloat16));
@@ -192,7 +200,10 @@ void DataParallelEngine::finish_backward() {
   for (auto& b : buckets_) {
     wait_bucket(b);  // on failure the state stays: the next backward or forward resets it
     if (options_.bf16_compression) b.flat.copy_(b.wire);
-    b.flat.div_(n);
+    // A bucket in another dtype than the parameters' (reduce_dtype): the sum comes back into
+    // .grad and is averaged there, in the parameters' precision.
+    const bool widen = b.flat.scalar_type() != params_[b.params.front()].scalar_type();
+    if (!widen) b.flat.div_(n);
     for (size_t k : b.params) {
       auto& p = params_[k];
       const Slot& s = slots_[k];
@@ -200,8 +211,9 @@ void DataParallelEngine::finish_backward() {
       if (p.grad().defined()) {
         p.mutable_grad().copy_(averaged);
       } else {
-        p.mutable_grad() = averaged.clone();
+        p.mutable_grad() = averaged.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
+      if (widen) p.mutable_grad().div_(n);
     }
   }
   reset_backward_state();

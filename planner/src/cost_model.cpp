@@ -280,7 +280,9 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   }
   e.params = stage_params(graph, costs, first, last);
   // A ZeRO engine's gradients in its own accumulation dtype (TrainingConfig::zero_grad_bytes).
-  const double grad_bytes = layout.zero_stage >= 1 ? training.zero_gradient_bytes() : training.grad_bytes;
+  // Without ZeRO: the master weights' gradients (TrainingConfig::master_grad_bytes).
+  const double grad_bytes =
+      layout.zero_stage >= 1 ? training.zero_gradient_bytes() : training.replica_gradient_bytes();
   e.state = zero_model_state_bytes(e.params, layout.dp, layout.zero_stage, training.param_bytes,
                                    grad_bytes, training.optimizer_bytes);
   // ZeRO-2 under gradient accumulation reduces once per step (as the runtime does), so the

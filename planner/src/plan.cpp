@@ -31,6 +31,7 @@ bool Cluster::operator==(const Cluster& o) const {
 bool TrainingConfig::operator==(const TrainingConfig& o) const {
   return global_batch == o.global_batch && compute_dtype == o.compute_dtype &&
          param_bytes == o.param_bytes && grad_bytes == o.grad_bytes && zero_grad_bytes == o.zero_grad_bytes &&
+         master_grad_bytes == o.master_grad_bytes &&
          optimizer_bytes == o.optimizer_bytes && activation_bytes == o.activation_bytes &&
          allow_tensor_parallel == o.allow_tensor_parallel &&
          allow_pipeline_parallel == o.allow_pipeline_parallel && allow_zero == o.allow_zero &&

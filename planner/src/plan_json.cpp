@@ -90,6 +90,7 @@ Json training_to_json(const TrainingConfig& t) {
   j["param_bytes"] = t.param_bytes;
   j["grad_bytes"] = t.grad_bytes;
   j["zero_grad_bytes"] = t.zero_grad_bytes;
+  j["master_grad_bytes"] = t.master_grad_bytes;
   j["optimizer_bytes"] = t.optimizer_bytes;
   j["activation_bytes"] = t.activation_bytes;
   j["allow_tensor_parallel"] = t.allow_tensor_parallel;
@@ -299,6 +300,7 @@ TrainingConfig training_from_json(const Fields& f) {
   t.param_bytes = f.number("param_bytes");
   t.grad_bytes = f.number("grad_bytes");
   if (f.has("zero_grad_bytes")) t.zero_grad_bytes = f.number("zero_grad_bytes");  // optional: 0
+  if (f.has("master_grad_bytes")) t.master_grad_bytes = f.number("master_grad_bytes");  // optional: 0
   t.optimizer_bytes = f.number("optimizer_bytes");
   t.activation_bytes = f.number("activation_bytes");
   t.allow_tensor_parallel = f.boolean("allow_tensor_parallel");
@@ -526,7 +528,7 @@ Plan plan_from_value(const Json& root) {
                   "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
-      "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes", "zero_grad_bytes",
+      "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes", "zero_grad_bytes", "master_grad_bytes",
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
                    "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",

@@ -16,6 +16,7 @@ void validate(const TrainingConfig& t) {
   require(t.param_bytes > 0, "param_bytes", "must be > 0");
   require(t.grad_bytes > 0, "grad_bytes", "must be > 0");
   require(t.zero_grad_bytes >= 0, "zero_grad_bytes", "must be >= 0 (0: grad_bytes)");
+  require(t.master_grad_bytes >= 0, "master_grad_bytes", "must be >= 0 (0: grad_bytes)");
   require(t.optimizer_bytes >= 0, "optimizer_bytes", "must be >= 0");
   require(t.activation_bytes > 0, "activation_bytes", "must be > 0");
   require(t.max_micro_batch_size >= 1, "max_micro_batch_size", "must be >= 1");

@@ -206,21 +206,24 @@ def test_link_fit_recovers_latency_and_bandwidth():
 def test_the_plans_compute_dtype_is_carried_out_or_refused():
     model = models.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=8)  # fp32
     x = torch.zeros(2, 8, dtype=torch.long)
-    cluster = planner.cluster("a100-80gb", 2)
-    # bf16 under ZeRO without tp / pp: ZeRO's mixed precision (fp32 shards, bf16 compute).
-    p = torch_monarch.plan(model, x, 8, cluster, dtype="bf16", tp=1, pp=1, dp=2, zero_stage=3)
-    torch_monarch.check_plan(p, model, x, world_size=2)
+    cluster = planner.cluster("a100-80gb", 4)
     from torch_monarch.api import mixed_precision_of
-    assert mixed_precision_of(p, model) == torch.bfloat16
-    # bf16 with plain replicas: nothing would cast, so the plan is refused, naming the field.
-    p = torch_monarch.plan(model, x, 8, cluster, dtype="bf16", tp=1, pp=1, dp=2, zero_stage=0)
-    with pytest.raises(ValueError, match=r"training.compute_dtype: the plan computes in bf16, the model's "
-                                         r"parameters are float32; the runtime casts only under ZeRO"):
-        torch_monarch.check_plan(p, model, x, world_size=2)
+    # bf16 over fp32 parameters is mixed precision in every layout: ZeRO, plain replicas,
+    # tensor and pipeline parallelism (test_mixed_precision.py runs them).
+    for pins in (dict(tp=1, pp=1, dp=2, zero_stage=3), dict(tp=1, pp=1, dp=2, zero_stage=0),
+                 dict(tp=2, pp=1, dp=2, zero_stage=0), dict(tp=1, pp=2, dp=2, zero_stage=0)):
+        world = pins["tp"] * pins["pp"] * pins["dp"]
+        p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", world), dtype="bf16", **pins)
+        torch_monarch.check_plan(p, model, x, world_size=world)
+        assert mixed_precision_of(p, model) == torch.bfloat16, pins
     # The model's own dtype needs nothing.
-    p = torch_monarch.plan(model, x, 8, cluster, dtype="fp32", tp=1, pp=1, dp=2, zero_stage=0)
+    p = torch_monarch.plan(model, x, 8, planner.cluster("a100-80gb", 2), dtype="fp32", tp=1, pp=1, dp=2, zero_stage=0)
     torch_monarch.check_plan(p, model, x, world_size=2)
     assert mixed_precision_of(p, model) is None
+    # A dtype the runtime does not compute in is refused, naming the field.
+    p.training.compute_dtype = planner.DType.fp8
+    with pytest.raises(ValueError, match=r"training.compute_dtype: fp8 is not a dtype the runtime computes in"):
+        torch_monarch.check_plan(p, model, x, world_size=2)
 
 
 def test_plans_count_the_runtimes_fp32_zero_gradients():

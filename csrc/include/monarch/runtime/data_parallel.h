@@ -1,4 +1,5 @@
 #pragma once
+#include <optional>
 // Data-parallel engine (DDP-like): gradients averaged over a group, bucketed and launched
 // from autograd hooks while backward still runs. Works on plain parameter tensors, so the
 // Python and C++ frontends drive the same object.
@@ -33,6 +34,11 @@ struct DataParallelOptions {
   bool hierarchical = false;
   // The Plan's inter_node_compression: the slow hop only, with error feedback (hierarchical).
   WireCompression inter_node_compression = WireCompression::none;
+  // The dtype the buckets hold and the all-reduce moves (unset: the parameters'): a bf16 plan
+  // over fp32 master weights reduces in bf16 (the planner's grad_bytes = 2, as FSDP's
+  // reduce_dtype defaults to its param_dtype); .grad stays in the parameters' dtype and the
+  // average is taken there. No error feedback: that is bf16_compression's opt-in.
+  std::optional<at::ScalarType> reduce_dtype;
 };
 
 class DataParallelEngine {

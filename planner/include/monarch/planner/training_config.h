@@ -54,6 +54,11 @@ struct TrainingConfig {
   // compute dtype (fully_shard.cpp), and its planning says 4 (torch_monarch.api).
   double zero_grad_bytes = 0;
   double zero_gradient_bytes() const { return zero_grad_bytes > 0 ? zero_grad_bytes : grad_bytes; }
+  // Per parameter, the gradients a layout without ZeRO (stage 0) holds in memory: those of the
+  // master weights when it computes in a narrower dtype (torch_monarch's mixed precision keeps
+  // them in the parameters' fp32 and reduces in grad_bytes' dtype). 0: grad_bytes.
+  double master_grad_bytes = 0;
+  double replica_gradient_bytes() const { return master_grad_bytes > 0 ? master_grad_bytes : grad_bytes; }
   double optimizer_bytes = 12;  // ZeRO's K: fp32 master copy + Adam m and v = 12
   double activation_bytes = 2;  // bytes per activation element (Korthikanti assume 2)
   bool allow_tensor_parallel = true;
