@@ -1,5 +1,6 @@
 """torch_monarch against PyTorch's own distributed stack, side by side: the same model, the same
-data, the same launch, in one run. This first part covers sharded data parallelism:
+data, the same launch, in one run. Sharded data parallelism here; tensor parallelism against
+DTensor, alone and 2-D with FSDP2, in peers_tp.py (same method, same table):
 
     ZeRO-3 (torch_monarch.fully_shard, zero_stage=3)  vs  FSDP2 fully_shard(reshard_after_forward=True)
     ZeRO-2 (torch_monarch.fully_shard, zero_stage=2)  vs  FSDP2 fully_shard(reshard_after_forward=False)
@@ -120,15 +121,14 @@ class CollectiveBytes:
     def __init__(self):
         import torch.distributed as dist
         self.bytes = 0.0
-        n = dist.get_world_size()
 
         def size(t):
             return t.numel() * t.element_size()
 
-        # (function, which argument's bytes, ring factor)
-        volumes = {"all_gather_single": (1, n - 1), "all_gather_into_tensor": (1, n - 1),
-                   "reduce_scatter_single": (1, (n - 1) / n), "reduce_scatter_tensor": (1, (n - 1) / n),
-                   "all_reduce": (0, 2 * (n - 1) / n)}
+        # (function, which argument's bytes, ring factor for a group of n ranks)
+        volumes = {"all_gather_single": (1, lambda n: n - 1), "all_gather_into_tensor": (1, lambda n: n - 1),
+                   "reduce_scatter_single": (1, lambda n: (n - 1) / n),
+                   "reduce_scatter_tensor": (1, lambda n: (n - 1) / n), "all_reduce": (0, lambda n: 2 * (n - 1) / n)}
         for name, (position, factor) in volumes.items():
             original = getattr(dist, name, None)
             if original is None:
@@ -139,7 +139,8 @@ class CollectiveBytes:
                         **kwargs):
                 bound = _signature.bind(*args, **kwargs)
                 tensor = list(bound.arguments.values())[_position]
-                self.bytes += _factor * size(tensor)
+                group = bound.arguments.get("group")  # the group's size, not the world's (2-D meshes)
+                self.bytes += _factor(dist.get_world_size(group)) * size(tensor)
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)
@@ -328,26 +329,36 @@ def main():
         out = launch(args.ranks, "--memory-worker", model_name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
         row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
         shutil.rmtree(out)
+    # Tensor parallelism, alone and with ZeRO-3 (peers_tp.py): its own launch, same method.
+    import peers_tp
+    out = launch(args.ranks, "--tp-time-worker", str(args.rounds))
+    tp_rows = {(r["model"], r["engine"]): r for r in read_json(out, "tp_time.json")}
+    shutil.rmtree(out)
+    for (model_name, engine), row in tp_rows.items():
+        out = launch(args.ranks, "--tp-memory-worker", engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+        row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
+        shutil.rmtree(out)
+    rows.update(tp_rows)
     print(f"{args.ranks} ranks, Gloo, fp32 and bf16, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
           f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
-    print(f"{'model':<6} {'ours':<12} {'peer':<22} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "
+    print(f"{'model':<8} {'ours':<14} {'peer':<22} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "
           f"{'peak MiB':>11} {'x':>5} {'MB sent/step':>13} {'x':>5}  parity loss / params (ours, peer)")
     pairs = []
-    for model_name in ("gpt2", "llama"):
-        for ours_name, peer_name in PAIRS:
-            ours, peer = rows[(model_name, ours_name)], rows[(model_name, peer_name)]
-            pair = dict(model=model_name, ours=ours, peer=peer,
-                        best_ratio=ours["best_s"] / peer["best_s"], median_ratio=ours["median_s"] / peer["median_s"],
-                        memory_ratio=ours["peak_bytes"] / peer["peak_bytes"],
-                        bytes_ratio=ours["bytes_per_step"] / peer["bytes_per_step"])
-            pairs.append(pair)
-            print(f"{model_name:<6} {ours_name:<12} {peer_name:<22} "
-                  f"{ours['best_s'] * 1e3:>7.1f}/{peer['best_s'] * 1e3:<7.1f} {pair['best_ratio']:>5.2f} "
-                  f"{ours['median_s'] * 1e3:>7.1f}/{peer['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} "
-                  f"{ours['peak_bytes'] / 2**20:>5.0f}/{peer['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f} "
-                  f"{ours['bytes_per_step'] / 1e6:>6.2f}/{peer['bytes_per_step'] / 1e6:<6.2f} {pair['bytes_ratio']:>5.2f}  "
-                  f"{ours['loss_rel_diff']:.1e}/{ours['parameter_rel_diff']:.1e}, "
-                  f"{peer['loss_rel_diff']:.1e}/{peer['parameter_rel_diff']:.1e}")
+    for model_name, ours_name, peer_name in [(m, o, p) for m in ("gpt2", "llama") for o, p in PAIRS] + \
+            [(peers_tp.MODEL, o, p) for o, p in peers_tp.PAIRS]:
+        ours, peer = rows[(model_name, ours_name)], rows[(model_name, peer_name)]
+        pair = dict(model=model_name, ours=ours, peer=peer,
+                    best_ratio=ours["best_s"] / peer["best_s"], median_ratio=ours["median_s"] / peer["median_s"],
+                    memory_ratio=ours["peak_bytes"] / peer["peak_bytes"],
+                    bytes_ratio=ours["bytes_per_step"] / peer["bytes_per_step"])
+        pairs.append(pair)
+        print(f"{model_name:<8} {ours_name:<14} {peer_name:<22} "
+              f"{ours['best_s'] * 1e3:>7.1f}/{peer['best_s'] * 1e3:<7.1f} {pair['best_ratio']:>5.2f} "
+              f"{ours['median_s'] * 1e3:>7.1f}/{peer['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} "
+              f"{ours['peak_bytes'] / 2**20:>5.0f}/{peer['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f} "
+              f"{ours['bytes_per_step'] / 1e6:>6.2f}/{peer['bytes_per_step'] / 1e6:<6.2f} {pair['bytes_ratio']:>5.2f}  "
+              f"{ours['loss_rel_diff']:.1e}/{ours['parameter_rel_diff']:.1e}, "
+              f"{peer['loss_rel_diff']:.1e}/{peer['parameter_rel_diff']:.1e}")
     worst = max(max(r["loss_rel_diff"] / tolerance_of(r["engine"])["loss"],
                     r["parameter_rel_diff"] / tolerance_of(r["engine"])["parameters"]) for r in rows.values())
     print(f"parity with one process: {'OK' if worst <= 1 else 'FAILED'} (tolerances, relative: fp32 losses "
@@ -368,6 +379,12 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--time-worker":
         time_worker(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--tp-time-worker":
+        import peers_tp
+        peers_tp.time_worker(int(sys.argv[2]), WARMUP_ROUNDS, sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--tp-memory-worker":
+        import peers_tp
+        peers_tp.memory_worker(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker":
         memory_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
