@@ -41,6 +41,8 @@ _RUNTIME = {
     "graph": None,
     "embeddings": None,
     "profile": None,
+    "checkpoint": None,
+    "mixed_precision": None,
 }
 
 

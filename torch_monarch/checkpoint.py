@@ -480,10 +480,16 @@ def _agree(job, what, fn):
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 - reported on every rank, below
-        error = f"rank {job.rank}: {_describe(e)}"
-    errors = [e for e in job.all_gather_json(error) if e]
-    if errors:
-        raise CheckpointError(f"checkpoint: {what}: " + "; ".join(errors))
+        error = _describe(e)
+    # The same message from several ranks is said once, naming them.
+    ranks_by_error = {}
+    for rank, e in enumerate(job.all_gather_json(error)):
+        if e:
+            ranks_by_error.setdefault(e, []).append(rank)
+    if ranks_by_error:
+        parts = [f"{'rank' if len(r) == 1 else 'ranks'} {', '.join(map(str, r))}: {e}"
+                 for e, r in ranks_by_error.items()]
+        raise CheckpointError(f"checkpoint: {what}: " + "; ".join(parts))
     return value
 
 
@@ -820,10 +826,34 @@ def load(model, optimizer, path, *, strict=True, restore_rng=True):
     _finish_pending()
     job = _Job(model)
 
-    def read():
+    def open_checkpoint():
         directory, index = read_index(path)
+        return directory, index, _Reader(directory, index)
+
+    return _load_from(job, model, optimizer, open_checkpoint, strict=strict, restore_rng=restore_rng)
+
+
+@_with_progress("loading DCP checkpoint")
+def load_dcp(model, optimizer, path, *, strict=True):
+    """Loads a ``torch.distributed.checkpoint`` (DCP) directory written by PyTorch's own stack
+    (FSDP2, DTensor, DDP, one process) into ``model`` (any layout) and ``optimizer`` (or None):
+    the way users move a run from FSDP2 to torch_monarch (checkpoint_dcp.py: names, prefixes,
+    optimizer state forms). Read through torch's DCP reader; errors as ``load``'s. Collective."""
+    from .checkpoint_dcp import dcp_index
+    _finish_pending()
+    job = _Job(model)
+
+    def open_checkpoint():
+        index, reader = dcp_index(model, optimizer, path, strict=strict)
+        return str(path), index, reader
+
+    return _load_from(job, model, optimizer, open_checkpoint, strict=strict, restore_rng=False)
+
+
+def _load_from(job, model, optimizer, open_checkpoint, *, strict, restore_rng):
+    def read():
+        directory, index, reader = open_checkpoint()
         staged = []
-        reader = _Reader(directory, index)
         try:
             entries = _entries(model)
             for name, t, placement, kind in entries:
