@@ -75,6 +75,7 @@ bench: build python
 	$(VENV)/bin/python bench/dlrm.py --out bench/results/dlrm.json
 	$(VENV)/bin/python bench/checkpoint.py --out bench/results/checkpoint.json
 	$(VENV)/bin/python bench/peers.py --out bench/results/peers.json
+	$(VENV)/bin/python bench/memory_prediction.py --out bench/results/memory_prediction.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

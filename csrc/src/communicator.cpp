@@ -469,8 +469,15 @@ Handle Communicator::all_reduce_max(at::Tensor buffer) {
 Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   const int64_t n = size();
   const int64_t chunk = (buffer.numel() + n - 1) / n;
-  auto padded = at::zeros({n * chunk}, buffer.options());
-  padded.narrow(0, 0, buffer.numel()).copy_(buffer.reshape({-1}));  // any shape (activations too)
+  // The buffer itself is sent when it splits evenly (the data-parallel engine pads its bf16
+  // buckets so): no copy held while the collective runs. Otherwise a zero-padded copy.
+  at::Tensor padded;
+  if (buffer.numel() == n * chunk && buffer.is_contiguous()) {
+    padded = buffer.view({-1});
+  } else {
+    padded = at::zeros({n * chunk}, buffer.options());
+    padded.narrow(0, 0, buffer.numel()).copy_(buffer.reshape({-1}));  // any shape (activations too)
+  }
   auto received = at::empty_like(padded);
   std::vector<int64_t> splits(n, chunk);
   auto send_bits = padded.view(at::kHalf);

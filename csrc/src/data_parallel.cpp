@@ -108,6 +108,11 @@ void DataParallelEngine::build_buckets(int64_t bucket_bytes) {
       const int64_t local = nodes_->intra->size();
       numel = (numel + local - 1) / local * local;
     }
+    // A bf16 bucket (reduce_dtype) is all-reduced as equal chunks per rank (Communicator::
+    // all_reduce_bf16): padded to a multiple of the group, it is sent as it is, not copied.
+    if (!options_.hierarchical && options_.reduce_dtype == at::kBFloat16) {
+      numel = (numel + group_.size() - 1) / group_.size() * group_.size();
+    }
     // Hierarchical on a node of several ranks: the bucket is this rank's slot of a buffer
     // the node's ranks share (collective over the node; none where shared memory is missing).
     // On the worker: another engine on the same node groups may still have jobs there.
