@@ -1,6 +1,8 @@
 """torch_monarch against PyTorch's own distributed stack, side by side: the same model, the same
 data, the same launch, in one run. Sharded data parallelism here; tensor parallelism against
-DTensor, alone and 2-D with FSDP2, in peers_tp.py (same method, same table):
+DTensor, alone and 2-D with FSDP2, in peers_tp.py, and pipeline schedules against
+torch.distributed.pipelining in peers_pp.py (same method, same table; their bytes are the
+busiest rank's):
 
     ZeRO-3 (torch_monarch.fully_shard, zero_stage=3)  vs  FSDP2 fully_shard(reshard_after_forward=True)
     ZeRO-2 (torch_monarch.fully_shard, zero_stage=2)  vs  FSDP2 fully_shard(reshard_after_forward=False)
@@ -329,23 +331,27 @@ def main():
         out = launch(args.ranks, "--memory-worker", model_name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
         row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
         shutil.rmtree(out)
-    # Tensor parallelism, alone and with ZeRO-3 (peers_tp.py): its own launch, same method.
+    # Tensor parallelism, alone and with ZeRO-3 (peers_tp.py), and pipelines (peers_pp.py):
+    # each its own launch, same method.
+    import peers_pp
     import peers_tp
-    out = launch(args.ranks, "--tp-time-worker", str(args.rounds))
-    tp_rows = {(r["model"], r["engine"]): r for r in read_json(out, "tp_time.json")}
-    shutil.rmtree(out)
-    for (model_name, engine), row in tp_rows.items():
-        out = launch(args.ranks, "--tp-memory-worker", engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-        row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
+    for kind in (peers_tp, peers_pp):
+        name = kind.__name__.split("_")[1]
+        out = launch(args.ranks, "--time-worker-of", name, str(args.rounds))
+        more = {(r["model"], r["engine"]): r for r in read_json(out, f"{kind.MODEL}_time.json")}
         shutil.rmtree(out)
-    rows.update(tp_rows)
+        for (model_name, engine), row in more.items():
+            out = launch(args.ranks, "--memory-worker-of", name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+            row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
+            shutil.rmtree(out)
+        rows.update(more)
     print(f"{args.ranks} ranks, Gloo, fp32 and bf16, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
           f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
     print(f"{'model':<8} {'ours':<14} {'peer':<22} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "
           f"{'peak MiB':>11} {'x':>5} {'MB sent/step':>13} {'x':>5}  parity loss / params (ours, peer)")
     pairs = []
     for model_name, ours_name, peer_name in [(m, o, p) for m in ("gpt2", "llama") for o, p in PAIRS] + \
-            [(peers_tp.MODEL, o, p) for o, p in peers_tp.PAIRS]:
+            [(kind.MODEL, o, p) for kind in (peers_tp, peers_pp) for o, p in kind.PAIRS]:
         ours, peer = rows[(model_name, ours_name)], rows[(model_name, peer_name)]
         pair = dict(model=model_name, ours=ours, peer=peer,
                     best_ratio=ours["best_s"] / peer["best_s"], median_ratio=ours["median_s"] / peer["median_s"],
@@ -379,12 +385,14 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--time-worker":
         time_worker(int(sys.argv[2]), sys.argv[3])
-    elif len(sys.argv) == 4 and sys.argv[1] == "--tp-time-worker":
+    elif len(sys.argv) == 5 and sys.argv[1] == "--time-worker-of":  # tp or pp
+        import importlib
         import peers_tp
-        peers_tp.time_worker(int(sys.argv[2]), WARMUP_ROUNDS, sys.argv[3])
-    elif len(sys.argv) == 4 and sys.argv[1] == "--tp-memory-worker":
+        peers_tp.time_worker(int(sys.argv[3]), WARMUP_ROUNDS, sys.argv[4], importlib.import_module(f"peers_{sys.argv[2]}"))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker-of":
+        import importlib
         import peers_tp
-        peers_tp.memory_worker(sys.argv[2], sys.argv[3])
+        peers_tp.memory_worker(sys.argv[3], sys.argv[4], importlib.import_module(f"peers_{sys.argv[2]}"))
     elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker":
         memory_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

@@ -115,6 +115,10 @@ class Engine:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self._counted = 0.0
 
+    @property
+    def counts_own_bytes(self):
+        return self.ours  # the peer's are counted around its step (time_worker)
+
     def share(self, x, y, global_batch):
         local = global_batch // self.dp
         return x[self.dp_rank * local:(self.dp_rank + 1) * local], y[self.dp_rank * local:(self.dp_rank + 1) * local]
@@ -185,9 +189,11 @@ def _group_size(args, kwargs):
     return _resolve_process_group(name).size()
 
 
-def time_worker(rounds, warmup, out_dir):
-    """All four engines in one launch, interleaved round by round as peers.time_worker does;
-    rank 0 writes tp_time.json with the same fields."""
+def time_worker(rounds, warmup, out_dir, kind=None):
+    """All four engines of ``kind`` (this module, or peers_pp) in one launch, interleaved round
+    by round as peers.time_worker does; rank 0 writes <MODEL>_time.json with the same fields."""
+    import sys
+    kind = kind or sys.modules[__name__]
     import json
     import statistics
     import time
@@ -200,7 +206,7 @@ def time_worker(rounds, warmup, out_dir):
     counter = peers.CollectiveBytes()
     torch_monarch.init()
     rank, n = dist.get_rank(), dist.get_world_size()
-    jobs = [dict(engine=e, side=Engine(e, peers.LR), times=[], losses=[]) for pair in PAIRS for e in pair]
+    jobs = [dict(engine=e, side=kind.Engine(e, peers.LR), times=[], losses=[]) for pair in kind.PAIRS for e in pair]
     total = warmup + rounds
     for step in range(total):
         x, y = peers.batch(step)
@@ -227,16 +233,20 @@ def time_worker(rounds, warmup, out_dir):
         xs, ys = side.share(x, y, peers.GLOBAL_BATCH)
         side.reset_bytes()
         before = counter.bytes
-        if side.ours:
+        if side.counts_own_bytes:
             side.step(xs, ys)
             job["bytes"] = side.bytes_sent()
         else:
             with functional_bytes() as mode:
                 side.step(xs, ys)
             job["bytes"] = counter.bytes - before + mode.bytes
+    for job in jobs:  # the busiest rank's (a pipeline's middle stages send both ways)
+        busiest = torch.tensor([float(job["bytes"])], dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        job["bytes"] = busiest.item()
     params = {job["engine"]: job["side"].full_parameters() for job in jobs}
     if rank == 0:
-        model, _ = build()
+        model, _ = kind.build()
         opt = torch.optim.AdamW(model.parameters(), lr=peers.LR)
         ref_losses = []
         for step in range(total + 1):
@@ -251,19 +261,19 @@ def time_worker(rounds, warmup, out_dir):
         for job in jobs:
             got = params[job["engine"]]
             per_tensor = {k: ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items()}
-            rows.append(dict(model=MODEL, engine=job["engine"], best_s=min(job["times"]),
+            rows.append(dict(model=kind.MODEL, engine=job["engine"], best_s=min(job["times"]),
                              median_s=statistics.median(job["times"]), times_s=job["times"],
                              bytes_per_step=job["bytes"], losses=job["losses"], reference_losses=ref_losses,
                              loss_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(job["losses"], ref_losses)),
                              parameter_rel_diff=max(per_tensor.values()),
                              worst_tensor=max(per_tensor, key=per_tensor.get)))
-        with open(os.path.join(out_dir, "tp_time.json"), "w") as f:
+        with open(os.path.join(out_dir, f"{kind.MODEL}_time.json"), "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def memory_worker(engine, out_dir):
+def memory_worker(engine, out_dir, kind=None):
     import json
     import torch
     import torch.distributed as dist
@@ -272,13 +282,15 @@ def memory_worker(engine, out_dir):
     from procmem import vm, warm_up_torch
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    import sys
+    kind = kind or sys.modules[__name__]
     rank = dist.get_rank()
-    if not engine.startswith(("DTensor", "FSDP2")):
+    if not engine.startswith(("DTensor", "FSDP2", "pipelining")):
         torch_monarch.init()  # (the peer's launch runs nothing of ours)
     warm_up_torch()
     dist.barrier()
     baseline = vm("VmRSS")
-    side = Engine(engine, peers.LR)
+    side = kind.Engine(engine, peers.LR)
     for step in range(peers.MEMORY_STEPS):
         x, y = peers.batch(step)
         side.step(*side.share(x, y, peers.GLOBAL_BATCH))

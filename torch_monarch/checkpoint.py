@@ -480,7 +480,7 @@ def _agree(job, what, fn):
     try:
         value = fn()
     except Exception as e:  # noqa: BLE001 - reported on every rank, below
-        error = _describe(e)
+        error = _describe(e) or type(e).__name__  # never empty: empty means success
     # The same message from several ranks is said once, naming them.
     ranks_by_error = {}
     for rank, e in enumerate(job.all_gather_json(error)):

@@ -120,8 +120,9 @@ def dcp_index(model, optimizer, path, *, strict=True):
     entries = _entries(model)
     names = [name for name, _, _, kind in entries if kind in ("param", "buffer")]
     params = [name for name, _, _, kind in entries if kind == "param"]
-    model_keys, prefix = _prefix_for(names, [k for k in tensor_keys if ".state." not in _normal(k)
-                                             and not _normal(k).startswith("state.")])
+    # (An optimizer key ends with its state's name, never with a parameter's: all keys can
+    # be searched for the model's entries.)
+    model_keys, prefix = _prefix_for(names, tensor_keys)
     missing = [n for n in params if n not in model_keys]
     if missing and strict:
         raise CheckpointError(f"checkpoint: the DCP checkpoint {path} has no entry for {len(missing)} of the model's "
@@ -134,35 +135,64 @@ def dcp_index(model, optimizer, path, *, strict=True):
     index = {"tensors": tensors, "step": None, "extra": {"dcp": str(path), "prefix": prefix}, "world_size": None,
              "plan": None, "optimizer": {"param_groups": []}}
     if optimizer is not None:
-        _match_optimizer(optimizer, entries, stored, tensor_keys, index, keys, path)
+        taken = set(model_keys.values())
+        _match_optimizer(optimizer, model, entries, stored, [k for k in tensor_keys if k not in taken], index, keys,
+                         path)
         index["optimizer"]["param_groups"] = _hyper_groups(path, metadata, stored, _param_names(optimizer, entries),
-                                                           index.pop("_hyper_prefix", None))
+                                                           index.pop("_hyper_prefix", None),
+                                                           _order(optimizer, model, entries) or [])
     return index, _DcpReader(path, metadata, keys)
 
 
-def _match_optimizer(optimizer, entries, stored, tensor_keys, index, keys, path):
+_STATE_SEGMENT = re.compile(r"(?:^|\.)state\.")
+
+
+def _order(optimizer, model, entries):
+    """What an integer-keyed optimizer state counts: the saving optimizer's parameters in its
+    param_groups' order, taken to be this optimizer's (built over the same model by the same
+    code), which covers the whole model only on a rank that holds a part of every parameter
+    (not a pipeline stage: None there)."""
+    from .checkpoint import _param_names
+    order = [n for group in _param_names(optimizer, entries) for n in group]
+    whole = getattr(model, "parameter_order", None)
+    if whole is not None and set(order) != set(whole):
+        return None
+    return order
+
+
+def _match_optimizer(optimizer, model, entries, stored, tensor_keys, index, keys, path):
     """Optimizer state keys: ``<prefix>state.<param name>.<key>`` (FQN-keyed, get_state_dict's
-    form) or ``<prefix>state.<i>.<key>`` with i the parameter's position in
-    model.named_parameters() (optimizer.state_dict()'s form)."""
+    form) or ``<prefix>state.<i>.<key>`` with i the parameter's position in the whole model's
+    named_parameters() (optimizer.state_dict()'s form; the same on every rank, whatever part
+    of the model it holds)."""
     from .checkpoint import CheckpointError, _DTYPE_NAMES
     params = [name for name, _, _, kind in entries if kind == "param"]
+    order = _order(optimizer, model, entries)
+    position = {name: i for i, name in enumerate(order or [])}
     state_keys = {}
     for k in tensor_keys:
         nk = _normal(k)
-        at = nk.find("state.")
-        if at < 0 or (at > 0 and nk[at - 1] != "."):
+        hits = list(_STATE_SEGMENT.finditer(nk))
+        if not hits:
             continue
-        state_keys[nk[at + len("state."):]] = (k, nk[:at])
+        at = hits[-1]  # the last "state." segment: prefixes may hold "state" too
+        state_keys[nk[at.end():]] = (k, nk[:at.end() - len("state.")])
     found = {}
     hyper_prefix = None
-    for i, name in enumerate(params):
-        for key_name in (name, str(i)):
-            hits = {rest[len(key_name) + 1:]: (k, pre) for rest, (k, pre) in state_keys.items()
-                    if rest.startswith(key_name + ".") and "." not in rest[len(key_name) + 1:]}
-            if hits:
-                found[name] = hits
-                hyper_prefix = next(iter(hits.values()))[1]
-                break
+    positional = any(rest.split(".")[0].isdigit() for rest in state_keys) and \
+        not any(rest.startswith(n + ".") for rest in state_keys for n in params)
+    if positional and order is None:
+        raise CheckpointError(f"checkpoint: the DCP checkpoint {path} keys its optimizer state by position "
+                              "(optimizer.state_dict()), which a pipeline stage cannot map to parameter names; "
+                              "save it by name (torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) "
+                              "or load it into a layout without pp and save that")
+    for name in params:
+        key_name = str(position[name]) if positional else name
+        hits = {rest[len(key_name) + 1:]: (k, pre) for rest, (k, pre) in state_keys.items()
+                if rest.startswith(key_name + ".") and "." not in rest[len(key_name) + 1:]}
+        if hits:
+            found[name] = hits
+            hyper_prefix = next(iter(hits.values()))[1]
     if not found:
         raise CheckpointError(f"checkpoint: the DCP checkpoint {path} holds no optimizer state this model's "
                               "parameters can be matched to (load with optimizer=None for the weights only)")
@@ -176,7 +206,7 @@ def _match_optimizer(optimizer, entries, stored, tensor_keys, index, keys, path)
     index["_hyper_prefix"] = hyper_prefix
 
 
-def _hyper_groups(path, metadata, stored, names_per_group, prefix):
+def _hyper_groups(path, metadata, stored, names_per_group, prefix, order):
     """The saved param_groups' hyper-parameters (lr, betas, weight_decay, ...) in checkpoint.py's
     form ([{"params": [names], "lr": ...}]), from ``<prefix>param_groups.<i>.<hyper>`` entries
     with the group's parameter names in ``.params`` (get_optimizer_state_dict's form) or
@@ -200,9 +230,22 @@ def _hyper_groups(path, metadata, stored, names_per_group, prefix):
     groups = []
     for i in sorted(by_index):
         group = dict(by_index[i])
-        if isinstance(group.get("params"), (list, tuple)) and all(isinstance(n, str) for n in group["params"]):
-            group["params"] = [_normal(n) for n in group["params"]]
+        listed = group.get("params")
+        if isinstance(listed, (list, tuple)) and all(isinstance(n, str) for n in listed):
+            group["params"] = [_normal(n) for n in listed]
             groups.append(group)
+        elif isinstance(listed, (list, tuple)) and all(isinstance(n, int) and 0 <= n < len(order) for n in listed):
+            group["params"] = [order[n] for n in listed]  # optimizer.state_dict()'s positions
+            groups.append(group)
+    # Positions are only names if the saving optimizer's groups were ours: the same sizes.
+    from .checkpoint import CheckpointError
+    saved_sizes = [len(by_index[i].get("params") or []) for i in sorted(by_index)
+                   if all(isinstance(n, int) for n in (by_index[i].get("params") or []))]
+    if saved_sizes and saved_sizes != [len(names) for names in names_per_group]:
+        raise CheckpointError(f"checkpoint: the DCP checkpoint {path} keys its optimizer state by position, in "
+                              f"param groups of {saved_sizes} parameters; this optimizer's groups hold "
+                              f"{[len(n) for n in names_per_group]}: build it as the saving run did (or save the "
+                              "state by name, get_optimizer_state_dict)")
     for names in names_per_group:
         hypers = [per_param.get(n) for n in names]
         if hypers and all(h is not None for h in hypers):

@@ -92,6 +92,7 @@ class ParallelModel(nn.Module):
         first = {}
         for pname, p in model.named_parameters():
             first.setdefault(id(p), pname)
+        self.parameter_order = list(first.values())  # the model's named_parameters() order, whole model
         self._canonical = {f"{m}.{n}" if m else n: first[id(p)] for m, mod in model.named_modules()
                            for n, p in mod._parameters.items() if p is not None and id(p) in first}
         pp_rank = mesh.coordinate("pp")
@@ -174,7 +175,9 @@ class ParallelModel(nn.Module):
                 self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=layout.bucket_bytes / (1024 * 1024),
                                                 exclude=tied_ids, reduction=layout.dp_reduction,
                                                 inter_node_compression=layout.inter_node_compression,
-                                                reduce_dtype=mixed_precision)
+                                                # fp16 sums would overflow before the average
+                                                reduce_dtype=mixed_precision if mixed_precision == torch.bfloat16
+                                                else None)
                 self._composition.set_data_parallel(s, self._wrapped[s]._engine)
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
@@ -339,7 +342,16 @@ class ParallelModel(nn.Module):
             def loss(mb, out):
                 return loss_fn(out[0], ys[mb])
         first = inputs[0] if isinstance(inputs, tuple) else inputs
-        return self._composition.train_step(forward, loss, samples=first.shape[0])
+        try:
+            return self._composition.train_step(forward, loss, samples=first.shape[0])
+        finally:
+            self.release_cast_copies()  # every backward of the step has run (or it failed)
+
+    def release_cast_copies(self):
+        """Mixed precision's per-forward copies dropped: attribute lookup finds the master
+        parameters again (torch_monarch.mixed_precision; train_step does it at its end)."""
+        for cast in self._casts:
+            cast.release()
 
     @torch.no_grad()
     def predict(self, inputs):

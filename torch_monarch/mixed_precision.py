@@ -12,7 +12,10 @@ in ``_parameters``; ``state_dict``, ``parameters()`` and the optimizer still see
 Floating-point inputs are cast too (FSDP2's ``cast_forward_inputs``). The copies stay until
 the backward of every forward that needs them has run (recomputation re-runs a block's
 forward inside backward and must see the same copies), then go: between steps
-``module.weight`` is the master again.
+``module.weight`` is the master again. A forward with autograd on whose backward never
+runs keeps them until ``release()`` (``ParallelModel.train_step`` releases at its end,
+whatever happened; a loop of its own that runs such forwards calls
+``model.release_cast_copies()``).
 """
 
 import torch
@@ -43,6 +46,7 @@ class CastParameters:
                        if p is not None and p.is_floating_point() and p.dtype != dtype
                        and (only is None or id(p) in only)]
         self._pending = 0  # forwards whose backward has not run yet
+        self._saved = []  # per forward in progress: the copies a no-grad forward displaced
         self._handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                          module.register_forward_hook(self._after)]
 
@@ -51,6 +55,10 @@ class CastParameters:
         return len({id(p) for _, _, p in self._slots})
 
     def _before(self, _module, args, kwargs):
+        # What a forward without autograd replaces is put back after it: copies a pending
+        # backward (its recomputation) still needs.
+        self._saved.append({(id(owner), name): owner.__dict__[name] for owner, name, _ in self._slots
+                            if name in owner.__dict__} if not torch.is_grad_enabled() else None)
         copies = {}
         for owner, name, p in self._slots:
             c = copies.get(id(p))
@@ -61,10 +69,15 @@ class CastParameters:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _after(self, _module, _args, output):
+        saved = self._saved.pop() if self._saved else None
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not needs_grad:
             if self._pending == 0:
                 self.release()
+            elif saved is not None:
+                for owner, name, _ in self._slots:
+                    if (id(owner), name) in saved:
+                        owner.__dict__[name] = saved[(id(owner), name)]
             return
         self._pending += 1
         state = {"done": False}
@@ -84,8 +97,11 @@ class CastParameters:
             self.release()
 
     def release(self):
-        """Drops the cast copies: attribute lookup finds the master parameters again."""
+        """Drops the cast copies: attribute lookup finds the master parameters again. Also
+        what ends a step whose backward never came (a forward with autograd on and no
+        backward, a loss or backward that raised): ParallelModel.train_step calls it."""
         self._pending = 0
+        self._saved = []
         for owner, name, _ in self._slots:
             owner.__dict__.pop(name, None)
 

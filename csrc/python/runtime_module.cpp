@@ -43,11 +43,11 @@ void destroy_without_gil(DeviceMesh* mesh) {
   }
 }
 
-at::ScalarType dtype_from_name(const std::string& name) {
+at::ScalarType dtype_from_name(const std::string& name, const std::string& field = "compute_dtype") {
   if (name == "float32" || name == "float" || name == "Float") return at::kFloat;
   if (name == "bfloat16" || name == "BFloat16") return at::kBFloat16;
   if (name == "float16" || name == "half" || name == "Half") return at::kHalf;
-  throw py::value_error("compute_dtype: expected float32, bfloat16 or float16, got '" + name + "'");
+  throw py::value_error(field + ": expected float32, bfloat16 or float16, got '" + name + "'");
 }
 
 // Lets Python stand in for a stage's computation (the pipeline bench's timed stages).
@@ -508,7 +508,7 @@ PYBIND11_MODULE(_runtime, m) {
             if (name.is_none()) {
               o.reduce_dtype.reset();
             } else {
-              o.reduce_dtype = dtype_from_name(name.cast<std::string>());
+              o.reduce_dtype = dtype_from_name(name.cast<std::string>(), "reduce_dtype");
             }
           },
           "None (the parameters' dtype) or 'bfloat16' / 'float16' / 'float32': what the buckets hold and move")
@@ -551,7 +551,7 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property(
           "reduce_dtype",
           [](const FullyShardOptions& o) { return std::string(c10::toString(o.effective_reduce_dtype())); },
-          [](FullyShardOptions& o, const std::string& name) { o.reduce_dtype = dtype_from_name(name); },
+          [](FullyShardOptions& o, const std::string& name) { o.reduce_dtype = dtype_from_name(name, "reduce_dtype"); },
           "'float32', 'bfloat16' or 'float16' (default: the compute dtype)")
       .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root);
 

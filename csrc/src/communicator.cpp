@@ -473,7 +473,7 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   // buckets so): no copy held while the collective runs. Otherwise a zero-padded copy.
   at::Tensor padded;
   if (buffer.numel() == n * chunk && buffer.is_contiguous()) {
-    padded = buffer.view({-1});
+    padded = buffer.detach().view({-1});  // (detached: Gloo's thread holds no autograd state)
   } else {
     padded = at::zeros({n * chunk}, buffer.options());
     padded.narrow(0, 0, buffer.numel()).copy_(buffer.reshape({-1}));  // any shape (activations too)

@@ -21,6 +21,8 @@ LAYOUTS = {
     "zero3_dp4": (dict(dp=4), dict(zero_stage=3), 4),
     "tp2_dp2": (dict(tp=2, dp=2), dict(), 4),
     "pp2_dp2": (dict(pp=2, dp=2), dict(schedule="1f1b", micro_batches=2), 4),
+    # The positional checkpoint (state keyed by the optimizer's parameter positions).
+    "tp2_dp2_positional": (dict(tp=2, dp=2), dict(), 4),
 }
 LAYERS = 4
 
@@ -49,6 +51,9 @@ def fsdp2_run(directory):
         if step == BEFORE:
             dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=directory)
+            # The DCP tutorial's plain form: optimizer state keyed by parameter position.
+            dcp.save({"app": {"model": model.state_dict(), "optim": opt.state_dict()}},
+                     checkpoint_id=directory + "_positional")
         x, y = batch(step, GLOBAL_BATCH)
         opt.zero_grad()
         loss = loss_fn(model(x[rank * local:(rank + 1) * local]), y[rank * local:(rank + 1) * local])
@@ -65,7 +70,7 @@ def ours(name, directory):
     opt = make_optimizer(pm.named_parameters())
     for group in opt.param_groups:
         group["lr"] = 1.0  # the checkpoint's learning rates must replace these
-    info = torch_monarch.checkpoint.load_dcp(pm, opt, directory)
+    info = torch_monarch.checkpoint.load_dcp(pm, opt, directory + ("_positional" if "positional" in name else ""))
     tp, dp, dp_rank = mesh.axis_size("tp"), mesh.axis_size("dp"), mesh.coordinate("dp")
 
     def loss(logits, targets):
@@ -89,9 +94,14 @@ def errors(directory):
     mesh = torch_monarch.device_mesh(dp=dist.get_world_size())
     bigger = torch_monarch.parallelize(make_model(layers=LAYERS + 2), mesh, zero_stage=3)
     before = {k: v.clone() for k, v in bigger.state_dict().items()}
-    for what, path in (("other_model", directory), ("not_dcp", os.path.dirname(directory))):
+    # A pipeline stage cannot map positions to names: refused, not guessed.
+    staged = torch_monarch.parallelize(make_model(layers=LAYERS), torch_monarch.device_mesh(pp=2, dp=2), micro_batches=2)
+    staged_opt = make_optimizer(staged.named_parameters())
+    for what, model, opt, path in (("other_model", bigger, None, directory),
+                                   ("not_dcp", bigger, None, os.path.dirname(directory)),
+                                   ("positional_on_pipeline", staged, staged_opt, directory + "_positional")):
         try:
-            torch_monarch.checkpoint.load_dcp(bigger, None, path)
+            torch_monarch.checkpoint.load_dcp(model, opt, path)
             out[what] = None
         except Exception as e:  # the message is what the test checks
             out[what] = f"{type(e).__name__}: {e}"

@@ -14,7 +14,7 @@ import torch
 from dist_harness import launch
 
 LOSS_REL = 1e-5
-LAYOUTS = ["zero3_dp4", "tp2_dp2", "pp2_dp2"]
+LAYOUTS = ["zero3_dp4", "tp2_dp2", "pp2_dp2", "tp2_dp2_positional"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,7 +30,7 @@ def test_fsdp2_dcp_checkpoint_resumes_in_our_layout(name):
     fsdp2 = res["fsdp2"]
     assert fsdp2[-1] < fsdp2[0] - 1.0, f"FSDP2's run does not train: {fsdp2}"
     ours = res[name]
-    assert ours["prefix"] == "model."
+    assert ours["prefix"] == ("app.model." if "positional" in name else "model.")
     continued = fsdp2[len(fsdp2) - len(ours["losses"]):]
     for step, (got, want) in enumerate(zip(ours["losses"], continued)):
         assert got == pytest.approx(want, rel=LOSS_REL), f"{name}: continued step {step}"
@@ -51,3 +51,5 @@ def test_bad_dcp_checkpoints_are_refused_naming_what_and_where():
     assert errors["not_dcp"] is not None and "is not a readable torch.distributed.checkpoint directory" in \
         errors["not_dcp"]
     assert errors["unchanged"], "a refused load changed the model"
+    assert errors["positional_on_pipeline"] is not None and \
+        "keys its optimizer state by position" in errors["positional_on_pipeline"]

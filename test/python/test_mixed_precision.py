@@ -84,3 +84,44 @@ def test_bf16_plan_halves_the_data_parallel_reduction():
     assert fp32 > 0
     # (The loss's own fp64 mean over dp is the same few bytes in both.)
     assert bf16 == pytest.approx(fp32 / 2, rel=1e-3)
+
+
+def _block_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def test_cast_copies_survive_a_no_grad_forward_before_the_backward_that_recomputes():
+    """A validation forward without autograd between a training forward and its backward must
+    not replace the copies the backward's recomputation uses."""
+    from torch_monarch import recompute
+    from torch_monarch.mixed_precision import CastParameters
+    model = _block_model()
+    CastParameters(model, torch.bfloat16)
+    recompute.apply([model[0], model[2]], "full")
+    x = torch.randn(4, 8)
+    loss = model(x).float().square().mean()
+    with torch.no_grad():
+        model(x)
+    loss.backward()  # would fail the recomputation's saved-tensor check with other copies
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert not any("weight" in m.__dict__ for m in model.modules()), "copies left after the backward"
+    reference = _block_model()
+    with torch.autocast("cpu", torch.bfloat16):
+        want = reference(x)
+    want.float().square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=5e-2, atol=1e-3)
+
+
+def test_a_forward_without_backward_keeps_copies_until_released():
+    from torch_monarch.mixed_precision import CastParameters
+    model = _block_model()
+    cast = CastParameters(model, torch.bfloat16)
+    model(torch.randn(2, 8))  # autograd on, no backward (e.g. a validation step without no_grad)
+    assert model[0].weight.dtype == torch.bfloat16
+    cast.release()
+    assert model[0].weight.dtype == torch.float32 and model[0].weight is model[0]._parameters["weight"]
+    with torch.no_grad():
+        model(torch.randn(2, 8))  # nothing pending: released at once
+    assert model[0].weight.dtype == torch.float32
