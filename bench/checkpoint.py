@@ -14,7 +14,14 @@ quarter of the fp32 parameters' optimizer state and of the master weights it ste
     rank's state size;
   * save_async: how long it blocks the caller (staging the rank's slices in host memory), a
     training step run while the files are written beside one run alone, when wait() has the
-    checkpoint in place, and its peak extra memory (the staging copy).
+    checkpoint in place, and its peak extra memory (the staging copy);
+  * PyTorch's own sharded checkpoint in the same launch: FSDP2 (fully_shard per block, 4
+    ranks) with the same state after one step, saved and loaded with torch.distributed.
+    checkpoint ({"model": get_model_state_dict, "optimizer": get_optimizer_state_dict}, as
+    torchtitan saves) on the same filesystem; peak extra memory as ours;
+  * a load into another layout: ours from the ZeRO-1 dp4 checkpoint into tp2 x dp2, DCP's
+    from FSDP2's checkpoint into FSDP2 + DTensor TP on a (dp 2, tp 2) mesh (its resharding),
+    and ours from FSDP2's DCP checkpoint into tp2 x dp2 (checkpoint.load_dcp, migrating).
 
     python3 bench/checkpoint.py [--out bench/results/checkpoint.json] [--dir DIR]
 """
@@ -63,7 +70,9 @@ def worker(out_dir, ckpt_dir):
     import torch.nn.functional as F
     import torch_monarch
     from torch_monarch import checkpoint
+    import torch.distributed as dist
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # (DCP's collectives; ours joins its store)
     world = torch_monarch.init(timeout=600)
     mesh = torch_monarch.device_mesh(pp=1, dp=world.size, tp=1)
     pm = torch_monarch.parallelize(make_model(), mesh, zero_stage=1)
@@ -114,12 +123,105 @@ def worker(out_dir, ckpt_dir):
     pending.wait()
     async_total_s = all_max(time.perf_counter() - t0)
     async_extra = all_max(vm("VmHWM") - base)
+    ours_bytes = dir_bytes(ckpt_dir)
+    # Into another layout: tp 2 x dp 2 (ZeRO-1).
+    del pending
+    gc.collect()
+    mesh2 = torch_monarch.device_mesh(pp=1, dp=world.size // 2, tp=2)
+    pm2 = torch_monarch.parallelize(make_model(), mesh2, zero_stage=1)
+    opt2 = torch.optim.AdamW(pm2.parameters(), lr=1e-4)
+    one_step(pm2, opt2, lambda x, y: pm2.train_step(*pm2.local_batch(x, y), tp_loss(mesh2)))  # (creates its state)
+    group.barrier()
+    t0 = time.perf_counter()
+    checkpoint.load(pm2, opt2, ckpt_dir)
+    reshard_s = all_max(time.perf_counter() - t0)
+    dcp_row = dcp_side(ckpt_dir + ".dcp", all_max, group)
+    group.barrier()
+    t0 = time.perf_counter()
+    checkpoint.load_dcp(pm2, opt2, ckpt_dir + ".dcp")
+    migrate_s = all_max(time.perf_counter() - t0)
     if world.rank == 0:
         with open(os.path.join(out_dir, "ours.json"), "w") as f:
-            json.dump({"save_s": save_s, "load_s": load_s, "bytes": dir_bytes(ckpt_dir), "peak_extra_bytes": extra,
-                       "rank_state_bytes": state_bytes, "ranks": world.size,
+            json.dump({"save_s": save_s, "load_s": load_s, "bytes": ours_bytes, "peak_extra_bytes": extra,
+                       "rank_state_bytes": state_bytes, "ranks": world.size, "load_into_tp2_dp2_s": reshard_s,
+                       "load_dcp_into_tp2_dp2_s": migrate_s, "dcp": dcp_row,
                        "async": {"blocked_s": block_s, "total_s": async_total_s, "step_s": step_s,
                                  "step_during_write_s": step_during_s, "peak_extra_bytes": async_extra}}, f)
+
+
+def tp_loss(mesh):
+    import torch_monarch
+
+    def loss(out, y):
+        return torch_monarch.vocab_parallel_cross_entropy(out, y, mesh)
+    return loss
+
+
+def dcp_side(path, all_max, group):
+    """FSDP2 with the same state, saved and loaded with DCP; then loaded into FSDP2 + DTensor
+    TP on a (dp 2, tp 2) mesh (DCP's resharding)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    n = dist.get_world_size()
+    model = make_model()
+    mesh = init_device_mesh("cpu", (n,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rank = dist.get_rank()
+
+    def step(x, y):
+        share = slice(rank * x.shape[0] // n, (rank + 1) * x.shape[0] // n)
+        F.cross_entropy(model(x[share]).reshape(-1, VOCAB), y[share].reshape(-1)).backward()
+    one_step(model, opt, step)
+    gc.collect()
+    group.barrier()
+    base = vm("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    save_s = all_max(time.perf_counter() - t0)
+    extra = all_max(vm("VmHWM") - base)
+    del model_sd, optim_sd
+    group.barrier()
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    load_s = all_max(time.perf_counter() - t0)
+    del state, model_sd, optim_sd, model, opt
+    gc.collect()
+    # Into FSDP2 + DTensor TP (dp 2 x tp 2): the GPT's attention and MLP split as Megatron does.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh2 = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    for block in model.transformer.h:
+        parallelize_module(block, mesh2["tp"], {"mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        fully_shard(block, mesh=mesh2["dp"])
+    fully_shard(model, mesh=mesh2["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    share2 = slice(0, 2)
+
+    def step2(x, y):
+        F.cross_entropy(model(x[share2]).reshape(-1, VOCAB), y[share2].reshape(-1)).backward()
+    one_step(model, opt, step2)
+    group.barrier()
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    reshard_s = all_max(time.perf_counter() - t0)
+    return {"save_s": save_s, "load_s": load_s, "bytes": dir_bytes(path), "peak_extra_bytes": extra,
+            "load_into_tp2_dp2_s": reshard_s}
 
 
 def baseline(path):
@@ -175,15 +277,20 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = 1e9
-    rows = [("torch_monarch.checkpoint, %d ranks" % ours["ranks"], ours), ("torch.save / torch.load, 1 process", base)]
+    rows = [("torch_monarch.checkpoint, %d ranks" % ours["ranks"], ours),
+            ("DCP (FSDP2), %d ranks" % ours["ranks"], ours["dcp"]),
+            ("torch.save / torch.load, 1 process", base)]
     print(f"GPT {LAYERS} blocks, hidden {HIDDEN}, vocab {VOCAB}; fp32 weights + AdamW state; ZeRO-1 over "
           f"{ours['ranks']} ranks on this machine")
     print(f"{'':<38}{'bytes':>12}{'save s':>9}{'save GB/s':>11}{'load s':>9}{'load GB/s':>11}")
     for name, r in rows:
         print(f"{name:<38}{r['bytes']:>12}{r['save_s']:>9.2f}{r['bytes'] / r['save_s'] / gb:>11.2f}"
               f"{r['load_s']:>9.2f}{r['bytes'] / r['load_s'] / gb:>11.2f}")
-    print(f"peak extra memory during the save (largest rank): {ours['peak_extra_bytes'] / 2**20:.1f} MiB; "
-          f"the rank's state: {ours['rank_state_bytes'] / 2**20:.1f} MiB")
+    print(f"peak extra memory during the save (largest rank): ours {ours['peak_extra_bytes'] / 2**20:.1f} MiB, DCP "
+          f"{ours['dcp']['peak_extra_bytes'] / 2**20:.1f} MiB; the rank's state: {ours['rank_state_bytes'] / 2**20:.1f} MiB")
+    print(f"load into another layout (tp 2 x dp 2): ours {ours['load_into_tp2_dp2_s']:.2f} s, DCP into FSDP2 + "
+          f"DTensor TP {ours['dcp']['load_into_tp2_dp2_s']:.2f} s; FSDP2's DCP checkpoint into ours (load_dcp) "
+          f"{ours['load_dcp_into_tp2_dp2_s']:.2f} s")
     a = ours["async"]
     print(f"save_async: blocks {a['blocked_s']:.2f} s (staging; the blocking save took {ours['save_s']:.2f} s), "
           f"a training step while the files are written {a['step_during_write_s']:.2f} s (alone {a['step_s']:.2f} s), "
