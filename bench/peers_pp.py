@@ -6,6 +6,8 @@ per rank) or 8 (two per rank, interleaved), 8 micro-batches of 2 sequences:
       vs pipelining 1F1B PipelineStage per rank + Schedule1F1B
     PP-4 interleaved     parallelize(..., schedule="interleaved_1f1b", virtual_stages=2)
       vs pipelining Interleaved1F1B   two PipelineStages per rank (stages r and r + 4)
+    PP-4 ZB-H1           parallelize(..., schedule="zb_h1") (Qi et al. 2023: B and W split)
+      vs pipelining ZeroBubble        ScheduleInterleavedZeroBubble over one stage per rank
 
 The peer's stages are cut by hand, as torchtitan's pipeline_llama does: the embedding on the
 first stage, the final norm and the head on the last, layers split evenly. Both sides average
@@ -17,7 +19,8 @@ other pairs (peers.py).
 
 import os
 
-PAIRS = (("PP-4 1F1B", "pipelining 1F1B"), ("PP-4 interleaved", "pipelining Interleaved1F1B"))
+PAIRS = (("PP-4 1F1B", "pipelining 1F1B"), ("PP-4 interleaved", "pipelining Interleaved1F1B"),
+         ("PP-4 ZB-H1", "pipelining ZeroBubble"))
 MODEL = "llama_pp"
 MICRO_BATCHES = 8
 
@@ -69,17 +72,19 @@ class Engine:
         model, blocks = build()
         self.names = {id(p): n for n, p in model.named_parameters()}
         interleaved = "nterleaved" in engine
+        zero_bubble = "ZB" in engine or "ZeroBubble" in engine
         self.ours = engine.startswith("PP")
         self._sent = 0.0
         if self.ours:
             import torch_monarch
             self.mesh = torch_monarch.device_mesh(pp=self.world)
             self.model = torch_monarch.parallelize(
-                model, self.mesh, schedule="interleaved_1f1b" if interleaved else "1f1b",
+                model, self.mesh, schedule="interleaved_1f1b" if interleaved else "zb_h1" if zero_bubble else "1f1b",
                 micro_batches=MICRO_BATCHES, virtual_stages=2 if interleaved else 1, units=blocks)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
             return
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble)
         per_rank = 2 if interleaved else 1
         num_stages = self.world * per_rank
         indices = [self.rank + k * self.world for k in range(per_rank)]
@@ -100,7 +105,9 @@ class Engine:
 
         def loss_fn(logits, y):
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        if interleaved:
+        if zero_bubble:
+            self.schedule = ScheduleInterleavedZeroBubble(pipe_stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+        elif interleaved:
             self.schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         else:
             self.schedule = Schedule1F1B(pipe_stages[0], n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
