@@ -50,10 +50,6 @@ class CastParameters:
         self._handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                          module.register_forward_hook(self._after)]
 
-    @property
-    def cast_count(self):
-        return len({id(p) for _, _, p in self._slots})
-
     def _before(self, _module, args, kwargs):
         # What a forward without autograd replaces is put back after it: copies a pending
         # backward (its recomputation) still needs.
@@ -111,10 +107,3 @@ class CastParameters:
             h.remove()
         self._handles = []
 
-
-def cast_forward_inputs(module: nn.Module, dtype: torch.dtype):
-    """Casts ``module``'s floating-point inputs to ``dtype`` (for a module whose parameters an
-    engine casts, e.g. ZeRO's). Returns the hook handle."""
-    cast = _cast_input(dtype)
-    return module.register_forward_pre_hook(lambda _m, args, kwargs: (tree_map(cast, args), tree_map(cast, kwargs)),
-                                            with_kwargs=True)
