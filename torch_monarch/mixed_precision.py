@@ -106,4 +106,3 @@ class CastParameters:
         for h in self._handles:
             h.remove()
         self._handles = []
-
