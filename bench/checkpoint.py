@@ -190,14 +190,18 @@ def dcp_side(path, all_max, group):
     save_s = all_max(time.perf_counter() - t0)
     extra = all_max(vm("VmHWM") - base)
     del model_sd, optim_sd
-    group.barrier()
-    t0 = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    load_s = all_max(time.perf_counter() - t0)
-    del state, model_sd, optim_sd, model, opt
+
+    def timed_load(model, opt):
+        """DCP's load as torchtitan does it (into the model's own state dict, then set), timed."""
+        group.barrier()
+        t0 = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        return all_max(time.perf_counter() - t0)
+    load_s = timed_load(model, opt)
+    del model, opt
     gc.collect()
     # Into FSDP2 + DTensor TP (dp 2 x tp 2): the GPT's attention and MLP split as Megatron does.
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -213,13 +217,7 @@ def dcp_side(path, all_max, group):
     def step2(x, y):
         F.cross_entropy(model(x[share2]).reshape(-1, VOCAB), y[share2].reshape(-1)).backward()
     one_step(model, opt, step2)
-    group.barrier()
-    t0 = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    reshard_s = all_max(time.perf_counter() - t0)
+    reshard_s = timed_load(model, opt)
     return {"save_s": save_s, "load_s": load_s, "bytes": dir_bytes(path), "peak_extra_bytes": extra,
             "load_into_tp2_dp2_s": reshard_s}
 

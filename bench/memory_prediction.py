@@ -16,14 +16,11 @@ accounting, e.g. fp32 master gradients under bf16), the same layout pinned.
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from procmem import vm, warm_up_torch  # noqa: E402
+from procmem import vm, warm_up_torch, worst_peak_growth, write_peak_growth  # noqa: E402
 from zero_memory import BATCH, STEPS, WIDTH, make_model  # noqa: E402
 
 RANKS = 4
@@ -66,7 +63,6 @@ def worker(layout, dtype, out_dir):
     import torch
     import torch_monarch
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
     pp, dp, tp, zero, m = LAYOUTS[layout]
     torch_monarch.init()
     mesh = torch_monarch.device_mesh(pp=pp, dp=dp, tp=tp)
@@ -88,27 +84,11 @@ def worker(layout, dtype, out_dir):
         opt.zero_grad(set_to_none=True)
         pm.train_step(x, torch.zeros(BATCH), loss_fn)
         opt.step()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_peak_growth(out_dir, baseline)
 
 
 def measure(layout, dtype):
-    out = tempfile.mkdtemp(prefix="monarch-memory-prediction-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(RANKS), "--master-port",
-           str(free_port()), __file__, "--worker", layout, dtype, out]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    peaks = []
-    for r in range(RANKS):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            peaks.append(json.load(f)["peak_growth"])
-    return max(peaks)
+    return worst_peak_growth(__file__, RANKS, layout, dtype)
 
 
 def main():

@@ -116,6 +116,13 @@ def wrap(engine, model, blocks, mesh):
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
+# Bytes one rank sends in a ring collective over n ranks, per byte of the tensor given to it
+# (all-gather: its input; reduce-scatter: its input; all-reduce: the buffer): the volumes the
+# planner uses (docs/cost_model.md).
+RING_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: n - 1,
+                "reduce_scatter_tensor": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
+
+
 class CollectiveBytes:
     """Counts what torch.distributed's collectives send from this rank (ring volumes), by
     wrapping the functions FSDP2 calls (their names differ between torch versions)."""
@@ -128,9 +135,11 @@ class CollectiveBytes:
             return t.numel() * t.element_size()
 
         # (function, which argument's bytes, ring factor for a group of n ranks)
-        volumes = {"all_gather_single": (1, lambda n: n - 1), "all_gather_into_tensor": (1, lambda n: n - 1),
-                   "reduce_scatter_single": (1, lambda n: (n - 1) / n),
-                   "reduce_scatter_tensor": (1, lambda n: (n - 1) / n), "all_reduce": (0, lambda n: 2 * (n - 1) / n)}
+        volumes = {"all_gather_single": (1, RING_FACTORS["all_gather_into_tensor"]),
+                   "all_gather_into_tensor": (1, RING_FACTORS["all_gather_into_tensor"]),
+                   "reduce_scatter_single": (1, RING_FACTORS["reduce_scatter_tensor"]),
+                   "reduce_scatter_tensor": (1, RING_FACTORS["reduce_scatter_tensor"]),
+                   "all_reduce": (0, RING_FACTORS["all_reduce"])}
         for name, (position, factor) in volumes.items():
             original = getattr(dist, name, None)
             if original is None:
@@ -296,6 +305,111 @@ def memory_worker(model_name, engine, out_dir):
     dist.destroy_process_group()
 
 
+def pairs_time_worker(kind, rounds, out_dir):
+    """Every engine of ``kind`` (peers_tp or peers_pp: build, Engine, PAIRS, MODEL) in one
+    launch, interleaved round by round as time_worker does; rank 0 writes <MODEL>_time.json
+    with time_worker's fields."""
+    import json
+    import statistics
+    import time
+    import torch
+    import torch.distributed as dist
+    import torch_monarch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    counter = CollectiveBytes()
+    torch_monarch.init()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    jobs = [dict(engine=e, side=kind.Engine(e, LR), times=[], losses=[]) for pair in kind.PAIRS for e in pair]
+    total = WARMUP_ROUNDS + rounds
+    for step in range(total):
+        x, y = batch(step)
+        order = jobs[step % len(jobs):] + jobs[:step % len(jobs)]
+        for job in order:
+            side = job["side"]
+            xs, ys = side.share(x, y, GLOBAL_BATCH)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = side.step(xs, ys)
+            elapsed = torch.tensor([time.perf_counter() - start, loss / n])
+            slowest = elapsed[:1].clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            mean_loss = elapsed[1:].clone()
+            dist.all_reduce(mean_loss)  # tp ranks hold the same loss: the mean over all is the dp mean
+            job["losses"].append(mean_loss.item())
+            if step >= WARMUP_ROUNDS:
+                job["times"].append(slowest.item())
+    # Bytes: one more step per engine, untimed (the peer's functional collectives are counted
+    # through a dispatch mode, which would slow a timed step).
+    x, y = batch(total)
+    for job in jobs:
+        side = job["side"]
+        xs, ys = side.share(x, y, GLOBAL_BATCH)
+        side.reset_bytes()
+        before = counter.bytes
+        if side.counts_own_bytes:
+            side.step(xs, ys)
+            job["bytes"] = side.bytes_sent()
+        else:
+            with kind.functional_bytes() as mode:
+                side.step(xs, ys)
+            job["bytes"] = counter.bytes - before + mode.bytes
+    for job in jobs:  # the busiest rank's (a pipeline's middle stages send both ways)
+        busiest = torch.tensor([float(job["bytes"])], dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        job["bytes"] = busiest.item()
+    params = {job["engine"]: job["side"].full_parameters() for job in jobs}
+    if rank == 0:
+        model, _ = kind.build()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        ref_losses = []
+        for step in range(total + 1):
+            loss = loss_of(model, *batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_losses.append(loss.item())
+        ref_losses = ref_losses[:total]
+        ref_params = {k: v.detach() for k, v in model.state_dict().items()}
+        rows = []
+        for job in jobs:
+            got = params[job["engine"]]
+            per_tensor = {k: ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items()}
+            rows.append(dict(model=kind.MODEL, engine=job["engine"], best_s=min(job["times"]),
+                             median_s=statistics.median(job["times"]), times_s=job["times"],
+                             bytes_per_step=job["bytes"], losses=job["losses"], reference_losses=ref_losses,
+                             loss_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(job["losses"], ref_losses)),
+                             parameter_rel_diff=max(per_tensor.values()),
+                             worst_tensor=max(per_tensor, key=per_tensor.get)))
+        with open(os.path.join(out_dir, f"{kind.MODEL}_time.json"), "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def pairs_memory_worker(kind, engine, out_dir):
+    import json
+    import torch
+    import torch.distributed as dist
+    import torch_monarch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if not engine.startswith(("DTensor", "FSDP2", "pipelining")):
+        torch_monarch.init()  # (the peer's launch runs nothing of ours)
+    warm_up_torch()
+    dist.barrier()
+    baseline = vm("VmRSS")
+    side = kind.Engine(engine, LR)
+    for step in range(MEMORY_STEPS):
+        x, y = batch(step)
+        side.step(*side.share(x, y, GLOBAL_BATCH))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,12 +501,10 @@ if __name__ == "__main__":
         time_worker(int(sys.argv[2]), sys.argv[3])
     elif len(sys.argv) == 5 and sys.argv[1] == "--time-worker-of":  # tp or pp
         import importlib
-        import peers_tp
-        peers_tp.time_worker(int(sys.argv[3]), WARMUP_ROUNDS, sys.argv[4], importlib.import_module(f"peers_{sys.argv[2]}"))
+        pairs_time_worker(importlib.import_module(f"peers_{sys.argv[2]}"), int(sys.argv[3]), sys.argv[4])
     elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker-of":
         import importlib
-        import peers_tp
-        peers_tp.memory_worker(sys.argv[3], sys.argv[4], importlib.import_module(f"peers_{sys.argv[2]}"))
+        pairs_memory_worker(importlib.import_module(f"peers_{sys.argv[2]}"), sys.argv[3], sys.argv[4])
     elif len(sys.argv) == 5 and sys.argv[1] == "--memory-worker":
         memory_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

@@ -17,7 +17,6 @@ batch_isend_irecv (their send ops, counted in one untimed step). Parity and timi
 other pairs (peers.py).
 """
 
-import os
 
 PAIRS = (("PP-4 1F1B", "pipelining 1F1B"), ("PP-4 interleaved", "pipelining Interleaved1F1B"),
          ("PP-4 ZB-H1", "pipelining ZeroBubble"))

@@ -19,7 +19,6 @@ for the other pairs (peers.py). Bytes per rank per step: ours from the runtime's
 ones DTensor issues), counted in one untimed step.
 """
 
-import os
 
 PAIRS = (("TP-4 SP", "DTensor TP-4 SP"), ("TP-2 x ZeRO-3", "FSDP2 + DTensor TP-2"))
 MODEL = "llama_tp"
@@ -156,8 +155,8 @@ class Engine:
 def functional_bytes():
     """A dispatch mode counting the bytes this rank sends in the functional collectives
     DTensor issues (ring volumes, as CollectiveBytes in peers.py counts torch.distributed's)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from peers import RING_FACTORS
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -172,11 +171,9 @@ def functional_bytes():
                 t = args[0]
                 size = sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple)) \
                     else t.numel() * t.element_size()
-                ring = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: n - 1,
-                        "reduce_scatter_tensor": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
                 base = op.replace("_coalesced", "").replace("_out", "")
-                if base in ring:  # (wait_tensor moves nothing)
-                    self.bytes += ring[base](_group_size(args, kwargs)) * size
+                if base in RING_FACTORS:  # (wait_tensor moves nothing)
+                    self.bytes += RING_FACTORS[base](_group_size(args, kwargs)) * size
             return func(*args, **kwargs)
 
     return Count()
@@ -187,114 +184,3 @@ def _group_size(args, kwargs):
     from torch.distributed.distributed_c10d import _resolve_process_group
     name = [a for a in list(args) + list(kwargs.values()) if isinstance(a, str)][-1]  # (a reduce op is one too)
     return _resolve_process_group(name).size()
-
-
-def time_worker(rounds, warmup, out_dir, kind=None):
-    """All four engines of ``kind`` (this module, or peers_pp) in one launch, interleaved round
-    by round as peers.time_worker does; rank 0 writes <MODEL>_time.json with the same fields."""
-    import sys
-    kind = kind or sys.modules[__name__]
-    import json
-    import statistics
-    import time
-    import torch
-    import torch.distributed as dist
-    import torch_monarch
-    import peers
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    counter = peers.CollectiveBytes()
-    torch_monarch.init()
-    rank, n = dist.get_rank(), dist.get_world_size()
-    jobs = [dict(engine=e, side=kind.Engine(e, peers.LR), times=[], losses=[]) for pair in kind.PAIRS for e in pair]
-    total = warmup + rounds
-    for step in range(total):
-        x, y = peers.batch(step)
-        order = jobs[step % len(jobs):] + jobs[:step % len(jobs)]
-        for job in order:
-            side = job["side"]
-            xs, ys = side.share(x, y, peers.GLOBAL_BATCH)
-            dist.barrier()
-            start = time.perf_counter()
-            loss = side.step(xs, ys)
-            elapsed = torch.tensor([time.perf_counter() - start, loss / n])
-            slowest = elapsed[:1].clone()
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            mean_loss = elapsed[1:].clone()
-            dist.all_reduce(mean_loss)  # tp ranks hold the same loss: the mean over all is the dp mean
-            job["losses"].append(mean_loss.item())
-            if step >= warmup:
-                job["times"].append(slowest.item())
-    # Bytes: one more step per engine, untimed (the peer's functional collectives are counted
-    # through a dispatch mode, which would slow a timed step).
-    x, y = peers.batch(total)
-    for job in jobs:
-        side = job["side"]
-        xs, ys = side.share(x, y, peers.GLOBAL_BATCH)
-        side.reset_bytes()
-        before = counter.bytes
-        if side.counts_own_bytes:
-            side.step(xs, ys)
-            job["bytes"] = side.bytes_sent()
-        else:
-            with functional_bytes() as mode:
-                side.step(xs, ys)
-            job["bytes"] = counter.bytes - before + mode.bytes
-    for job in jobs:  # the busiest rank's (a pipeline's middle stages send both ways)
-        busiest = torch.tensor([float(job["bytes"])], dtype=torch.float64)
-        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-        job["bytes"] = busiest.item()
-    params = {job["engine"]: job["side"].full_parameters() for job in jobs}
-    if rank == 0:
-        model, _ = kind.build()
-        opt = torch.optim.AdamW(model.parameters(), lr=peers.LR)
-        ref_losses = []
-        for step in range(total + 1):
-            loss = peers.loss_of(model, *peers.batch(step))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            ref_losses.append(loss.item())
-        ref_losses = ref_losses[:total]
-        ref_params = {k: v.detach() for k, v in model.state_dict().items()}
-        rows = []
-        for job in jobs:
-            got = params[job["engine"]]
-            per_tensor = {k: ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref_params.items()}
-            rows.append(dict(model=kind.MODEL, engine=job["engine"], best_s=min(job["times"]),
-                             median_s=statistics.median(job["times"]), times_s=job["times"],
-                             bytes_per_step=job["bytes"], losses=job["losses"], reference_losses=ref_losses,
-                             loss_rel_diff=max(abs(a - b) / abs(b) for a, b in zip(job["losses"], ref_losses)),
-                             parameter_rel_diff=max(per_tensor.values()),
-                             worst_tensor=max(per_tensor, key=per_tensor.get)))
-        with open(os.path.join(out_dir, f"{kind.MODEL}_time.json"), "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def memory_worker(engine, out_dir, kind=None):
-    import json
-    import torch
-    import torch.distributed as dist
-    import torch_monarch
-    import peers
-    from procmem import vm, warm_up_torch
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    import sys
-    kind = kind or sys.modules[__name__]
-    rank = dist.get_rank()
-    if not engine.startswith(("DTensor", "FSDP2", "pipelining")):
-        torch_monarch.init()  # (the peer's launch runs nothing of ours)
-    warm_up_torch()
-    dist.barrier()
-    baseline = vm("VmRSS")
-    side = kind.Engine(engine, peers.LR)
-    for step in range(peers.MEMORY_STEPS):
-        x, y = peers.batch(step)
-        side.step(*side.share(x, y, peers.GLOBAL_BATCH))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
-    dist.barrier()
-    dist.destroy_process_group()

@@ -26,3 +26,37 @@ def warm_up_torch():
     opt = torch.optim.AdamW(tiny.parameters(), lr=1e-4)
     tiny(torch.randn(2, 4)).square().mean().backward()
     opt.step()
+
+
+def write_peak_growth(out_dir, baseline):
+    """A memory worker's result: its VmHWM growth over ``baseline``, as rank<RANK>.json."""
+    import json
+    import os
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
+
+
+def worst_peak_growth(script, ranks, *args):
+    """Runs ``script --worker *args OUT`` on ``ranks`` ranks through the launcher (glibc told to
+    return freed memory at once) and returns the largest peak growth its ranks wrote."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    out = tempfile.mkdtemp(prefix="monarch-memory-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
+           script, "--worker", *args, out]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    peaks = []
+    for r in range(ranks):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            peaks.append(json.load(f)["peak_growth"])
+    import shutil
+    shutil.rmtree(out, ignore_errors=True)
+    return max(peaks)

@@ -15,14 +15,11 @@ so freed tensors leave the process at once.
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from procmem import vm, warm_up_torch
+from procmem import vm, warm_up_torch, worst_peak_growth, write_peak_growth
 WIDTH, BLOCKS, BATCH, STEPS = 2048, 8, 8, 3
 LAYOUTS = ["torch_ddp", "dp", "zero1", "zero2", "zero3"]
 
@@ -104,28 +101,11 @@ def worker(layout, out_dir):
         opt.zero_grad(set_to_none=True)
         wrapped(x).square().mean().backward()
         opt.step()
-    peak = vm("VmHWM") - baseline
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": peak}, f)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_peak_growth(out_dir, baseline)
 
 
 def run(layout, ranks):
-    out = tempfile.mkdtemp(prefix="monarch-zero-memory-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(free_port()), __file__, "--worker", layout, out]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-    peaks = []
-    for r in range(ranks):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            peaks.append(json.load(f)["peak_growth"])
-    return max(peaks)
+    return worst_peak_growth(__file__, ranks, layout)
 
 
 def main():

@@ -112,7 +112,7 @@ def check_plan(plan, model, example_input=None, *, info=None, world_size=None, t
     problems += _tp_problems(plan)
     problems += _stage_problems(plan, info)
     problems += _runtime_problems(plan)
-    problems += _dtype_problems(plan, model)
+    problems += _dtype_problems(plan)
     if len(problems) > 20:
         problems = problems[:20] + [f"... and {len(problems) - 20} more"]
     if problems:
@@ -160,23 +160,39 @@ def _runtime_problems(plan):
     return []
 
 
-TORCH_DTYPES = _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _param_dtype(model):
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+def torch_dtype(dtype):
+    """A compute dtype as the planner names it ("bf16", DType.bf16) or as torch does
+    (torch.bfloat16): the torch dtype; ValueError for one the runtime does not compute in."""
+    if isinstance(dtype, torch.dtype) and dtype in _TORCH_DTYPES.values():
+        return dtype
+    compute = _TORCH_DTYPES.get(str(dtype).split(".")[-1])
+    if compute is None:
+        raise ValueError(f"dtype={dtype!r} is not a dtype the runtime computes in (fp32, tf32, bf16, fp16, or "
+                         "torch.float32 / bfloat16 / float16)")
+    return compute
+
+
+def mixed_precision_for(compute, model):
+    """The dtype the runtime computes in when ``compute`` differs from the model's parameters
+    (they stay the master weights; hybrid.ParallelModel casts per forward, ZeRO per gathered
+    unit); None when they agree."""
+    return None if compute == _param_dtype(model) else compute
+
+
 def mixed_precision_of(plan, model):
-    """The dtype the runtime computes in when the plan's compute dtype differs from the model's
-    parameters (they stay the fp32 master weights; hybrid.ParallelModel casts per forward, ZeRO
-    per gathered unit); None when they agree."""
+    """mixed_precision_for the plan's compute dtype."""
     compute = _TORCH_DTYPES.get(str(plan.training.compute_dtype).split(".")[-1])
-    param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return None if compute is None or compute == param else compute
+    return None if compute is None else mixed_precision_for(compute, model)
 
 
-def _dtype_problems(plan, model):
+def _dtype_problems(plan):
     """The plan's compute dtype is one the runtime computes in (every layout casts to it when
     the parameters hold another), or refused, naming the field."""
     name = str(plan.training.compute_dtype).split(".")[-1]

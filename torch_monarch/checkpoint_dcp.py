@@ -164,11 +164,11 @@ def dcp_index(model, optimizer, path, *, strict=True):
              "plan": None, "optimizer": {"param_groups": []}}
     if optimizer is not None:
         taken = set(model_keys.values())
-        _match_optimizer(optimizer, model, entries, stored, [k for k in tensor_keys if k not in taken], index, keys,
-                         path)
+        order = _order(optimizer, model, entries)
+        hyper_prefix = _match_optimizer(params, order, stored, [k for k in tensor_keys if k not in taken], index,
+                                        keys, path)
         index["optimizer"]["param_groups"] = _hyper_groups(path, metadata, stored, _param_names(optimizer, entries),
-                                                           index.pop("_hyper_prefix", None),
-                                                           _order(optimizer, model, entries) or [])
+                                                           hyper_prefix, order or [])
     return index, _DcpReader(path, metadata, keys)
 
 
@@ -178,24 +178,20 @@ _STATE_SEGMENT = re.compile(r"(?:^|\.)state\.")
 def _order(optimizer, model, entries):
     """What an integer-keyed optimizer state counts: the saving optimizer's parameters in its
     param_groups' order, taken to be this optimizer's (built over the same model by the same
-    code), which covers the whole model only on a rank that holds a part of every parameter
-    (not a pipeline stage: None there)."""
+    code). Only a rank that holds a part of every parameter has them all: a pipeline stage
+    does not (None there)."""
     from .checkpoint import _param_names
-    order = [n for group in _param_names(optimizer, entries) for n in group]
-    whole = getattr(model, "parameter_order", None)
-    if whole is not None and set(order) != set(whole):
+    if getattr(model, "pp", 1) > 1:
         return None
-    return order
+    return [n for group in _param_names(optimizer, entries) for n in group]
 
 
-def _match_optimizer(optimizer, model, entries, stored, tensor_keys, index, keys, path):
-    """Optimizer state keys: ``<prefix>state.<param name>.<key>`` (FQN-keyed, get_state_dict's
-    form) or ``<prefix>state.<i>.<key>`` with i the parameter's position in the whole model's
-    named_parameters() (optimizer.state_dict()'s form; the same on every rank, whatever part
-    of the model it holds)."""
+def _match_optimizer(params, order, stored, tensor_keys, index, keys, path):
+    """Adds the optimizer state of ``params`` to ``index`` and ``keys``; returns the prefix
+    the state was found under. Keys: ``<prefix>state.<param name>.<key>`` (FQN-keyed,
+    get_state_dict's form) or ``<prefix>state.<i>.<key>`` with i the parameter's position in
+    ``order`` (optimizer.state_dict()'s form)."""
     from .checkpoint import CheckpointError, _DTYPE_NAMES
-    params = [name for name, _, _, kind in entries if kind == "param"]
-    order = _order(optimizer, model, entries)
     position = {name: i for i, name in enumerate(order or [])}
     state_keys = {}
     for k in tensor_keys:
@@ -231,7 +227,7 @@ def _match_optimizer(optimizer, model, entries, stored, tensor_keys, index, keys
             index["tensors"][ours] = {"shape": list(m.size), "dtype": _DTYPE_NAMES.get(m.properties.dtype, "F32"),
                                       "like_param": len(m.size) > 0}
             keys[ours] = dcp_key
-    index["_hyper_prefix"] = hyper_prefix
+    return hyper_prefix
 
 
 def _hyper_groups(path, metadata, stored, names_per_group, prefix, order):

@@ -92,7 +92,6 @@ class ParallelModel(nn.Module):
         first = {}
         for pname, p in model.named_parameters():
             first.setdefault(id(p), pname)
-        self.parameter_order = list(first.values())  # the model's named_parameters() order, whole model
         self._canonical = {f"{m}.{n}" if m else n: first[id(p)] for m, mod in model.named_modules()
                            for n, p in mod._parameters.items() if p is not None and id(p) in first}
         pp_rank = mesh.coordinate("pp")
@@ -549,18 +548,14 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             block_names=block_names, recompute=_recompute_kind(recompute))
     # The compute dtype: the plan's (or, laid out by hand, ``dtype=``); where it is not the
     # parameters' dtype the runtime computes in it with master weights in theirs.
-    from .api import mixed_precision_of, TORCH_DTYPES
+    from .api import mixed_precision_for, mixed_precision_of, torch_dtype
     if plan is not None:
         mixed = mixed_precision_of(plan, model)
     elif dtype is not None:
-        name = str(dtype).replace("torch.", "").replace("DType.", "")
-        compute = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name) \
-            or TORCH_DTYPES.get(name)
-        if compute is None:
-            raise ValueError(f"parallelize: dtype={dtype!r} is not a dtype the runtime computes in "
-                             "(fp32, bf16, fp16 or their torch dtypes)")
-        param = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        mixed = None if compute == param else compute
+        try:
+            mixed = mixed_precision_for(torch_dtype(dtype), model)
+        except ValueError as e:
+            raise ValueError(f"parallelize: {e}") from None
     else:
         mixed = None
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,

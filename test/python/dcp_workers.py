@@ -6,12 +6,12 @@ model, loads that checkpoint (torch_monarch.checkpoint.load_dcp) and trains the 
 steps. Rank 0 saves every run's losses and the checkpoint's keys."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 import torch_monarch
+from dist_harness import run_worker
 from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
 from tiny_gpt import GLOBAL_BATCH, batch, loss_fn, make_model, make_optimizer
 
@@ -128,10 +128,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:  # one line naming the rank, for the test to read
-        import traceback
-        traceback.print_exc()
-        print(f"worker error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run_worker(main)

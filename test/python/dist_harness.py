@@ -128,3 +128,15 @@ def launch_with_launcher(world_size, scenario, timeout=120, env=None, worker="wo
     if crash and not timed_out:
         raise AssertionError(f"a rank died by signal {crash.group(1)}:\n{result.describe()}")
     return result
+
+
+def run_worker(main, *args):
+    """A worker script's entry: exits with main(*args), or on an exception prints its
+    traceback and one line naming it ("worker error: ..."), the line tests read, and exits 1."""
+    try:
+        sys.exit(main(*args))
+    except Exception as e:  # noqa: BLE001 - reported for the test to read
+        import traceback
+        traceback.print_exc()
+        print(f"worker error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)

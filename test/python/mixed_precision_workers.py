@@ -5,11 +5,11 @@ parameters' and gradients' dtypes, the bytes its dp group all-reduced and the fi
 whole-model state (rank 0)."""
 
 import os
-import sys
 
 import torch
 
 import torch_monarch
+from dist_harness import run_worker
 from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
 from tiny_gpt import GLOBAL_BATCH, batch, loss_fn, make_model, make_optimizer
 
@@ -87,10 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception as e:  # one line naming the rank, for the test to read
-        import traceback
-        traceback.print_exc()
-        print(f"worker error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run_worker(main)

@@ -12,6 +12,7 @@ import sys
 import torch
 
 import torch_monarch
+from dist_harness import run_worker
 
 from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
 from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optimizer
@@ -255,10 +256,4 @@ def main(layout):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1]))
-    except Exception as e:  # one line naming the rank, for the test to read
-        import traceback
-        traceback.print_exc()
-        print(f"worker error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run_worker(main, sys.argv[1])
