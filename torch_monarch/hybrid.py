@@ -181,7 +181,9 @@ class ParallelModel(nn.Module):
             elif self.dp > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
-                                               init_fn=init_fn, mixed_precision=mixed_precision)
+                                               init_fn=init_fn, mixed_precision=mixed_precision,
+                                               reduction=layout.dp_reduction,
+                                               inter_node_compression=layout.inter_node_compression)
                 self._composition.set_fully_shard(s, self._wrapped[s]._engine)
             else:
                 self._wrapped[s] = m

@@ -36,7 +36,7 @@ class FullyShardedModule(nn.Module):
     rank's shards."""
 
     def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision, reduce_dtype,
-                 ignored_parameters=(), init_fn=None):
+                 ignored_parameters=(), init_fn=None, reduction="flat", inter_node_compression=None):
         super().__init__()
         self.module = module
         self.mesh = mesh
@@ -71,6 +71,8 @@ class FullyShardedModule(nn.Module):
             options.compute_dtype = str(mixed_precision).replace("torch.", "")
         if reduce_dtype is not None:
             options.reduce_dtype = str(reduce_dtype).replace("torch.", "")
+        options.hierarchical = reduction == "hierarchical"
+        options.inter_node_compression = inter_node_compression or "none"
         materialize = None
         if any(p.is_meta for group in groups for p in group):
             if any(p.is_meta for p in self.ignored_parameters):
@@ -201,7 +203,8 @@ def _tensors(output):
 
 def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
                 reshard_after_forward: bool = True, mixed_precision=None, reduce_dtype=None,
-                ignored_parameters=(), init_fn=None) -> FullyShardedModule:
+                ignored_parameters=(), init_fn=None, reduction: str = "flat",
+                inter_node_compression: str = None) -> FullyShardedModule:
     """Shards ``module`` over the mesh's ``dp`` axis.
 
     ``units``: submodules gathered and freed as one piece (default: the entries of the
@@ -218,11 +221,26 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     materialized one unit at a time, each rank keeping its slice (``init_fn(submodule)``, or
     each submodule's ``reset_parameters()``): under ZeRO-3 no rank ever holds more than one
     whole unit. Ignored parameters must already be real.
+
+    ``reduction="hierarchical"`` (ZeRO++, Wang et al. 2023; stage 3, jobs over several nodes,
+    L ranks per node from ``LOCAL_WORLD_SIZE``): each unit is gathered between nodes first
+    (every rank's shard to the ranks at its place on the other nodes), then inside the node;
+    what the first hop brought stays on the rank (1/L of the unit) until the unit's backward,
+    whose re-gather then never leaves the node; gradients are reduce-scattered inside the
+    node, then between nodes. ``inter_node_compression="int8"`` (one fp32 scale per 256
+    values) or ``"bf16"`` rounds what crosses nodes: the weights of the forward gather
+    (rounded afresh from the fp32 shards each time) and the gradients (with error feedback:
+    each rank keeps the residual of the chunks it sends, ``(nodes - 1) / world`` of the
+    model in fp32). The plan's ``dp_reduction`` / ``inter_node_compression`` say the same.
     """
     refuse_foreign_layout(module, "torch_monarch.fully_shard")
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage: expected 1, 2 or 3, got {zero_stage}")
+    if reduction not in ("flat", "hierarchical"):
+        raise ValueError(f"reduction: expected 'flat' or 'hierarchical', got {reduction!r}")
+    if inter_node_compression not in (None, "none", "bf16", "int8"):
+        raise ValueError(f"inter_node_compression: expected None, 'bf16' or 'int8', got {inter_node_compression!r}")
     mesh = mesh if mesh is not None else device_mesh()
     units = _default_units(module) if units is None else list(units)
     return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
-                              reduce_dtype, ignored_parameters, init_fn)
+                              reduce_dtype, ignored_parameters, init_fn, reduction, inter_node_compression)

@@ -553,7 +553,16 @@ PYBIND11_MODULE(_runtime, m) {
           [](const FullyShardOptions& o) { return std::string(c10::toString(o.effective_reduce_dtype())); },
           [](FullyShardOptions& o, const std::string& name) { o.reduce_dtype = dtype_from_name(name, "reduce_dtype"); },
           "'float32', 'bfloat16' or 'float16' (default: the compute dtype)")
-      .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root);
+      .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root)
+      .def_readwrite("hierarchical", &FullyShardOptions::hierarchical,
+                     "ZeRO++: gathers and reduce-scatters in two hops over the group's nodes (stage 3)")
+      .def_property(
+          "inter_node_compression",
+          [](const FullyShardOptions& o) { return planner::to_string(o.inter_node_compression); },
+          [](FullyShardOptions& o, const std::string& name) {
+            o.inter_node_compression = planner::compression_from_string(name, "inter_node_compression");
+          },
+          "'none', 'bf16' or 'int8' (the hop between nodes of the hierarchical layout)");
 
   py::class_<FullyShardEngine>(m, "FullyShardEngine")
       .def(py::init([](std::vector<std::vector<at::Tensor>> units, std::shared_ptr<DeviceMesh> mesh,
@@ -568,7 +577,8 @@ PYBIND11_MODULE(_runtime, m) {
                };
              }
              py::gil_scoped_release release;
-             return std::make_unique<FullyShardEngine>(std::move(units), mesh->group(axis), options, fn);
+             NodeGroups* nodes = options.hierarchical ? &mesh->node_groups(axis) : nullptr;
+             return std::make_unique<FullyShardEngine>(std::move(units), mesh->group(axis), options, fn, nodes);
            }),
            py::arg("units"), py::arg("mesh"), py::arg("axis") = "dp",
            py::arg("options") = FullyShardOptions(), py::arg("materialize") = py::none(), py::keep_alive<1, 3>())

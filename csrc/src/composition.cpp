@@ -168,9 +168,9 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
   if (l.micro_batches < 1 || l.zero_stage < 0 || l.zero_stage > 3 || l.virtual_stages < 1) {
     throw std::invalid_argument("monarch: micro_batches must be >= 1, zero_stage in 0..3, virtual_stages >= 1");
   }
-  if (l.dp_reduction == planner::DpReduction::hierarchical && l.zero_stage != 0) {
-    throw std::invalid_argument("monarch: dp_reduction=hierarchical is run by the data-parallel engine (zero_stage 0); "
-                                "zero_stage is " + std::to_string(l.zero_stage));
+  if (l.dp_reduction == planner::DpReduction::hierarchical && l.zero_stage != 0 && l.zero_stage != 3) {
+    throw std::invalid_argument("monarch: dp_reduction=hierarchical is run by the data-parallel engine (zero_stage 0) "
+                                "and by ZeRO-3 (ZeRO++); zero_stage is " + std::to_string(l.zero_stage));
   }
   if (l.inter_node_compression != planner::Compression::none && l.dp_reduction != planner::DpReduction::hierarchical) {
     throw std::invalid_argument("monarch: inter_node_compression=" + planner::to_string(l.inter_node_compression) +

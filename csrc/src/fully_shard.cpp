@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "monarch/runtime/hierarchical_shard.h"
 #include "monarch/runtime/replicas.h"
 #include "autograd_hooks.h"
 
@@ -34,10 +35,26 @@ void resize_storage(const at::Tensor& t, size_t nbytes) {
 }  // namespace
 
 FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
-                                   FullyShardOptions options, Materialize materialize)
-    : group_(group), options_(options) {
+                                   FullyShardOptions options, Materialize materialize, NodeGroups* nodes)
+    : group_(group), options_(options), nodes_(nodes) {
   TORCH_CHECK(options_.zero_stage >= 1 && options_.zero_stage <= 3,
               "monarch::FullyShard: zero_stage must be 1, 2 or 3, got ", options_.zero_stage);
+  TORCH_CHECK(options_.hierarchical || options_.inter_node_compression == WireCompression::none,
+              "monarch::FullyShard: inter_node_compression='", planner::to_string(options_.inter_node_compression),
+              "' rounds the hop between nodes of a hierarchical layout: it needs hierarchical (dp_reduction "
+              "'hierarchical')");
+  if (options_.hierarchical) {
+    TORCH_CHECK(options_.zero_stage == 3, "monarch::FullyShard: the hierarchical (ZeRO++) layout shards parameters: "
+                "it needs zero_stage 3, got ", options_.zero_stage);
+    TORCH_CHECK(nodes_ != nullptr, "monarch::FullyShard: the hierarchical layout needs the group's node groups "
+                "(DeviceMesh::node_groups)");
+    const int64_t L = nodes_->intra->size(), M = nodes_->inter->size();
+    // Group rank = node * L + local (DeviceMesh::node_groups numbers them so): the padded
+    // layouts of the two hops rely on it.
+    TORCH_CHECK(L * M == group_.size() && group_.group_rank() == nodes_->inter->group_rank() * L +
+                nodes_->intra->group_rank(), "monarch::FullyShard: node groups of ", L, " rank(s) x ", M,
+                " node(s) do not tile the group ", group_.name(), " (", group_.size(), " ranks) node by node");
+  }
   TORCH_CHECK(!units.empty(), "monarch::FullyShard: no sharding units");
   std::vector<at::Tensor> all;
   std::set<const void*> seen;
@@ -45,6 +62,8 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
     for (const auto& p : units[u]) {
       TORCH_CHECK(p.requires_grad() && p.is_floating_point(), "monarch::FullyShard: unit ", u,
                   " has a parameter that is not a floating-point tensor requiring grad");
+      TORCH_CHECK(!options_.hierarchical || p.is_cpu() || p.is_meta(), "monarch::FullyShard: unit ", u,
+                  " has a parameter on ", p.device(), ": the hierarchical layout runs on CPU (Gloo) tensors");
       TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "monarch::FullyShard: a parameter of unit ",
                   u, " appears twice (tied weights must be listed once, in the root unit)");
       all.push_back(p);
@@ -58,6 +77,9 @@ FullyShardEngine::FullyShardEngine(std::vector<std::vector<at::Tensor>> units, C
                       {"compute dtype (mixed_precision, as a ScalarType number)", static_cast<double>(options_.compute_dtype)},
                       {"gradient reduce dtype (reduce_dtype, as a ScalarType number)",
                        static_cast<double>(options_.effective_reduce_dtype())},
+                      {"hierarchical (dp_reduction)", options_.hierarchical ? 1.0 : 0.0},
+                      {"inter_node_compression (none 0, bf16 1, int8 2)",
+                       static_cast<double>(options_.inter_node_compression)},
                       {"number of sharding units (units=)", static_cast<double>(units.size())},
                       {"parameters per sharding unit (units=; a hash)", static_cast<double>(unit_layout >> 12)}},
                      group_, "monarch::FullyShard");
@@ -231,9 +253,44 @@ void FullyShardEngine::start_gather(int64_t unit) {
     u.gathered = true;
     return;
   }
+  const bool training = at::GradMode::is_enabled();  // the caller's mode, before the guard
   at::NoGradGuard no_grad;
   u.incoming = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
-  u.gather = group_.all_gather(u.incoming, u.flat_shard.to(options_.compute_dtype));  // stage 3: never aliased
+  if (!options_.hierarchical) {
+    u.gather = group_.all_gather(u.incoming, u.flat_shard.to(options_.compute_dtype));  // stage 3: never aliased
+    return;
+  }
+  // Off this thread, on the node groups' worker (every engine's collectives on those groups
+  // in one order). A secondary shard gathered from these very shards makes it a gather inside
+  // the node (the backward's); otherwise both hops, keeping the secondary when the unit is
+  // freed after its forward and will be needed again in backward.
+  NodeGroups* nodes = nodes_;
+  const at::Tensor padded = u.incoming;
+  const WireCompression compression = options_.inter_node_compression;
+  const int64_t version = shard_storage(u)._version();
+  if (u.secondary.defined() && u.secondary_version != version) u.secondary = at::Tensor();
+  std::shared_future<void> done;
+  if (u.secondary.defined()) {
+    const at::Tensor secondary = std::move(u.secondary);
+    u.secondary = at::Tensor();
+    done = nodes->worker.submit([nodes, secondary, padded, compression] {
+      at::NoGradGuard no_grad;
+      gather_unit_from_secondary(*nodes, secondary, padded, compression);
+    });
+  } else {
+    const bool keep = options_.reshard_after_forward && unit != 0 && training;
+    auto arriving = std::make_shared<at::Tensor>();
+    const at::Tensor shard = u.flat_shard;
+    done = nodes->worker.submit([nodes, shard, padded, compression, keep, arriving] {
+      at::NoGradGuard no_grad;
+      at::Tensor secondary = gather_unit_two_hops(*nodes, shard, padded, compression);
+      if (keep) *arriving = std::move(secondary);
+    });
+    u.arriving_secondary = std::move(arriving);
+    u.secondary_version = version;
+  }
+  u.gather = Handle::completion([done] { done.get(); }, "fully_shard parameter gather of unit " + std::to_string(unit) +
+                                " (two hops)");
 }
 
 void FullyShardEngine::finish_gather(int64_t unit) {
@@ -242,6 +299,10 @@ void FullyShardEngine::finish_gather(int64_t unit) {
   start_gather(unit);
   u.gather.wait();
   u.gather = Handle();
+  if (u.arriving_secondary) {
+    u.secondary = std::move(*u.arriving_secondary);
+    u.arriving_secondary.reset();
+  }
   at::NoGradGuard no_grad;
   const size_t nbytes = static_cast<size_t>(u.numel) * c10::elementSize(options_.compute_dtype);
   if (!u.full.defined()) {
@@ -394,7 +455,20 @@ void FullyShardEngine::reduce_unit(int64_t unit) {
     // the wire; the sum of the ranks' parts lands in fp32.
     const auto wire_dtype = options_.effective_reduce_dtype();
     if (wire_dtype != at::kFloat) u.grad_flat = u.grad_flat.to(wire_dtype);
-    u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
+    if (options_.hierarchical) {
+      NodeGroups* nodes = nodes_;
+      const at::Tensor grads = u.grad_flat, out = u.reduced;
+      const WireCompression compression = options_.inter_node_compression;
+      ErrorFeedback* feedback = &u.grad_feedback;
+      auto done = nodes->worker.submit([nodes, grads, out, compression, feedback] {
+        at::NoGradGuard no_grad;
+        reduce_scatter_unit_two_hops(*nodes, grads, out, compression, *feedback);
+      });
+      u.reduce = Handle::completion([done] { done.get(); }, "fully_shard gradient reduce-scatter of unit " +
+                                    std::to_string(unit) + " (two hops)");
+    } else {
+      u.reduce = group_.reduce_scatter(u.reduced, u.grad_flat);
+    }
   }
   u.reduce_launched = true;
   // One reduction in flight behind this one: the unit launched before (the next one up)
@@ -456,9 +530,14 @@ void FullyShardEngine::finish_backward() {
   while (next_reduce_ >= 0) reduce_unit(next_reduce_--);
   for (int64_t k = num_units() - 1; k >= 0; --k) finish_unit(k);
   if (sharded_parameters()) free_parameters(0);
+  drop_secondaries();  // a unit whose backward did not re-gather (it kept its parameters)
   std::fill(unit_grads_ready_.begin(), unit_grads_ready_.end(), false);
   next_reduce_ = num_units() - 1;
   callback_->done();
+}
+
+void FullyShardEngine::drop_secondaries() {
+  for (auto& u : units_) u.secondary = at::Tensor();
 }
 
 // A backward that raised (see detail::BackwardCallback): wait for the collectives it left in
@@ -482,6 +561,8 @@ void FullyShardEngine::recover_if_abandoned() {
     Unit& u = units_[k];
     settle(u.gather);
     u.incoming = at::Tensor();
+    u.arriving_secondary.reset();
+    u.secondary = at::Tensor();
     settle(u.reduce);
     u.reduced = at::Tensor();
     u.grad_flat = at::Tensor();
@@ -544,6 +625,7 @@ void FullyShardEngine::load_full_parameters(const std::vector<at::Tensor>& value
     // a unit is re-gathered must be the same decision on all of them (sync_parameters).
     if (given) torch::autograd::impl::bump_version(shard_storage(u));
     if (given && sharded_parameters()) free_parameters(&u - units_.data());
+    if (given) u.secondary = at::Tensor();
   }
 }
 

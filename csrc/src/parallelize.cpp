@@ -366,7 +366,10 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       }
       FullyShardOptions o;
       o.zero_stage = layout.zero_stage;
-      st->zero = std::make_unique<FullyShardEngine>(units, mesh->group("dp"), o);
+      o.hierarchical = layout.dp_reduction == planner::DpReduction::hierarchical;
+      o.inter_node_compression = layout.inter_node_compression;
+      st->zero = std::make_unique<FullyShardEngine>(units, mesh->group("dp"), o, FullyShardEngine::Materialize{},
+                                                    o.hierarchical ? &mesh->node_groups("dp") : nullptr);
       composition_->set_fully_shard(st->id, st->zero.get());
     }
   }

@@ -128,11 +128,12 @@ void check_dp_reduction(const Plan& p) {
               " dp rank" + (split.ranks_per_node == 1 ? "" : "s") + " per node; the cluster has " +
               str(n) + " node" + (n == 1 ? "" : "s") + ")");
     }
-    // The runtime reduces hierarchically in its data-parallel engine (ZeRO 0) only; its ZeRO
-    // engines run flat collectives, so a plan asking otherwise would not be run as written.
-    if (p.zero_stage != 0) {
-      throw ValidationError("dp_reduction", "hierarchical is run for zero_stage 0 (DataParallel) only; the plan has "
-                                            "zero_stage " + str(p.zero_stage));
+    // The runtime runs it in its data-parallel engine (ZeRO 0) and in ZeRO-3 (ZeRO++: two-hop
+    // gathers and reduce-scatters, backward gathers inside the node); its ZeRO-1/2 engines run
+    // flat collectives, so such a plan would not be run as written.
+    if (p.zero_stage != 0 && p.zero_stage != 3) {
+      throw ValidationError("dp_reduction", "hierarchical is run for zero_stage 0 (DataParallel) and 3 (ZeRO++) only; "
+                                            "the plan has zero_stage " + str(p.zero_stage));
     }
   }
   if (p.inter_node_compression != Compression::none && p.dp_reduction != DpReduction::hierarchical) {

@@ -54,10 +54,10 @@ def train_dp(mesh, accumulation=1, compression=None, die_at=None, reduction="fla
             "bytes": dp.bytes_sent(torch_monarch._runtime.CollectiveKind.all_reduce)}
 
 
-def train_sharded(mesh, stage, mixed_precision=None):
+def train_sharded(mesh, stage, mixed_precision=None, **options):
     dp = mesh.group("dp")
     plain = make_model(seed=1234 + dp.rank)
-    model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage, mixed_precision=mixed_precision)
+    model = torch_monarch.fully_shard(plain, mesh=mesh, zero_stage=stage, mixed_precision=mixed_precision, **options)
     opt = make_optimizer(model.named_parameters())  # steps on this rank's shards
     local = GLOBAL_BATCH // dp.size
     losses = []
@@ -69,6 +69,10 @@ def train_sharded(mesh, stage, mixed_precision=None):
         loss.backward()
         opt.step()
         losses.append(global_mean(mesh, loss.item()))
+    node_bytes = {}
+    if options.get("reduction") == "hierarchical":  # what the training steps sent, per link level
+        intra, inter = mesh.node_groups("dp")
+        node_bytes = {"intra_bytes": intra.total_bytes_sent(), "inter_bytes": inter.total_bytes_sent()}
     shards = list(model.parameters())
     facts = {
         "shard": sum(s.numel() for s in shards),
@@ -107,7 +111,7 @@ def train_sharded(mesh, stage, mixed_precision=None):
     probe, _ = batch(1000, GLOBAL_BATCH)
     with torch.no_grad():
         facts["logits_diff"] = (model(probe) - fresh(probe)).abs().max().item()
-    return {"losses": losses, "state": state, "facts": facts}
+    return {"losses": losses, "state": state, "facts": facts, **node_bytes}
 
 
 def train_after_failed_backward(mesh, stage):
@@ -202,6 +206,9 @@ def main(scenario):
         intra, inter = mesh.node_groups("dp")
         result.update(intra_bytes=intra.total_bytes_sent(), inter_bytes=inter.total_bytes_sent(),
                       ranks_per_node=mesh.ranks_per_node)
+    elif scenario.startswith("zero3_hier_"):  # ZeRO++: zero3_hier_none / _int8, nodes from LOCAL_WORLD_SIZE
+        result = train_sharded(mesh, 3, reduction="hierarchical", inter_node_compression=scenario[len("zero3_hier_"):])
+        result.update(ranks_per_node=mesh.ranks_per_node)
     elif scenario == "zero3_bf16":
         result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
     elif scenario.startswith("zero"):

@@ -501,12 +501,14 @@ TEST_CASE("validate: hierarchical dp reduction needs a dp group over nodes with 
   q.cluster.devices_per_node = 8;
   q.dp_reduction = DpReduction::hierarchical;
   REQUIRE_THROWS_WITH(validate(q), StartsWith("dp_reduction: hierarchical needs the dp group to span nodes"));
-  // ZeRO engines reduce flat in the runtime.
+  // ZeRO-1/2 engines reduce flat in the runtime; ZeRO-3 runs it (ZeRO++).
   q = two_level_plan();
   q.dp_reduction = DpReduction::hierarchical;
   q.zero_stage = 1;
-  REQUIRE_THROWS_WITH(validate(q), "dp_reduction: hierarchical is run for zero_stage 0 (DataParallel) only; the "
-                                   "plan has zero_stage 1");
+  REQUIRE_THROWS_WITH(validate(q), "dp_reduction: hierarchical is run for zero_stage 0 (DataParallel) and 3 "
+                                   "(ZeRO++) only; the plan has zero_stage 1");
+  q.zero_stage = 3;
+  CHECK_NOTHROW(validate(q));
 }
 
 TEST_CASE("validate: inter-node compression needs the hierarchical reduction", "[plan_validate][hierarchical]") {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "monarch/runtime/communicator.h"
+#include "monarch/runtime/hierarchical.h"
 
 namespace torch::autograd {
 struct Node;
@@ -51,6 +52,13 @@ struct FullyShardOptions {
   std::optional<at::ScalarType> reduce_dtype;
   at::ScalarType effective_reduce_dtype() const { return reduce_dtype.value_or(compute_dtype); }
   bool broadcast_from_root = true;
+  // ZeRO++ (hierarchical_shard.h; stage 3, CPU tensors): the unit's gathers and gradient
+  // reduce-scatters go in two hops over the group's node groups (given to the engine), the
+  // backward re-gather stays inside the node (a secondary shard kept from the forward), and
+  // the hop between nodes is rounded as inter_node_compression says (weights and gradients;
+  // gradients with error feedback).
+  bool hierarchical = false;
+  WireCompression inter_node_compression = WireCompression::none;
 };
 
 class FullyShardEngine {
@@ -63,8 +71,9 @@ class FullyShardEngine {
   // order and shapes), which the engine then owns like any other; with stage 3 the full unit
   // is freed once this rank's slice is taken, so no rank holds more than one whole unit.
   using Materialize = std::function<std::vector<at::Tensor>(int64_t unit)>;
+  // `nodes`: the group split by node (DeviceMesh::node_groups), for options.hierarchical.
   FullyShardEngine(std::vector<std::vector<at::Tensor>> units, Communicator& group,
-                   FullyShardOptions options = {}, Materialize materialize = {});
+                   FullyShardOptions options = {}, Materialize materialize = {}, NodeGroups* nodes = nullptr);
   ~FullyShardEngine();
   FullyShardEngine(const FullyShardEngine&) = delete;
   FullyShardEngine& operator=(const FullyShardEngine&) = delete;
@@ -131,6 +140,13 @@ class FullyShardEngine {
     bool backward_ready = false;   // re-gathered for this backward
     bool reduce_launched = false;  // its gradient reduction was started this backward
     int64_t shard_version = -1;    // shard_storage's version when parameters were last synced
+    // Hierarchical (ZeRO++): this rank's node-local part of the unit as the forward gather
+    // brought it, kept for the backward's re-gather inside the node (consumed by it), and
+    // the shards' version it was gathered from (a step or a load since makes it stale).
+    at::Tensor secondary;
+    int64_t secondary_version = -1;
+    std::shared_ptr<at::Tensor> arriving_secondary;  // written by the gather in flight
+    ErrorFeedback grad_feedback;  // residuals of the compressed gradient chunks sent to other nodes
   };
 
   // Rows of parameter i that rank r holds.
@@ -149,6 +165,7 @@ class FullyShardEngine {
   void finish_unit(int64_t unit);
   void finish_backward();
   void recover_if_abandoned();
+  void drop_secondaries();
   bool sharded_parameters() const { return options_.zero_stage >= 3; }
   // Stages 1-2 computing in fp32: the whole parameters stay on every rank in fp32, so this
   // rank's rows of them are the optimizer's shards themselves (views), not a second fp32
@@ -167,6 +184,7 @@ class FullyShardEngine {
   std::vector<Unit> units_;
   Communicator& group_;
   FullyShardOptions options_;
+  NodeGroups* nodes_ = nullptr;  // options_.hierarchical
   // Post hooks on the parameters' gradient accumulators (see on_gradient).
   std::vector<compat::NodePtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
