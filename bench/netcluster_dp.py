@@ -55,29 +55,31 @@ CURVE = ["monarch DP hierarchical", "monarch DP hierarchical int8"]
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=HIDDEN, heads=HEADS):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
         b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+        heads = self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
         causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-        a = ((q @ k.transpose(-2, -1)) / (h // HEADS) ** 0.5).masked_fill(causal, float("-inf")).softmax(-1)
+        a = ((q @ k.transpose(-2, -1)) / (h // heads) ** 0.5).masked_fill(causal, float("-inf")).softmax(-1)
         x = x + self.proj((a @ v).transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=HIDDEN, layers=LAYERS, vocab=VOCAB, seq=SEQ, heads=HEADS):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.ln_f = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList([Block(hidden, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, t):
         x = self.wte(t) + self.wpe(torch.arange(t.shape[1]))
@@ -95,13 +97,13 @@ def eth0_tx_bytes():
     raise RuntimeError("no eth0 in this namespace: run through scripts/netcluster.sh")
 
 
-def batch(step, rank, world):
+def batch(step, rank, world, vocab=VOCAB, seq=SEQ, per_rank=BATCH_PER_RANK):
     """The global batch of a step (same on every engine), this rank's slice of it."""
     g = torch.Generator().manual_seed(1000 + step)
-    # A learnable stream: each sequence counts up from a random start (mod VOCAB).
-    start = torch.randint(VOCAB, (world * BATCH_PER_RANK, 1), generator=g)
-    tokens = (start + torch.arange(SEQ + 1)) % VOCAB
-    return tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    # A learnable stream: each sequence counts up from a random start (mod vocab).
+    start = torch.randint(vocab, (world * per_rank, 1), generator=g)
+    tokens = (start + torch.arange(seq + 1)) % vocab
+    return tokens[rank * per_rank:(rank + 1) * per_rank]
 
 
 class Engine:

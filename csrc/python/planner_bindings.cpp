@@ -482,6 +482,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("tp_bytes", &RankPrediction::tp_bytes)
       .def_readwrite("pp_bytes", &RankPrediction::pp_bytes)
       .def_readwrite("ends_bytes", &RankPrediction::ends_bytes)
+      .def_readwrite("dp_inter_node_bytes", &RankPrediction::dp_inter_node_bytes)
       .def(py::self == py::self)
       .def("__repr__", [](const RankPrediction& r) {
         return "<RankPrediction " + format_bytes(r.memory.total()) + ", busy " + format_seconds(r.busy_s) + ">";

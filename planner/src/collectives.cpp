@@ -96,11 +96,18 @@ LevelBytes hierarchical_bytes_per_rank(Collective c, double bytes, int64_t ranks
         b.inter = ring_bytes_per_rank(Collective::all_gather, compressed * static_cast<double>(N), N);
       }
       break;
+    // ZeRO++ (hierarchical_shard.h): the reduce-scatter rounds only what crosses nodes; the
+    // gather rounds each shard once and moves the rounded shards on both hops.
     case Collective::reduce_scatter:
-    case Collective::all_gather:
       b.intra = ring_bytes_per_rank(c, bytes, L);
-      b.inter = ring_bytes_per_rank(c, shard, N);
+      b.inter = ring_bytes_per_rank(c, compressed_bytes(shard, compression, element_bytes), N);
       break;
+    case Collective::all_gather: {
+      const double wire = compressed_bytes(bytes, compression, element_bytes);
+      b.intra = ring_bytes_per_rank(c, wire, L);
+      b.inter = ring_bytes_per_rank(c, wire / static_cast<double>(L), N);
+      break;
+    }
     case Collective::broadcast:
     case Collective::send_recv:
       b.inter = ring_bytes_per_rank(c, bytes, L * N);
@@ -126,8 +133,13 @@ double hierarchical_seconds(Collective c, double bytes, const Link& intra, const
              collective_seconds(Collective::all_gather, bytes, intra);
     }
     case Collective::reduce_scatter:
-    case Collective::all_gather:
-      return collective_seconds(c, bytes, intra) + collective_seconds(c, shard, inter);
+      return collective_seconds(c, bytes, intra) +
+             collective_seconds(c, compressed_bytes(shard, compression, element_bytes), inter);
+    case Collective::all_gather: {
+      const double wire = compressed_bytes(bytes, compression, element_bytes);
+      return collective_seconds(c, wire / static_cast<double>(std::max<int64_t>(intra.ranks, 1)), inter) +
+             collective_seconds(c, wire, intra);
+    }
     case Collective::broadcast:
     case Collective::send_recv: {
       Link flat = inter;
@@ -158,6 +170,19 @@ NodeSplit dp_node_split(const Cluster& cluster, int64_t pp, int64_t dp, int64_t 
 double DpGroup::seconds(Collective c, double bytes, double element_bytes) const {
   if (!hierarchical()) return collective_seconds(c, bytes, flat);
   return hierarchical_seconds(c, bytes, intra, inter, compression, element_bytes);
+}
+
+double DpGroup::node_gather_seconds(double bytes, double element_bytes) const {
+  if (!hierarchical()) return seconds(Collective::all_gather, bytes, element_bytes);
+  return collective_seconds(Collective::all_gather, compressed_bytes(bytes, compression, element_bytes), intra);
+}
+
+LevelBytes DpGroup::node_gather_bytes_per_rank(double bytes, double element_bytes) const {
+  if (!hierarchical()) return bytes_per_rank(Collective::all_gather, bytes, element_bytes);
+  LevelBytes b;
+  b.intra = ring_bytes_per_rank(Collective::all_gather, compressed_bytes(bytes, compression, element_bytes),
+                                split.ranks_per_node);
+  return b;
 }
 
 LevelBytes DpGroup::bytes_per_rank(Collective c, double bytes, double element_bytes) const {

@@ -312,19 +312,25 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     auto gather = [&](double params) {
       return dp_comm.seconds(Collective::all_gather, params * training.param_bytes, training.param_bytes);
     };
+    // ZeRO++'s hierarchical partitioning (Wang et al. 2023, hpZ): the forward gather's
+    // first hop leaves each rank 1/L of the unit, so the backward's gather stays in the node.
+    auto regather = [&](double params) {
+      return dp_comm.node_gather_seconds(params * training.param_bytes, training.param_bytes);
+    };
     auto reduce = [&](double params) {
       return dp_comm.seconds(Collective::reduce_scatter, params * training.grad_bytes, training.grad_bytes);
     };
-    double ag = 0, rs = 0, forward_tp = 0;
+    double ag = 0, ag_back = 0, rs = 0, forward_tp = 0;
     for (int64_t i = first; i <= last; ++i) {
       ag += gather(costs[i].params);
+      ag_back += regather(costs[i].params);
       rs += reduce(costs[i].params);
       forward_tp += costs[i].forward_tp_s;
     }
     // Forward runs first to last; backward gathers the last layer first and reduces the
     // first layer last.
     const double first_ag = gather(costs[first].params);
-    const double backward_first_ag = gather(costs[last].params);
+    const double backward_first_ag = regather(costs[last].params);
     const double last_rs = reduce(costs[first].params);
     const double kappa = cluster.overlap_contention;
     const double forward_hiding = forward - (tp_shares_link ? forward_tp : 0.0);
@@ -336,11 +342,11 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
       const double weight_grad = backward_compute / 2.0;
       const double input_hiding = backward_hiding - weight_grad;
       exposed_backward_input = backward_first_ag +
-          overlapped_seconds(input_hiding, ag - backward_first_ag, kappa) - input_hiding;
+          overlapped_seconds(input_hiding, ag_back - backward_first_ag, kappa) - input_hiding;
       exposed_backward_weight = last_rs + overlapped_seconds(weight_grad, rs - last_rs, kappa) - weight_grad;
     } else {
       exposed_backward_input = backward_first_ag + last_rs +
-          overlapped_seconds(backward_hiding, ag + rs - backward_first_ag - last_rs, kappa) - backward_hiding;
+          overlapped_seconds(backward_hiding, ag_back + rs - backward_first_ag - last_rs, kappa) - backward_hiding;
     }
   }
   const double exposed_backward = exposed_backward_input + exposed_backward_weight;
@@ -659,6 +665,16 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       const double g = training.zero_gradient_bytes();
       buffers += 3 * load.largest_gathered * training.param_bytes + 2 * load.largest_gathered * g +
                  load.root_params * (training.param_bytes + g);
+      if (dp_comm.hierarchical()) {
+        // ZeRO++ (hierarchical_shard.h): at the end of the forward every unit's secondary
+        // shard (1/L of it, as it crossed nodes) waits for its backward; a compressed
+        // gradient hop keeps the fp32 residuals of the chunks sent to the other nodes.
+        const double L = static_cast<double>(dp_comm.split.ranks_per_node);
+        const double M = static_cast<double>(dp_comm.split.nodes);
+        const double units = load.params - load.root_params;
+        buffers += units / L * compressed_value_bytes(layout.inter_node_compression, training.param_bytes);
+        if (layout.inter_node_compression != Compression::none) buffers += load.params * (M - 1) / (L * M) * 4.0;
+      }
     } else if (layout.dp > 1 && layout.zero_stage == 0) {
       // DDP's buckets hold every gradient a second time (gradients are copied into them and
       // averaged there), allocated once: the rank's whole gradient, not two buckets (Li et al.

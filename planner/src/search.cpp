@@ -504,19 +504,28 @@ class Searcher {
     }
     Candidate c;
     c.plan = make_plan(l, *partition);
-    // The dp reductions change no memory: the fastest of them is the layout's (the first on
-    // a tie, flat before hierarchical before compressed).
+    // The layout's dp reduction: the fastest that fits (the first on a tie, flat before
+    // hierarchical before compressed). Under ZeRO 0 they need the same memory; ZeRO++ keeps
+    // secondary shards (and residuals when compressed), so it may not fit where flat does.
     std::optional<Prediction> prediction;
     std::pair<DpReduction, Compression> chosen{DpReduction::flat, Compression::none};
     double threshold = over ? kInf : prune_threshold(mesh);
+    bool chosen_fits = false;
     for (const auto& option : dp_reductions(l)) {
       c.plan.dp_reduction = option.first;
       c.plan.inter_node_compression = option.second;
+      // The threshold only falls for an option that fits: a faster one that does not must
+      // not prune a slower one that does.
       auto scored = predict_if_faster(graph_, c.plan, &sims_, threshold, &estimator_);
-      if (scored && (!prediction || scored->step_time_s < prediction->step_time_s)) {
+      if (!scored) continue;
+      const bool fits = scored->memory_bytes_per_device <= limit;
+      const bool better = !prediction || (fits && !chosen_fits) ||
+                          (fits == chosen_fits && scored->step_time_s < prediction->step_time_s);
+      if (better) {
         prediction = std::move(scored);
         chosen = option;
-        threshold = std::min(threshold, prediction->step_time_s);
+        chosen_fits = fits;
+        if (fits) threshold = std::min(threshold, prediction->step_time_s);
       }
     }
     if (!prediction) {
@@ -554,8 +563,9 @@ class Searcher {
   // with the one lossy compression the config allows.
   std::vector<std::pair<DpReduction, Compression>> dp_reductions(const Layout& l) const {
     std::vector<std::pair<DpReduction, Compression>> out = {{DpReduction::flat, Compression::none}};
-    // ZeRO engines reduce flat in the runtime (plan_validate.cpp): only ZeRO 0 is offered.
-    if (!training_.allow_hierarchical_dp || l.dp <= 1 || l.zero_stage != 0) return out;
+    // The runtime runs it under ZeRO 0 (DataParallel) and ZeRO-3 (ZeRO++); its ZeRO-1/2
+    // engines reduce flat (plan_validate.cpp).
+    if (!training_.allow_hierarchical_dp || l.dp <= 1 || (l.zero_stage != 0 && l.zero_stage != 3)) return out;
     if (!dp_node_split(cluster_, l.pp, l.dp, l.tp).hierarchical_possible()) return out;
     out.push_back({DpReduction::hierarchical, Compression::none});
     if (training_.inter_node_compression != Compression::none) {

@@ -70,8 +70,11 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
       } else if (plan.zero_stage <= 2) {
         dp = sum(bytes(Collective::reduce_scatter, engine * g, g), bytes(Collective::all_gather, engine * w, w));
       } else {
-        dp = sum(bytes(Collective::all_gather, (2 * units + root) * w, w),
-                 bytes(Collective::reduce_scatter, engine * g, g), m);
+        // Forward gathers of every unit and the root; backward re-gathers of the units (inside
+        // the node under ZeRO++: node_gather_bytes_per_rank).
+        const LevelBytes gathers = sum(bytes(Collective::all_gather, engine * w, w),
+                                       group.node_gather_bytes_per_rank(units * w, w));
+        dp = sum(gathers, bytes(Collective::reduce_scatter, engine * g, g), m);
       }
       dp = sum(dp, bytes(Collective::all_reduce, tied * g, g));
       b.dp += dp.total();

@@ -53,10 +53,12 @@ class DataParallel {
 // through run_unit() and the whole forward inside forward_scope().
 class FullyShard {
  public:
+  // `nodes`: the group split by node (DeviceMesh::node_groups) for options.hierarchical (ZeRO++).
   FullyShard(std::shared_ptr<torch::nn::Module> module,
              const std::vector<std::shared_ptr<torch::nn::Module>>& units, Communicator& group,
-             FullyShardOptions options = {})
-      : module_(std::move(module)), engine_(split_units(*module_, units, names_), group, options) {}
+             FullyShardOptions options = {}, NodeGroups* nodes = nullptr)
+      : module_(std::move(module)),
+        engine_(split_units(*module_, units, names_), group, options, FullyShardEngine::Materialize{}, nodes) {}
 
   // What the optimizer steps on: this rank's rows of every parameter (see FullyShardEngine),
   // and the same under the parameters' names (for parameter groups).

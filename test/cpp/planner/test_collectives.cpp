@@ -69,12 +69,21 @@ TEST_CASE("hierarchical all-reduce bytes: 2 nodes x 2 ranks", "[collectives][hie
   CHECK(hierarchical_bytes_per_rank(Collective::all_reduce, S, 2, 2, Compression::int8, 4).inter ==
         Approx(S / 2 * (0.25 + 1.0 / 256)).epsilon(1e-15));
   CHECK(hierarchical_bytes_per_rank(Collective::all_reduce, S, 2, 2, Compression::int8, 4).intra == S);
-  // ZeRO's reduce-scatter and all-gather: (L-1)/L S inside, (N-1)/N S/L across; uncompressed.
+  // ZeRO's reduce-scatter and all-gather: (L-1)/L S inside, (N-1)/N S/L across.
   for (Collective c : {Collective::reduce_scatter, Collective::all_gather}) {
-    const LevelBytes z = hierarchical_bytes_per_rank(c, S, 2, 2, Compression::int8, 4);
+    const LevelBytes z = hierarchical_bytes_per_rank(c, S, 2, 2, Compression::none, 4);
     CHECK(z.intra == S / 2);
     CHECK(z.inter == S / 4);
   }
+  // ZeRO++ with int8 (1 byte + one fp32 scale per 256 values, from fp32): the reduce-scatter
+  // rounds only what crosses nodes; the all-gather moves the rounded shards on both hops.
+  const double c = 0.25 + 1.0 / 256;
+  const LevelBytes rs = hierarchical_bytes_per_rank(Collective::reduce_scatter, S, 2, 2, Compression::int8, 4);
+  CHECK(rs.intra == S / 2);
+  CHECK(rs.inter == Approx(S / 4 * c).epsilon(1e-15));
+  const LevelBytes ag = hierarchical_bytes_per_rank(Collective::all_gather, S, 2, 2, Compression::int8, 4);
+  CHECK(ag.intra == Approx(S / 2 * c).epsilon(1e-15));
+  CHECK(ag.inter == Approx(S / 4 * c).epsilon(1e-15));
 }
 
 TEST_CASE("compression loses to the plain ring across many nodes", "[collectives][hierarchical]") {
@@ -100,8 +109,12 @@ TEST_CASE("hierarchical all-reduce time", "[collectives][hierarchical]") {
   // bf16: all-gather of 2 x 0.25e9 compressed bytes: 1 step, 0.25e9 sent.
   CHECK(hierarchical_seconds(Collective::all_reduce, S, intra, inter, Compression::bf16, 4) ==
         Approx(2 * within + 1e-5 + 0.25e9 / 25e9).epsilon(1e-12));
+  // ZeRO++'s reduce-scatter: S/2 inside at fp32, then S/4 across, in bf16 S/8.
   CHECK(hierarchical_seconds(Collective::reduce_scatter, S, intra, inter, Compression::bf16, 4) ==
-        Approx(within + 1e-5 + 0.25e9 / 25e9).epsilon(1e-12));
+        Approx(within + 1e-5 + 0.125e9 / 25e9).epsilon(1e-12));
+  // Its all-gather in bf16: the S/4 shard across as S/8, then S/2 inside as S/4.
+  CHECK(hierarchical_seconds(Collective::all_gather, S, intra, inter, Compression::bf16, 4) ==
+        Approx(1e-6 + 0.25e9 / 200e9 + 1e-5 + 0.125e9 / 25e9).epsilon(1e-12));
   // Against the flat ring over the 4 ranks on the inter-node link: 6 steps, 1.5 S.
   const Link flat{4, 25e9, 1e-5, true};
   CHECK(collective_seconds(Collective::all_reduce, S, flat) == Approx(6e-5 + 1.5e9 / 25e9));

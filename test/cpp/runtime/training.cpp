@@ -107,12 +107,12 @@ TrainRecord train_data_parallel(Communicator& dp, const TrainOptions& o, DataPar
 // Fully-sharded training (ZeRO stage 1-3): blocks are the sharding units, the optimizer
 // steps on the shards. Also records memory facts and the state-dict round trip.
 TrainRecord train_fully_sharded(Communicator& dp, const TrainOptions& o, FullyShardOptions fso,
-                                std::vector<double>& facts) {
+                                std::vector<double>& facts, NodeGroups* nodes = nullptr) {
   GptConfig config;
   TinyGpt model = make_model(config, /*seed=*/1234 + dp.group_rank());
   std::vector<std::shared_ptr<torch::nn::Module>> units;
   for (const auto& block : *model->blocks) units.push_back(block);
-  FullyShard sharded(model.ptr(), units, dp, fso);
+  FullyShard sharded(model.ptr(), units, dp, fso, nodes);
   model->sharded = &sharded;
   auto optimizer = make_optimizer(sharded.shards(), o.lr);
   const int64_t local = o.global_batch / dp.size();
@@ -268,6 +268,21 @@ int run_worker(const std::string& scenario) {
     auto record = train_data_parallel(dp, o, dpo);
     record.params.insert(record.params.begin(),
                          torch::tensor({dp.counters().bytes(CollectiveKind::all_reduce)}, torch::kDouble));
+    save_record(record, out);
+  } else if (scenario.rfind("zero3_hier_", 0) == 0) {
+    // ZeRO++ (LOCAL_WORLD_SIZE from the driver sets the nodes); the record starts with the
+    // memory facts, then [bytes sent inside the node, bytes sent between nodes].
+    FullyShardOptions fso;
+    fso.zero_stage = 3;
+    fso.hierarchical = true;
+    fso.inter_node_compression = planner::compression_from_string(scenario.substr(11), "scenario");
+    NodeGroups& nodes = mesh.node_groups("dp");
+    std::vector<double> facts;
+    auto record = train_fully_sharded(dp, o, fso, facts, &nodes);
+    record.params.insert(record.params.begin(),
+                         torch::tensor({nodes.intra->counters().total(), nodes.inter->counters().total()},
+                                       torch::kDouble));
+    record.params.insert(record.params.begin(), torch::tensor(facts, torch::kDouble));
     save_record(record, out);
   } else if (scenario.rfind("zero", 0) == 0) {
     FullyShardOptions fso;

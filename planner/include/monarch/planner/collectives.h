@@ -81,7 +81,9 @@ LevelBytes hierarchical_bytes_per_rank(Collective c, double bytes, int64_t ranks
 
 // alpha-beta time of the decomposition: the steps' collective_seconds on `intra` (L ranks)
 // and `inter` (N ranks), one after the other. The compressed all-reduce's inter step is an
-// all-gather of N compressed shards (N-1 steps).
+// all-gather of N compressed shards (N-1 steps). ZeRO++'s (Wang et al. 2023): the
+// reduce-scatter rounds its inter step only; the all-gather moves the rounded shards on
+// both steps (the runtime's hierarchical_shard.h).
 double hierarchical_seconds(Collective c, double bytes, const Link& intra, const Link& inter,
                             Compression compression, double element_bytes = 4);
 
@@ -111,6 +113,11 @@ struct DpGroup {
   double seconds(Collective c, double bytes, double element_bytes) const;
   // Bytes one rank sends, per link level: the flat ring's all on its link.
   LevelBytes bytes_per_rank(Collective c, double bytes, double element_bytes) const;
+  // ZeRO++'s backward re-gather of `bytes` of parameters: the secondary shards kept from the
+  // forward gather (rounded as it crossed nodes), all-gathered inside the node only. Flat:
+  // the plain all-gather.
+  double node_gather_seconds(double bytes, double element_bytes) const;
+  LevelBytes node_gather_bytes_per_rank(double bytes, double element_bytes) const;
 };
 DpGroup dp_group(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp,
                  DpReduction reduction = DpReduction::flat,
