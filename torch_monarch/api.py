@@ -34,7 +34,8 @@ def _pins(pins):
     return out
 
 
-def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, param_dtype=None):
+def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, param_dtype=None,
+                     cut_problem=None):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
     recomputation (``full`` or ``selective``) only for models with blocks, sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
@@ -61,7 +62,8 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, 
     # do yet (it splits real weights).
     t.allow_tensor_parallel = not deferred and any(
         str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
-    t.allow_pipeline_parallel = len(info.blocks) > 1
+    # Pipelines need blocks and a forward the stage cut can trace (``cut_problem`` says why not).
+    t.allow_pipeline_parallel = len(info.blocks) > 1 and cut_problem is None
     t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
                    _planner.ScheduleKind.zero_bubble_h1]
     return t
@@ -88,8 +90,21 @@ def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_pla
     if cluster is None:
         from .cluster import detect
         cluster = detect()
-    training = runtime_training(info, global_batch, dtype, pins, param_dtype=_param_dtype(model))
+    training = runtime_training(info, global_batch, dtype, pins, param_dtype=_param_dtype(model),
+                                cut_problem=_cut_problem(model, info, pins, "plan"))
     return _planner.plan(graph, cluster, training, alternatives=alternatives, profile=profile, **pins)
+
+
+def _cut_problem(model, info, pins, who):
+    """Why the runtime could not cut ``model`` into pipeline stages (None when it can, or when
+    it has no blocks to cut between): it is then planned without pipelines, and a pinned
+    ``pp`` > 1 is refused with the reason."""
+    from .pipeline import trace_problem
+    problem = trace_problem(model) if len(info.blocks) > 1 else None
+    if problem is not None and (pins.get("pp") or 1) > 1:
+        raise ValueError(f"{who}: pp={pins['pp']} is pinned, but {type(model).__name__} cannot be cut into "
+                         f"pipeline stages: {problem}")
+    return problem
 
 
 def check_plan(plan, model, example_input=None, *, info=None, world_size=None, tp_plan=None):
@@ -270,6 +285,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     from .log import get as get_log, progress
     with progress("api", "reading the model on the meta device"):
         info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
+    cut_problem = _cut_problem(model, info, pins, "parallelize")
     # Computing in another dtype than the parameters' is mixed precision: every layout runs it
     # (master weights in the parameters' dtype, torch_monarch.mixed_precision).
     param = _param_dtype(model)
@@ -283,7 +299,8 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     text, error = None, ""
     if world.rank == 0:
         try:
-            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param)
+            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param,
+                                        cut_problem=cut_problem)
             with progress("api", "planning", layers=len(graph), devices=world.size):
                 p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
             get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)

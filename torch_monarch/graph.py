@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import planner as _planner
 from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
-from .tensor_parallel_modules import (HEAD_COUNT_ATTRIBUTES, KV_HEAD_COUNT_ATTRIBUTES, Colwise, Replicate, Rowwise,
+from .tensor_parallel_modules import (Colwise, Replicate, Rowwise, head_counts,
                                       VocabEmbedding, VocabHead, default_plan, resolve_plan)
 
 
@@ -82,6 +82,9 @@ def _numel(shape):
 def _matmul_flops(name, args, out):
     if name in ("mm", "addmm", "bmm", "baddbmm"):
         a, b = (args[0], args[1]) if name in ("mm", "bmm") else (args[1], args[2])
+        return 2.0 * _numel(out.shape) * a.shape[-1], a, b
+    if name == "_grouped_mm":  # MoE experts: every routed token through its expert's matrix once
+        a, b = args[0], args[1]
         return 2.0 * _numel(out.shape) * a.shape[-1], a, b
     return None
 
@@ -150,10 +153,46 @@ class _Recorder:
         return t
 
 
+def _on_one_device(args, kwargs):
+    """An op mixing meta tensors (anything computed from a parameter) with real ones (the
+    inputs, and what the forward computes from them alone: masks, positions) runs on meta,
+    the real ones moved there."""
+    flat, spec = tree_flatten((args, kwargs))
+    if any(isinstance(a, torch.Tensor) and a.is_meta for a in flat) and \
+            any(isinstance(a, torch.Tensor) and not a.is_meta for a in flat):
+        flat = [a.to("meta") if isinstance(a, torch.Tensor) and not a.is_meta else a for a in flat]
+        args, kwargs = tree_unflatten(flat, spec)
+    return args, kwargs
+
+
+def _data_dependent_on_meta(func, args):
+    """What the reader answers where the forward reads values it does not have (a meta
+    tensor's ``.item()``: a padding check on a mask made on an activation's device, MoE
+    routing's ``nonzero``): every element "true" (``.item()`` -> True / 1, ``nonzero`` -> every
+    position). It only steers which branch the read takes; shapes of everything that does not
+    depend on such values stay exact. None where the op can run."""
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_meta:
+        return None
+    t = args[0]
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
+    if func is torch.ops.aten.nonzero.default:
+        return torch.empty((t.numel(), t.dim()), dtype=torch.long, device="meta")
+    if func is torch.ops.aten._grouped_mm.default and t.dim() == 2 and args[1].dim() == 3:
+        # Its meta kernel admits bf16 only (the CUDA kernel's rule); the shape is dtype-free:
+        # (routed tokens, in) x (experts, in, out) -> (routed tokens, out).
+        return torch.empty((t.shape[0], args[1].shape[-1]), dtype=t.dtype, device="meta")
+    return None
+
+
 def _make_mode(recorder):
     class FlopCounter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            args, kwargs = _on_one_device(args, kwargs or {})
+            unknown = _data_dependent_on_meta(func, args)
+            if unknown is not None:
+                return unknown
+            out = func(*args, **kwargs)
             name = func.overloadpacket.__name__
             flops = attention = 0.0
             mm = _matmul_flops(name, args, out)
@@ -180,13 +219,15 @@ def _make_mode(recorder):
     return FlopCounter()
 
 
-def _to_meta(x):
+def _to_cpu(x):
+    """Example inputs as real CPU tensors (an input given on meta, or on another device, keeps
+    its shape and dtype: zeros stand in for values that were never there)."""
     if isinstance(x, torch.Tensor):
-        return x.to("meta")
+        return torch.zeros(x.shape, dtype=x.dtype) if x.is_meta else x.detach().cpu()
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
+        return type(x)(_to_cpu(v) for v in x)
     if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
+        return {k: _to_cpu(v) for k, v in x.items()}
     return x
 
 
@@ -227,7 +268,6 @@ def _batch_and_seq(example_input):
 def _capture(model, example_input, recorder, tensors):
     args, kwargs = ((), dict(example_input)) if isinstance(example_input, dict) else (
         (tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)), {})
-    args, kwargs = _to_meta(args), _to_meta(kwargs)
     handles = []
 
     def pre(module, _inputs):
@@ -258,11 +298,13 @@ def _capture(model, example_input, recorder, tensors):
     was_training = model.training
     model.train()  # what training saves for backward (dropout masks included)
     try:
-        # Tensors the forward makes without naming a device (a causal mask from torch.ones,
-        # positions from torch.arange) are made on meta too, beside the meta activations.
+        # The inputs stay real, and so does what the forward computes from them alone (a
+        # causal mask from torch.ones, positions from torch.arange, a padding check such as
+        # ``attention_mask.all()``, which reads values): only what a parameter touches is meta
+        # (_on_one_device), so no activation or weight is ever allocated.
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder):
-            with torch.enable_grad(), torch.device("meta"):
-                torch.func.functional_call(model, tensors, args, kwargs)
+            with torch.enable_grad():
+                torch.func.functional_call(model, tensors, _to_cpu(args), _to_cpu(kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -291,7 +333,10 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
                 continue
             full = f"{mname}.{pname}" if mname else pname
             if id(p) not in meta_of:
-                m = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                # A buffer stays itself (positions, token types, rotary frequencies: small, and
+                # read for their values); a parameter, or a buffer still on meta, becomes meta.
+                real_buffer = not isinstance(p, nn.Parameter) and not p.is_meta
+                m = p.detach().cpu() if real_buffer else torch.empty(p.shape, dtype=p.dtype, device="meta")
                 if isinstance(p, nn.Parameter):
                     m.requires_grad_(p.requires_grad)
                     param_ids.add(id(m))
@@ -325,7 +370,7 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
         layers.append(_layer(model, lname, kind, records[lname], recorder, plan, batch, seq, hidden,
                              compute_dtype, blocks))
     graph.layers = layers
-    graph.tied_groups = _tied_groups(model, info_layers)
+    graph.tied_groups, graph.tied_group_params = _tied_groups(model, info_layers)
     graph.transformer = _transformer_config(graph, plan, blocks, seq, hidden, compute_dtype)
     _planner.validate(graph)
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -426,15 +471,8 @@ def _tp_of(model, lname, plan):
         return _planner.TpPattern.replicated, dims
     heads, kv_heads = 0, 0
     for parent in sorted({n.rpartition(".")[0] for n in col}):
-        pm = model.get_submodule(parent) if parent else model
-        for attr in HEAD_COUNT_ATTRIBUTES:
-            v = getattr(pm, attr, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                heads = heads or v
-        for attr in KV_HEAD_COUNT_ATTRIBUTES:
-            v = getattr(pm, attr, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                kv_heads = kv_heads or v
+        h, kv = head_counts(model.get_submodule(parent) if parent else model)
+        heads, kv_heads = heads or h, kv_heads or (kv if h else 0)
     dims.heads = heads
     dims.kv_heads = kv_heads or heads
     # The MLP's inner width: the widest input of a row-parallel linear (the attention
@@ -549,16 +587,24 @@ def _input_bytes_per_sample(recorder, lname, batch):
 
 
 def _tied_groups(model, layers):
-    """Graph layers that hold one and the same parameter tensor."""
-    owners = {}
+    """Graph layers that hold one and the same parameter tensor, and the elements those
+    tensors hold per group (a layer may hold more: a masked-LM head around the tied decoder
+    weight)."""
+    owners, tensors = {}, {}
     for i, (lname, kind) in enumerate(layers):
         module = model.get_submodule(lname) if lname else model
         ps = module._parameters.values() if kind == "own" else module.parameters()
         for p in ps:
             if p is not None:
                 owners.setdefault(id(p), set()).add(i)
-    groups = {tuple(sorted(s)) for s in owners.values() if len(s) > 1}
-    return [list(g) for g in sorted(groups)]
+                tensors[id(p)] = p
+    sizes = {}
+    for pid, s in owners.items():
+        if len(s) > 1:
+            key = tuple(sorted(s))
+            sizes[key] = sizes.get(key, 0) + tensors[pid].numel()
+    groups = sorted(sizes)
+    return [list(g) for g in groups], [sizes[g] for g in groups]
 
 
 _GATE_NAMES = {"gate_proj", "gate", "w1", "w3", "gate_up_proj", "w13", "fc1_gate"}

@@ -61,6 +61,12 @@ class ParallelModel(nn.Module):
         self.pp, self.dp, self.tp = layout.pp, layout.dp, layout.tp
         self.micro_batches = layout.micro_batches
         self.zero_stage = layout.zero_stage
+        # How the model's own loss averages (train_step's token weighting), read now: the
+        # model object itself is not kept here.
+        loss_type = getattr(model, "loss_type", None)  # Hugging Face: ForCausalLM, ForMaskedLM, ...
+        name = type(model).__name__
+        self._causal_lm = loss_type == "ForCausalLM" or (loss_type is None and ("CausalLM" in name or
+                                                                               name.endswith("LMHeadModel")))
         zero_stage = layout.zero_stage
         units = list(_default_units(model) if units is None else units)
         self.deferred = deferred.is_deferred(model)
@@ -310,41 +316,61 @@ class ParallelModel(nn.Module):
                                "not a direct forward")
         return self.stages[0](*args, **kwargs)
 
-    def train_step(self, inputs, targets, loss_fn):
+    def train_step(self, inputs, targets=None, loss_fn=None):
         """Forward and backward of this dp rank's batch (``inputs`` and ``targets`` split into
         the plan's micro-batches along dim 0); returns the mean loss of the global batch on
         every rank. The caller zeroes gradients and steps the optimizer.
 
+        ``inputs``: a tensor, a tuple of positional inputs, or a dict of keyword inputs (a
+        Hugging Face batch: ``input_ids``, ``attention_mask``, ``labels``, ...). The loss is
+        ``loss_fn(output, targets)``, ``loss_fn(output)`` without targets, or, with neither,
+        the model's own (``output.loss``, ``output["loss"]``, or the output itself when it is a
+        single value).
+
         dp ranks may hold different numbers of samples (the last batch of an epoch): losses
         and gradients are weighted by each rank's sample count, so both are the mean over the
         whole global batch as one process would compute it (``loss_fn`` returns the mean over
-        its samples, as ``F.cross_entropy`` does; a loss averaged over tokens with
-        ``ignore_index`` is still weighted by samples)."""
+        its samples, as ``F.cross_entropy`` does). A model's own loss over ``labels`` (Hugging
+        Face's: the mean over label tokens that are not -100, after the causal shift for causal
+        LMs) is weighted by those tokens instead, micro-batch by micro-batch, so padding
+        spread unevenly over ranks still gives the global batch's token mean."""
         if self._collect_before_first_step:
             import gc
             self._collect_before_first_step = False
             gc.collect()
         m = self.micro_batches
-        xs, ys = _split(inputs, m, "inputs"), _split(targets, m, "targets")
+        xs = _split(inputs, m, "inputs")
+        ys = _split(targets, m, "targets") if targets is not None else [None] * m
+        counts = _label_tokens(self._causal_lm, xs) if targets is None and loss_fn is None else None
+        local = sum(counts) if counts is not None else _batch_size(inputs)
+
+        def loss_of(mb, out):
+            value = (loss_fn(out, ys[mb]) if targets is not None else loss_fn(out)) if loss_fn is not None \
+                else _model_loss(out)
+            if counts is None:
+                return value
+            # The composition averages micro-batches and weighs ranks by `local`: scaled so the
+            # sum over both is the token mean (a micro-batch without label tokens adds 0).
+            return value * (m * counts[mb] / local) if counts[mb] else value * 0.0
+
         if self.pp == 1:
-            # The model's output may be anything loss_fn takes: it stays here, not in C++.
+            # The model's output may be anything the loss takes: it stays here, not in C++.
             outputs = {}
 
             def forward(stage, mb, received):
-                outputs[mb] = self._wrapped[0](*_as_tuple(xs[mb]))
+                outputs[mb] = _call(self._wrapped[0], xs[mb])
                 return []
 
             def loss(mb, _):
-                return loss_fn(outputs.pop(mb), ys[mb])
+                return loss_of(mb, outputs.pop(mb))
         else:
             def forward(stage, mb, received):
                 return self._run_stage(stage, mb, received, xs)
 
             def loss(mb, out):
-                return loss_fn(out[0], ys[mb])
-        first = inputs[0] if isinstance(inputs, tuple) else inputs
+                return loss_of(mb, out[0])
         try:
-            return self._composition.train_step(forward, loss, samples=first.shape[0])
+            return self._composition.train_step(forward, loss, samples=local)
         finally:
             self.release_cast_copies()  # every backward of the step has run (or it failed)
 
@@ -404,7 +430,18 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
+def _call(module, inputs):
+    """A module called on one micro-batch: keyword inputs from a dict, positional otherwise."""
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(*_as_tuple(inputs))
+
+
 def _split(x, m, what):
+    if isinstance(x, dict):
+        parts = {k: _split(v, m, f"{what}['{k}']") if isinstance(v, torch.Tensor) else [v] * m
+                 for k, v in x.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
     if isinstance(x, tuple):
         parts = [_split(t, m, what) for t in x]
         return [tuple(p[k] for p in parts) for k in range(m)]
@@ -412,6 +449,40 @@ def _split(x, m, what):
         raise ValueError(f"train_step: the local batch of {x.shape[0]} {what} does not split into {m} "
                          f"micro-batches")
     return list(x.chunk(m, 0))
+
+
+def _batch_size(inputs):
+    if isinstance(inputs, dict):
+        inputs = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor))
+    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    return first.shape[0]
+
+
+def _model_loss(out):
+    """The loss a model computed itself (Hugging Face's ``labels=``)."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.numel() == 1:
+        loss = out
+    if loss is None:
+        raise ValueError(f"train_step: the model returned a {type(out).__name__} without a loss; pass "
+                         "labels in the inputs (Hugging Face models compute their loss from them) or a loss_fn")
+    return loss
+
+
+def _label_tokens(causal, xs):
+    """Per micro-batch, the label tokens a model's own loss averages over (Hugging Face: labels
+    other than -100; a causal LM predicts token t+1 from t, so its first label is never used);
+    None without labels (the loss is then taken as a mean over samples)."""
+    if not all(isinstance(x, dict) and isinstance(x.get("labels"), torch.Tensor) for x in xs):
+        return None
+    counts = []
+    for x in xs:
+        labels = x["labels"]
+        used = labels[..., 1:] if causal and labels.dim() > 1 else labels
+        counts.append(int((used != -100).sum()))
+    return counts
 
 
 def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, global_batch=None, cluster=None,

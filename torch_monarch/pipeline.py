@@ -65,6 +65,24 @@ class _Tracer(fx.Tracer):
             return super().trace(root, concrete_args)
 
 
+def trace_problem(model: nn.Module, units=None):
+    """Why ``model`` cannot be cut into pipeline stages here, or None when it can: the cut
+    needs a torch.fx trace of its forward with the blocks as leaves. The answer names the
+    error and the line of the model's code that stopped the trace (data-dependent control
+    flow such as ``assert x.shape[1] <= n``, calls fx cannot follow)."""
+    import traceback
+    units = list(_default_units(model) if units is None else units)
+    try:
+        _Tracer(units).trace(model)
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure of the user's forward under fx is the answer
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename
+                  and "/torch_monarch/" not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"torch.fx could not trace {type(model).__name__}.forward: {type(e).__name__}: {message}{where}"
+
+
 def boundaries_from_sizes(sizes):
     """[2, 3, 3] -> stage of each unit: [0, 0, 1, 1, 1, 2, 2, 2]."""
     out = []

@@ -16,13 +16,19 @@ from .interop import refuse_foreign_layout
 
 
 def _default_units(module: nn.Module):
-    """The entries of the largest non-empty nn.ModuleList (transformer blocks in most
-    models): the blocks the pipeline cuts between, ZeRO shards by and the model reader
-    plans as block layers. Empty if there is none."""
-    best = None
+    """The entries of the non-empty nn.ModuleList holding the most parameters (the
+    transformer blocks in most models; on a tie, the one with more entries, then the first):
+    the blocks the pipeline cuts between, ZeRO shards by and the model reader plans as block
+    layers. By parameters, not by length: a block may hold a longer list of its own (a T5
+    block's sub-layers, a mixture's experts), which must not win over the list of blocks.
+    Empty if there is none."""
+    best, best_key = None, None
     for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and (best is None or len(sub) > len(best)):
-            best = sub
+        if not isinstance(sub, nn.ModuleList) or len(sub) == 0:
+            continue
+        key = (sum(p.numel() for p in {id(p): p for p in sub.parameters()}.values()), len(sub))
+        if best is None or key > best_key:
+            best, best_key = sub, key
     return list(best) if best is not None else []
 
 

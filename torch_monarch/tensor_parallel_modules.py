@@ -60,6 +60,28 @@ _STYLES = (Colwise, Rowwise, VocabEmbedding, VocabHead, Replicate)
 HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads")
 KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
 
+
+def _count(obj, attributes):
+    for attr in attributes:
+        v = getattr(obj, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return attr, v
+    return None, 0
+
+
+def head_counts(module):
+    """(heads, kv_heads) of an attention module: its own head-count attributes, else those of
+    the config it keeps (Hugging Face attention modules reshape with -1 and read the counts
+    from ``self.config``); 0 where unknown, kv_heads = heads without grouped KV heads."""
+    _, heads = _count(module, HEAD_COUNT_ATTRIBUTES)
+    _, kv = _count(module, KV_HEAD_COUNT_ATTRIBUTES)
+    config = getattr(module, "config", None)
+    if config is not None and not heads:
+        _, heads = _count(config, HEAD_COUNT_ATTRIBUTES)
+        if not kv:
+            _, kv = _count(config, KV_HEAD_COUNT_ATTRIBUTES)
+    return heads, kv or heads
+
 # Fused projections laid out as [q; k; v] (or [gate; up]) along the output features, each
 # part split separately. GPT-NeoX / BLOOM's query_key_value interleaves per head and GQA
 # fused weights have unequal parts: those need an explicit plan, not a guess.
@@ -110,8 +132,58 @@ def default_plan(model: nn.Module):
             elif leaf in _ROWWISE:
                 plan[name] = Rowwise()
             elif vocab is not None and module.out_features == vocab:
-                plan[name] = VocabHead()
+                # A model computing its own loss (Hugging Face's ``labels=``) reads whole
+                # logits: the split head gathers them. Otherwise they stay split for
+                # vocab_parallel_cross_entropy.
+                plan[name] = VocabHead(gather_output=_computes_own_loss(model))
+    _sequential_mlps(model, plan)
+    _drop_unpaired_rowwise(model, plan)
     return plan
+
+
+def _computes_own_loss(model):
+    return hasattr(model, "loss_function") or getattr(model, "loss_type", None) is not None
+
+
+def _drop_unpaired_rowwise(model, plan):
+    """A row-parallel linear takes the split activation a column-parallel one makes: one named
+    like an output projection (``dense``) with no column-parallel linear beside it (under its
+    grandparent: the attention or MLP module around both) sees whole inputs, e.g. a masked-LM
+    head's transform, and stays whole."""
+    col = [n for n, s in plan.items() if isinstance(s, Colwise)]
+    for name, style in list(plan.items()):
+        if not isinstance(style, Rowwise):
+            continue
+        scope = name.rpartition(".")[0].rpartition(".")[0]
+        prefix = f"{scope}." if scope else ""
+        if not any(c.startswith(prefix) for c in col):
+            del plan[name]
+
+
+def _sequential_mlps(model, plan):
+    """MLPs written as ``nn.Sequential(Linear(h, f), activation..., Linear(f, h))``, by
+    structure: the widening linear column-parallel, the narrowing one row-parallel (Megatron's
+    MLP split), wherever the names gave neither a style. Between them only modules without
+    parameters (activations, dropout) may run, elementwise."""
+    prefix_of = {id(m): n for n, m in model.named_modules()}
+    for module in model.modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        base = prefix_of[id(module)]
+        for i, (first_name, first) in enumerate(children):
+            if not isinstance(first, nn.Linear):
+                continue
+            for second_name, second in children[i + 1:]:
+                if isinstance(second, nn.Linear):
+                    names = [f"{base}.{first_name}" if base else first_name,
+                             f"{base}.{second_name}" if base else second_name]
+                    if second.in_features == first.out_features and first.out_features > first.in_features \
+                            and not any(n in plan for n in names):
+                        plan[names[0]], plan[names[1]] = Colwise(), Rowwise()
+                    break
+                if any(True for _ in second.parameters()):
+                    break  # a module with weights between them (a norm): not one MLP
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,13 +333,13 @@ def _shard_param(param, dim, group, fused_parts, name, shared):
     """This rank's slice of ``param``; a parameter shared by several modules (tied weights)
     is sharded once and the same shard Parameter is returned for every module."""
     if shared is not None and id(param) in shared:
-        return shared[id(param)]
+        return shared[id(param)][1]
     with torch.no_grad():
         shard = _runtime.shard_tensor(param.detach(), dim, group.rank, group.size, fused_parts, name)
     out = nn.Parameter(shard, requires_grad=param.requires_grad)
     out._monarch_tp = (dim, fused_parts)  # how it was cut, for state dicts and tests
     if shared is not None:
-        shared[id(param)] = out
+        shared[id(param)] = (param, out)  # the original kept alive: its id stays its own
     return out
 
 
@@ -294,6 +366,12 @@ def _head_count_attributes(model, plan, tp):
                     raise ValueError(f"tensor parallel: tp={tp} does not divide {attr}={count} of module "
                                      f"'{parent_name or '<root>'}' (legal tp: {_divisors(count)})")
                 found.append((parent, attr, count))
+        # Counts the module reads from its config (shared by every layer: checked, not changed).
+        heads, kv = head_counts(parent)
+        for what, count in (("heads", heads), ("key/value heads", kv)):
+            if count and count % tp != 0:
+                raise ValueError(f"tensor parallel: tp={tp} does not divide the {count} {what} of module "
+                                 f"'{parent_name or '<root>'}' (legal tp: {_divisors(count)})")
     return found
 
 
@@ -392,6 +470,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     from .sharded import _default_units
     _check_coverage(model, whole, tp, list(_default_units(model) if units is None else units))
     head_counts = _head_count_attributes(model, plan, tp)  # checked before anything changes
+    per_head = _per_head_norms(model, plan, tp)
     shared = {}
     for name, style in plan.items():
         module = model.get_submodule(name)
@@ -415,6 +494,12 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
         else:
             raise ValueError(f"tensor parallel: unknown style {style!r} for '{name}'")
         _set_submodule(model, name, new)
+    # A split parameter that another module also holds (Hugging Face ties a masked-LM
+    # decoder's bias to ``predictions.bias``): that module gets the same shard.
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and id(p) in shared and shared[id(p)][0] is p:
+                module._parameters[pname] = shared[id(p)][1]
     for parent, attr, count in head_counts:
         setattr(parent, attr, count // tp)  # the local heads
     from .sharded import _default_units
@@ -422,12 +507,45 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     if sequence_parallel:
         if not units:
             raise ValueError("sequence parallel: no ModuleList of blocks found; pass units=[...] (the blocks)")
-        _enable_sequence_parallel(model, group, sequence_dim, units)
+        _enable_sequence_parallel(model, group, sequence_dim, units)  # sums the norms' gradients too
+    else:
+        for module in per_head:
+            _sum_parameter_gradients_over(module, group)
     if rng is None:
         rng = TensorParallelRNG(torch.initial_seed(), group.rank)
     split_parents = {n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}
     model._monarch_forked_dropouts = _fork_split_dropouts(model, rng, sequence_parallel, units, split_parents)
     return model
+
+
+def _per_head_norms(model, plan, tp):
+    """Modules beside an attention's column-split projections with weights of one head's
+    width (Qwen3's / Gemma3's q_norm and k_norm, normalizing each head): they run on this
+    rank's heads only, so their weights' gradients are partial sums over tp. One whose
+    weights span a whole split projection (a norm over all heads together, OLMo2's) cannot
+    run on a part of the heads: refused, by name."""
+    found = []
+    for parent_name in sorted({n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}):
+        parent = model.get_submodule(parent_name) if parent_name else model
+        heads, kv = head_counts(parent)
+        split = {model.get_submodule(n).out_features: n for n, s in plan.items()
+                 if isinstance(s, Colwise) and n.rpartition(".")[0] == parent_name}
+        head_dims = {width // count for width in split for count in (heads, kv) if count and width % count == 0}
+        for child_name, child in parent.named_children():
+            if isinstance(child, _TP_MODULES) or isinstance(child, nn.Linear):
+                continue
+            sizes = {p.shape[-1] for p in child.parameters(recurse=False) if p.dim() >= 1}
+            if not sizes:
+                continue
+            full = sizes & set(split)
+            if full and not (sizes & head_dims):
+                width = full.pop()
+                raise ValueError(f"tensor parallel: '{parent_name}.{child_name}' ({type(child).__name__}) has weights "
+                                 f"as wide as the whole output of '{split[width]}' ({width}), which tp={tp} splits "
+                                 "by heads: it would normalize a part of the heads as if it were all of them")
+            if sizes and sizes <= head_dims:
+                found.append(child)
+    return found
 
 
 def _enable_sequence_parallel(model, group, sequence_dim, units):

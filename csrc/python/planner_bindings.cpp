@@ -272,6 +272,7 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("layers", &ModelGraph::layers)
       .def_readwrite("edges", &ModelGraph::edges)
       .def_readwrite("tied_groups", &ModelGraph::tied_groups)
+      .def_readwrite("tied_group_params", &ModelGraph::tied_group_params)
       .def_readwrite("transformer", &ModelGraph::transformer)
       .def("total_params", &ModelGraph::total_params)
       .def("seq_len", &ModelGraph::seq_len)

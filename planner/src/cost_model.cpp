@@ -234,6 +234,17 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
   return costs;
 }
 
+double tied_params(const ModelGraph& graph, size_t g, const std::vector<LayerCost>& costs) {
+  // The graph's count of the shared tensor, at the share of it one rank's layer holds (its
+  // smallest layer's costs over the graph's: tp splits a vocabulary embedding too).
+  const auto& group = graph.tied_groups.at(g);
+  int smallest = group.front();
+  for (int idx : group) smallest = costs[idx].params < costs[smallest].params ? idx : smallest;
+  const double layer = static_cast<double>(graph.layers[smallest].params);
+  const double share = layer > 0 ? costs[smallest].params / layer : 1.0;
+  return static_cast<double>(graph.tied_params(g)) * share;
+}
+
 namespace {
 
 // Parameters held by a stage, counting a tied weight once when its layers share the stage.
@@ -241,10 +252,10 @@ double stage_params(const ModelGraph& graph, const std::vector<LayerCost>& costs
                     int64_t last) {
   double params = 0;
   for (int64_t i = first; i <= last; ++i) params += costs[i].params;
-  for (const auto& group : graph.tied_groups) {
+  for (size_t g = 0; g < graph.tied_groups.size(); ++g) {
     int inside = 0;
-    for (int idx : group) inside += (idx >= first && idx <= last) ? 1 : 0;
-    if (inside > 1) params -= (inside - 1) * costs[group.front()].params;
+    for (int idx : graph.tied_groups[g]) inside += (idx >= first && idx <= last) ? 1 : 0;
+    if (inside > 1) params -= (inside - 1) * tied_params(graph, g, costs);
   }
   return params;
 }
@@ -567,16 +578,17 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   }
   // Megatron-LM all-reduces a tied weight's gradient (embedding and LM head) among the
   // pipeline ranks holding a copy, at the end of the step, exposed. One all-reduce per
-  // tied group, of the group's weight (its first layer's share on one tp rank).
+  // tied group, of the group's weight (its share on one tp rank).
   const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
-  for (const auto& group : graph.tied_groups) {
+  for (size_t g = 0; g < graph.tied_groups.size(); ++g) {
+    const auto& group = graph.tied_groups[g];
     std::set<int64_t> holders;
     for (int idx : group) holders.insert(stage_of_layer[idx] % layout.pp);
     if (holders.size() < 2) continue;
     Link tied = pp_link;
     tied.ranks = static_cast<int64_t>(holders.size());
     const double seconds = collective_seconds(
-        Collective::all_reduce, costs[group.front()].params * training.grad_bytes, tied);
+        Collective::all_reduce, tied_params(graph, g, costs) * training.grad_bytes, tied);
     for (int64_t r : holders) ranks[r].tied_all_reduce_s += seconds;
   }
 

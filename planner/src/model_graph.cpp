@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "monarch/planner/model_graph.h"
 
 #include <cmath>
@@ -79,6 +80,16 @@ void check_edges_and_groups(const ModelGraph& g) {
       }
     }
   }
+  if (g.tied_group_params.size() > g.tied_groups.size()) {
+    throw ValidationError("tied_group_params", "has " + std::to_string(g.tied_group_params.size()) +
+                                                   " entries for " + std::to_string(g.tied_groups.size()) +
+                                                   " tied groups");
+  }
+  for (size_t t = 0; t < g.tied_group_params.size(); ++t) {
+    if (g.tied_group_params[t] < 0) {
+      throw ValidationError("tied_group_params[" + std::to_string(t) + "]", "must be >= 0");
+    }
+  }
 }
 
 }  // namespace
@@ -99,18 +110,26 @@ void validate(const ModelGraph& g) {
 
 int64_t ModelGraph::total_params() const {
   // A weight shared by several layers (tied embedding / head) is one tensor: count it once.
-  std::set<int> counted_elsewhere;
-  for (const auto& group : tied_groups) {
-    for (size_t i = 1; i < group.size(); ++i) counted_elsewhere.insert(group[i]);
-  }
+  // Its size is the smallest of its layers' (a layer may hold more than the shared tensor,
+  // e.g. a masked-LM head around the tied decoder weight).
   int64_t total = 0;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    if (counted_elsewhere.count(static_cast<int>(i))) continue;
-    if (__builtin_add_overflow(total, layers[i].params, &total)) {
+  for (const auto& layer : layers) {
+    if (__builtin_add_overflow(total, layer.params, &total)) {
       throw ValidationError("layers", "the parameter count overflows a 64-bit integer");
     }
   }
+  for (size_t g = 0; g < tied_groups.size(); ++g) {
+    total -= static_cast<int64_t>(tied_groups[g].size() - 1) * tied_params(g);
+  }
   return total;
+}
+
+int64_t ModelGraph::tied_params(size_t g) const {
+  const auto& group = tied_groups.at(g);
+  int64_t smallest = layers[group.front()].params;
+  for (int idx : group) smallest = std::min(smallest, layers[idx].params);
+  if (g < tied_group_params.size() && tied_group_params[g] > 0) return std::min(smallest, tied_group_params[g]);
+  return smallest;
 }
 
 void restrict_cuts_to_blocks(ModelGraph& graph) {

@@ -451,8 +451,8 @@ class Searcher {
   double state_lower_bound_bytes(const Layout& l, const std::vector<LayerCost>& costs) const {
     double params = 0;
     for (const auto& c : costs) params += c.params;
-    for (const auto& group : graph_.tied_groups) {
-      params -= static_cast<double>(group.size() - 1) * costs[group.front()].params;
+    for (size_t g = 0; g < graph_.tied_groups.size(); ++g) {
+      params -= static_cast<double>(graph_.tied_groups[g].size() - 1) * tied_params(graph_, g, costs);
     }
     return zero_model_state_bytes(params / l.pp, l.dp, l.zero_stage, training_.param_bytes,
                                   training_.grad_bytes, training_.optimizer_bytes).total();
@@ -600,8 +600,14 @@ class Searcher {
     // at zero, so the partition stays conservative and its prefix sums keep rising). With
     // more stages every layer is charged in full: its stage may hold its own copy.
     if (stages == 1) {
-      for (const auto& group : graph_.tied_groups) {
-        const double shared = p.layer_state_bytes[group.front()];
+      for (size_t g = 0; g < graph_.tied_groups.size(); ++g) {
+        const auto& group = graph_.tied_groups[g];
+        // The tied tensor's state: its share of the smallest member's.
+        int smallest = group.front();
+        for (int idx : group) smallest = costs[idx].params < costs[smallest].params ? idx : smallest;
+        const double shared = costs[smallest].params > 0
+            ? p.layer_state_bytes[smallest] * tied_params(graph_, g, costs) / costs[smallest].params
+            : 0.0;
         for (size_t k = 1; k < group.size(); ++k) {
           p.layer_state_bytes[group[k]] = std::max(0.0, p.layer_state_bytes[group[k]] - shared);
         }

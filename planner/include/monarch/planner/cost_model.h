@@ -95,6 +95,10 @@ struct Layout {
   Compression inter_node_compression = Compression::none;
 };
 
+// The elements of the weight tied between the layers of graph.tied_groups[g]
+// (ModelGraph::tied_params), at the share one rank's layer holds under `costs`' layout.
+double tied_params(const ModelGraph& graph, size_t g, const std::vector<LayerCost>& costs);
+
 std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& cluster,
                                    const TrainingConfig& training, const Layout& layout);
 

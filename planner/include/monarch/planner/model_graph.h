@@ -106,11 +106,18 @@ struct ModelGraph {
   // Layers whose weights are one tensor (e.g. embedding and output head). The shared
   // parameters are counted once in `total_params()`.
   std::vector<std::vector<int>> tied_groups;
+  // Optional, parallel to tied_groups: the shared tensors' elements. Where absent (or 0),
+  // the smallest layer of the group is taken as the shared tensor (exact when a layer is
+  // just the tied weight, as an embedding or a bare output head; a model reader merging
+  // modules into coarser layers, e.g. a masked-LM head around the decoder weight, says it).
+  std::vector<int64_t> tied_group_params;
   // Set when built from hyperparameters; lets plans record and re-check the model.
   std::optional<TransformerConfig> transformer;
 
   // Throws ValidationError("layers", ...) if the sum overflows int64 (validate() first).
   int64_t total_params() const;
+  // Elements of tied group `g`'s shared tensor (see tied_group_params).
+  int64_t tied_params(size_t g) const;
   // Sequence length the per-sample numbers were built for (0 if unknown).
   int64_t seq_len() const { return transformer ? transformer->seq : 0; }
   // True when a pipeline stage may start at layer `index` (no edge jumps over it).
