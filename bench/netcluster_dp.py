@@ -222,33 +222,43 @@ def worker(args):
 
 
 def main():
+    run_bench(__file__, worker, report, "netcluster_dp.json", "hierarchical engines")
+
+
+def run_bench(script, worker_fn, report_fn, out_name, curve_engines):
+    """The command line both two-node benches share: --worker runs ``worker_fn(args)`` on a
+    rank; otherwise as root scripts/netcluster.sh starts NODES nodes of RANKS_PER_NODE ranks
+    running ``script --worker`` through torch_monarch.run (torchrun's multi-node protocol),
+    rank 0 writes the raw results and ``report_fn(data, args, wall_s)`` prints and saves them;
+    --replot reports a results file again."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", default="1gbit", help="bandwidth between nodes, per direction (tc syntax)")
     ap.add_argument("--steps", type=int, default=20, help="interleaved timed steps of every engine")
-    ap.add_argument("--curve-steps", type=int, default=200, help="steps of the loss curves (hierarchical engines)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "netcluster_dp.json"))
+    ap.add_argument("--curve-steps", type=int, default=200, help=f"steps of the loss curves ({curve_engines})")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", out_name))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--raw", help=argparse.SUPPRESS)
     ap.add_argument("--replot", metavar="RESULTS_JSON", help="recompute the table and predictions from a results file")
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        worker_fn(args)
         return
     if args.replot:
         with open(args.replot) as f:
             data = json.load(f)
         args.rate, args.steps = data["rate"], data["timed_steps"]
-        report(data, args, data["wall_s"])
+        report_fn(data, args, data["wall_s"])
         return
+    name = os.path.basename(script)
     if os.geteuid() != 0:
-        sys.exit("bench/netcluster_dp.py needs root (network namespaces; scripts/netcluster.sh)")
+        sys.exit(f"bench/{name} needs root (network namespaces; scripts/netcluster.sh)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     raw = tempfile.mktemp(suffix=".json")
     node_cmd = (f"exec {sys.executable} -m torch_monarch.run --nnodes {NODES} --nproc-per-node {RANKS_PER_NODE} "
                 f"--node-rank \"$NODE_RANK\" --master-addr \"$MASTER_ADDR\" --master-port {port} "
-                f"{os.path.abspath(__file__)} --worker --steps {args.steps} --curve-steps {args.curve_steps} "
+                f"{os.path.abspath(script)} --worker --steps {args.steps} --curve-steps {args.curve_steps} "
                 f"--raw {raw}")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONARCH_LOG_LEVEL="warn")
     started = time.time()
@@ -258,7 +268,7 @@ def main():
         sys.exit(f"bench failed: exit status {p.returncode}")
     with open(raw) as f:
         data = json.load(f)
-    report(data, args, time.time() - started)
+    report_fn(data, args, time.time() - started)
 
 
 def report(data, args, wall_s):

@@ -25,14 +25,10 @@ Needs root (network namespaces). Prints a table and writes JSON
     sudo .venv/bin/python bench/netcluster_zero.py [--rate 1gbit] [--steps 20] [--curve-steps 200]
 """
 
-import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -40,9 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from netcluster_dp import GPT, batch, eth0_tx_bytes  # noqa: E402  (the same model and data stream)
+from netcluster_dp import GPT, batch, eth0_tx_bytes, run_bench  # noqa: E402  (the same model, data, launch)
 
 HIDDEN, HEADS, LAYERS, SEQ, VOCAB, BATCH_PER_RANK = 256, 8, 4, 64, 8192, 4
 NODES, RANKS_PER_NODE = 2, 2
@@ -169,43 +164,7 @@ def planner_view(links):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", default="1gbit", help="bandwidth between nodes, per direction (tc syntax)")
-    ap.add_argument("--steps", type=int, default=20, help="interleaved timed steps of every engine")
-    ap.add_argument("--curve-steps", type=int, default=200, help="steps of the loss curves (ZeRO++ engines)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "netcluster_zero.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--raw", help=argparse.SUPPRESS)
-    ap.add_argument("--replot", metavar="RESULTS_JSON", help="recompute the table and planner view from a results file")
-    args = ap.parse_args()
-    if args.worker:
-        worker(args)
-        return
-    if args.replot:
-        with open(args.replot) as f:
-            data = json.load(f)
-        args.rate, args.steps = data["rate"], data["timed_steps"]
-        report(data, args, data["wall_s"])
-        return
-    if os.geteuid() != 0:
-        sys.exit("bench/netcluster_zero.py needs root (network namespaces; scripts/netcluster.sh)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    raw = tempfile.mktemp(suffix=".json")
-    node_cmd = (f"exec {sys.executable} -m torch_monarch.run --nnodes {NODES} --nproc-per-node {RANKS_PER_NODE} "
-                f"--node-rank \"$NODE_RANK\" --master-addr \"$MASTER_ADDR\" --master-port {port} "
-                f"{os.path.abspath(__file__)} --worker --steps {args.steps} --curve-steps {args.curve_steps} "
-                f"--raw {raw}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MONARCH_LOG_LEVEL="warn")
-    started = time.time()
-    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "netcluster.sh"), "run", str(NODES), "--rate", args.rate,
-                        "--", "bash", "-c", node_cmd], env=env)
-    if p.returncode != 0:
-        sys.exit(f"bench failed: exit status {p.returncode}")
-    with open(raw) as f:
-        data = json.load(f)
-    report(data, args, time.time() - started)
+    run_bench(__file__, worker, report, "netcluster_zero.json", "ZeRO++ engines")
 
 
 def report(data, args, wall_s):

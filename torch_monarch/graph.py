@@ -4,15 +4,20 @@
     info.graph                                  # planner ModelGraph (layers in execution order)
     info.modules["model.layers.0.self_attn"]    # per-module record: params, FLOPs, saved bytes, ...
 
-One forward pass runs with every parameter, buffer and input replaced by a meta tensor of the
-same shape and dtype (the model itself is not touched, and may itself live on ``meta``):
+One forward pass runs with every parameter replaced by a meta tensor of the same shape and
+dtype (the model itself is not touched, and may itself live on ``meta``). The inputs and
+buffers stay real, and so does what the forward computes from them alone (masks, positions,
+padding checks that read values); whatever a parameter touches is meta, so no weight or
+activation is allocated. Where the forward reads a meta value (``.item()``, ``nonzero``, as
+MoE routing does) it gets "true" everywhere: that steers a branch, never a shape that
+depends only on the inputs.
   * FLOPs are counted from the aten ops that run (mm, addmm, bmm, baddbmm, convolution and
     fused attention kernels; a multiply-add is 2 FLOPs), attributed to every module on the
     call stack. Matrix products of two activations (Q K^T, A V) are also counted as the
     attention part, which selective recomputation redoes (Korthikanti et al. 2022).
   * Activation bytes are the tensors autograd saves for backward (``saved_tensors_hooks``),
     parameters excluded, each tensor once.
-  * Blocks are the entries of the largest ``nn.ModuleList`` (the rule the runtime cuts
+  * Blocks are the entries of the ``nn.ModuleList`` holding the most parameters (the rule the runtime cuts
     pipelines and shards by: ``blocks_of``). Layers of the graph are the blocks and the other
     top-level modules around them, in the order they first run.
   * Tensor-parallel structure comes from the same name-based default plan the runtime
@@ -33,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import planner as _planner
 from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
-from .tensor_parallel_modules import (Colwise, Replicate, Rowwise, head_counts,
+from .tensor_parallel_modules import (Colwise, Replicate, Rowwise, head_counts, linear_dims,
                                       VocabEmbedding, VocabHead, default_plan, resolve_plan)
 
 
@@ -313,7 +318,8 @@ def _capture(model, example_input, recorder, tensors):
 
 def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtype=None):
     """Reads ``model`` run on ``example_input`` (a tensor, a tuple of positional inputs, or a
-    dict of keyword inputs; any device: they are replaced by meta tensors of the same shape)
+    dict of keyword inputs, e.g. a Hugging Face batch; read as CPU tensors, and an input on
+    meta as zeros of its shape)
     into a ``ModelInfo`` whose ``graph`` the planner plans. ``dtype`` (e.g. "bf16"): the dtype
     the plan trains in (default: the parameters' dtype). ``tp_plan`` overrides the name-based
     tensor-parallel structure as in ``tensor_parallel``."""
@@ -438,8 +444,8 @@ def _hidden_size(model, plan):
             return m.embedding_dim
     for name, style in plan.items():
         m = model.get_submodule(name)
-        if isinstance(style, Colwise) and isinstance(m, nn.Linear):
-            return m.in_features
+        if isinstance(style, Colwise) and linear_dims(m) is not None:
+            return linear_dims(m)[0]
     return 0
 
 
@@ -465,7 +471,7 @@ def _tp_of(model, lname, plan):
     vocab = [model.get_submodule(n) for n, s in inside.items() if isinstance(s, (VocabEmbedding, VocabHead))]
     if vocab and not (col and row):
         m = vocab[0]
-        dims.vocab = m.num_embeddings if isinstance(m, nn.Embedding) else m.out_features
+        dims.vocab = m.num_embeddings if isinstance(m, nn.Embedding) else linear_dims(m)[1]
         return _planner.TpPattern.vocab, dims
     if not col or not row:
         return _planner.TpPattern.replicated, dims
@@ -477,7 +483,7 @@ def _tp_of(model, lname, plan):
     dims.kv_heads = kv_heads or heads
     # The MLP's inner width: the widest input of a row-parallel linear (the attention
     # output projection takes heads x head_dim, the MLP's down projection takes ffn).
-    widths = [model.get_submodule(n).in_features for n in row if isinstance(model.get_submodule(n), nn.Linear)]
+    widths = [linear_dims(model.get_submodule(n))[0] for n in row if linear_dims(model.get_submodule(n)) is not None]
     dims.ffn = max(widths) if widths else 0
     has_attention = heads > 0 or any(_looks_like_attention(n) for n in col)
     has_mlp = len(widths) > (1 if has_attention else 0)

@@ -522,7 +522,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     ``recompute="full"`` re-runs each block's forward in its backward, ``"selective"`` only its
     attention core (torch_monarch.recompute).
 
-    ``units``: the blocks a pipeline is cut between (default: the largest ModuleList);
+    ``units``: the blocks a pipeline is cut between (default: the ModuleList holding the most parameters);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
     ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
     A model holding an ``EmbeddingBagCollection`` (recommendation models) has its tables

@@ -61,6 +61,28 @@ HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attenti
 KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
 
 
+# Attributes holding the width of one part of a column-split projection (GPT-2's attention
+# splits its fused q|k|v output into parts of ``split_size``): divided by tp with the heads.
+WIDTH_ATTRIBUTES = ("split_size",)
+
+
+def linear_dims(module):
+    """(in_features, out_features) of a linear map tp can split: an ``nn.Linear`` (weight
+    out x in), or a module keeping its weight transposed (in x out) as Hugging Face's
+    ``Conv1D`` does (GPT-2: ``nf`` outputs, ``y = x @ W + b``); None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if _transposed_linear(module):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def _transposed_linear(module):
+    w = getattr(module, "weight", None)
+    return (isinstance(w, nn.Parameter) and w.dim() == 2 and getattr(module, "nf", None) == w.shape[1]
+            and type(module).__name__ == "Conv1D")
+
+
 def _count(obj, attributes):
     for attr in attributes:
         v = getattr(obj, attr, None)
@@ -119,7 +141,7 @@ def default_plan(model: nn.Module):
             plan[name] = annotated
         elif isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
             plan[name] = VocabEmbedding()
-        elif isinstance(module, nn.Linear):
+        elif linear_dims(module) is not None:
             parent = name.rsplit(".", 2)[-2].lower() if name.count(".") >= 1 else ""
             # Names first: a projection whose width happens to equal the vocabulary (q|k|v of
             # a small model) is still a projection.
@@ -131,7 +153,7 @@ def default_plan(model: nn.Module):
                 plan[name] = Colwise()
             elif leaf in _ROWWISE:
                 plan[name] = Rowwise()
-            elif vocab is not None and module.out_features == vocab:
+            elif vocab is not None and linear_dims(module)[1] == vocab:
                 # A model computing its own loss (Hugging Face's ``labels=``) reads whole
                 # logits: the split head gathers them. Otherwise they stay split for
                 # vocab_parallel_cross_entropy.
@@ -172,14 +194,14 @@ def _sequential_mlps(model, plan):
         children = list(module.named_children())
         base = prefix_of[id(module)]
         for i, (first_name, first) in enumerate(children):
-            if not isinstance(first, nn.Linear):
+            if linear_dims(first) is None:
                 continue
             for second_name, second in children[i + 1:]:
-                if isinstance(second, nn.Linear):
+                if linear_dims(second) is not None:
                     names = [f"{base}.{first_name}" if base else first_name,
                              f"{base}.{second_name}" if base else second_name]
-                    if second.in_features == first.out_features and first.out_features > first.in_features \
-                            and not any(n in plan for n in names):
+                    (a_in, a_out), (b_in, _) = linear_dims(first), linear_dims(second)
+                    if b_in == a_out and a_out > a_in and not any(n in plan for n in names):
                         plan[names[0]], plan[names[1]] = Colwise(), Rowwise()
                     break
                 if any(True for _ in second.parameters()):
@@ -188,6 +210,13 @@ def _sequential_mlps(model, plan):
 
 # ---------------------------------------------------------------------------------------
 # Modules
+
+def _linear(x, weight, bias, transposed):
+    if not transposed:
+        return F.linear(x, weight, bias)
+    y = torch.matmul(x, weight)
+    return y if bias is None else y + bias
+
 
 def _as_parameter(t):
     return t if t is None or isinstance(t, nn.Parameter) else nn.Parameter(t)
@@ -200,7 +229,7 @@ class ColumnParallelLinear(nn.Module):
     ``sequence_dim``."""
 
     def __init__(self, weight, bias, group, gather_output=False, sequence_parallel=False, sequence_dim=1,
-                 fused_parts=1):
+                 fused_parts=1, transposed=False):
         super().__init__()
         self.weight = _as_parameter(weight)
         self.bias = _as_parameter(bias)
@@ -209,26 +238,29 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.fused_parts = fused_parts
+        self.transposed = transposed  # weight kept in x out (HF Conv1D), so state dicts keep its shape
 
     @classmethod
     def from_linear(cls, linear, group, fused_parts=1, gather_output=False, sequence_parallel=False,
                     sequence_dim=1, name="linear", shared=None):
-        weight = _shard_param(linear.weight, 0, group, fused_parts, name, shared)
+        transposed = _transposed_linear(linear)
+        weight = _shard_param(linear.weight, 1 if transposed else 0, group, fused_parts, name, shared)
         bias = None if linear.bias is None else _shard_param(linear.bias, 0, group, fused_parts, name, shared)
-        return cls(weight, bias, group, gather_output, sequence_parallel, sequence_dim, fused_parts)
+        return cls(weight, bias, group, gather_output, sequence_parallel, sequence_dim, fused_parts, transposed)
 
     def forward(self, x):
         if self.sequence_parallel:
             x = _runtime.tp_sequence_gather(x, self.group, self.sequence_dim)
         else:
             x = _runtime.tp_copy_to_group(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight, self.bias, self.transposed)
         if self.gather_output:
             y = _runtime.tp_gather_from_group(y.contiguous(), self.group, -1)
         return y
 
     def extra_repr(self):
-        return (f"in={self.weight.shape[1]}, out_shard={self.weight.shape[0]}, tp={self.group.size}, "
+        i, o = (0, 1) if self.transposed else (1, 0)
+        return (f"in={self.weight.shape[i]}, out_shard={self.weight.shape[o]}, tp={self.group.size}, "
                 f"fused_parts={self.fused_parts}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -237,22 +269,24 @@ class RowParallelLinear(nn.Module):
     """y = x A^T + b with A's columns (input features) split; the input arrives split (the
     output of a column-parallel layer). The bias is added once, after the reduction."""
 
-    def __init__(self, weight, bias, group, sequence_parallel=False, sequence_dim=1):
+    def __init__(self, weight, bias, group, sequence_parallel=False, sequence_dim=1, transposed=False):
         super().__init__()
         self.weight = _as_parameter(weight)
         self.bias = _as_parameter(bias)
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
+        self.transposed = transposed  # weight kept in x out (HF Conv1D)
 
     @classmethod
     def from_linear(cls, linear, group, sequence_parallel=False, sequence_dim=1, name="linear", shared=None):
-        weight = _shard_param(linear.weight, 1, group, 1, name, shared)
+        transposed = _transposed_linear(linear)
+        weight = _shard_param(linear.weight, 0 if transposed else 1, group, 1, name, shared)
         bias = None if linear.bias is None else linear.bias
-        return cls(weight, bias, group, sequence_parallel, sequence_dim)
+        return cls(weight, bias, group, sequence_parallel, sequence_dim, transposed)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, None, self.transposed)
         if self.sequence_parallel:
             y = _runtime.tp_sequence_reduce_scatter(y.contiguous(), self.group, self.sequence_dim)
         else:
@@ -265,7 +299,8 @@ class RowParallelLinear(nn.Module):
         return y
 
     def extra_repr(self):
-        return (f"in_shard={self.weight.shape[1]}, out={self.weight.shape[0]}, tp={self.group.size}, "
+        i, o = (0, 1) if self.transposed else (1, 0)
+        return (f"in_shard={self.weight.shape[i]}, out={self.weight.shape[o]}, tp={self.group.size}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -366,6 +401,13 @@ def _head_count_attributes(model, plan, tp):
                     raise ValueError(f"tensor parallel: tp={tp} does not divide {attr}={count} of module "
                                      f"'{parent_name or '<root>'}' (legal tp: {_divisors(count)})")
                 found.append((parent, attr, count))
+        for attr in WIDTH_ATTRIBUTES:
+            width = getattr(parent, attr, None)
+            if isinstance(width, int) and not isinstance(width, bool):
+                if width % tp != 0:
+                    raise ValueError(f"tensor parallel: tp={tp} does not divide {attr}={width} of module "
+                                     f"'{parent_name or '<root>'}'")
+                found.append((parent, attr, width))
         # Counts the module reads from its config (shared by every layer: checked, not changed).
         heads, kv = head_counts(parent)
         for what, count in (("heads", heads), ("key/value heads", kv)):
@@ -391,8 +433,8 @@ def resolve_plan(model: nn.Module, plan=None, keep_replicate=False):
 
 
 def _describe_module(name, module):
-    if isinstance(module, nn.Linear):
-        return f"'{name}' (Linear {module.in_features}->{module.out_features})"
+    if linear_dims(module) is not None:
+        return f"'{name}' ({type(module).__name__} {linear_dims(module)[0]}->{linear_dims(module)[1]})"
     if isinstance(module, nn.Embedding):
         return f"'{name}' (Embedding {module.num_embeddings}x{module.embedding_dim})"
     return f"'{name}' ({type(module).__name__})"
@@ -418,7 +460,7 @@ def _check_coverage(model, plan, tp, units):
                          f"to replicate the model, use tp=1.")
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(u)] + "." for u in units if id(u) in names and names[id(u)]]
-    in_blocks = [n for n, m in modules if isinstance(m, nn.Linear) and any(n.startswith(p) for p in prefixes)]
+    in_blocks = [n for n, m in modules if linear_dims(m) is not None and any(n.startswith(p) for p in prefixes)]
     projections = {n for n, s in plan.items() if isinstance(s, (Colwise, Rowwise))}
     if in_blocks and not any(any(n.startswith(p) for p in prefixes) for n in projections):
         raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of the linear layers in "
@@ -428,9 +470,10 @@ def _check_coverage(model, plan, tp, units):
     split_vocab = {model.get_submodule(n).num_embeddings for n, s in plan.items() if isinstance(s, VocabEmbedding)}
     for name, module in modules:
         outside_blocks = not any(name.startswith(p) for p in prefixes)  # where output heads live
-        if isinstance(module, nn.Linear) and module.out_features in split_vocab and name not in plan and outside_blocks:
+        if linear_dims(module) is not None and linear_dims(module)[1] in split_vocab and name not in plan \
+                and outside_blocks:
             raise ValueError(f"tensor parallel: {_describe_module(name, module)} produces the vocabulary "
-                             f"({module.out_features}, as the split embedding) but is not split: its logits would "
+                             f"({linear_dims(module)[1]}, as the split embedding) but is not split: its logits would "
                              f"be whole on every tp rank, wrong for vocab_parallel_cross_entropy. Mark it "
                              f"VocabHead() in plan= (or Replicate() to keep it whole and use a plain loss). "
                              f"Modules seen: {seen}.")
@@ -448,7 +491,7 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
 
     ``sequence_parallel``: activations outside the attention / MLP cores (norms, residuals,
     dropout) are split along ``sequence_dim``; the sequence is split at the input of the
-    first of ``units`` (the blocks; default: the entries of the largest ModuleList);
+    first of ``units`` (the blocks; default: the entries of the ModuleList holding the most parameters);
     column-parallel layers all-gather it and row-parallel ones reduce-scatter. Gradients of
     replicated parameters used on sequence shards (in the blocks and after them: norms and
     anything tp did not split) are summed over tp.
@@ -479,16 +522,18 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
                 raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, VocabEmbedding needs nn.Embedding")
             new = VocabParallelEmbedding.from_embedding(module, group, name=name, shared=shared)
         elif isinstance(style, (Colwise, VocabHead)):
-            if not isinstance(module, nn.Linear):
-                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, {type(style).__name__} needs nn.Linear")
+            if linear_dims(module) is None:
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, {type(style).__name__} needs "
+                                 "nn.Linear (or a transposed linear such as HF's Conv1D)")
             parts = style.fused_parts if isinstance(style, Colwise) else 1
             new = ColumnParallelLinear.from_linear(module, group, fused_parts=parts,
                                                    gather_output=style.gather_output,
                                                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                                                    name=name, shared=shared)
         elif isinstance(style, Rowwise):
-            if not isinstance(module, nn.Linear):
-                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, Rowwise needs nn.Linear")
+            if linear_dims(module) is None:
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, Rowwise needs nn.Linear "
+                                 "(or a transposed linear such as HF's Conv1D)")
             new = RowParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel,
                                                 sequence_dim=sequence_dim, name=name, shared=shared)
         else:
@@ -528,11 +573,14 @@ def _per_head_norms(model, plan, tp):
     for parent_name in sorted({n.rpartition(".")[0] for n, s in plan.items() if isinstance(s, Colwise)}):
         parent = model.get_submodule(parent_name) if parent_name else model
         heads, kv = head_counts(parent)
-        split = {model.get_submodule(n).out_features: n for n, s in plan.items()
-                 if isinstance(s, Colwise) and n.rpartition(".")[0] == parent_name}
-        head_dims = {width // count for width in split for count in (heads, kv) if count and width % count == 0}
+        linears = {n: linear_dims(model.get_submodule(n)) for n, s in plan.items()
+                   if isinstance(s, Colwise) and n.rpartition(".")[0] == parent_name}
+        split = {dims[1]: n for n, dims in linears.items() if dims}
+        inputs = {dims[0] for dims in linears.values() if dims}  # a norm this wide runs on the whole input
+        head_dims = {width // count for width in split for count in (heads, kv)
+                     if count and width % count == 0} - inputs
         for child_name, child in parent.named_children():
-            if isinstance(child, _TP_MODULES) or isinstance(child, nn.Linear):
+            if isinstance(child, _TP_MODULES) or linear_dims(child) is not None:
                 continue
             sizes = {p.shape[-1] for p in child.parameters(recurse=False) if p.dim() >= 1}
             if not sizes:

@@ -242,3 +242,75 @@ def test_plans_count_the_runtimes_fp32_zero_gradients():
     params = info.graph.total_params()  # a tied weight once
     assert p.prediction.memory.grads == pytest.approx(4 * params / 4)
     assert planner.loads(planner.dumps(p)).training.zero_grad_bytes == 4
+
+
+class _PlainAttention(torch.nn.Module):
+    """What users write: grouped K/V heads by repeat_interleave, a causal mask from
+    torch.ones and positions from torch.arange, no device named anywhere."""
+
+    def __init__(self, hidden=64, heads=8, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = torch.nn.Linear(hidden, hidden)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.o_proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (p(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+                .repeat_interleave(self.heads // self.kv_heads, dim=1) for p in (self.k_proj, self.v_proj))
+        causal = torch.ones(t, t).tril().bool()
+        scores = (q @ k.transpose(-1, -2) / self.head_dim ** 0.5).masked_fill(~causal, float("-inf"))
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h))
+
+
+class _PlainBlock(torch.nn.Module):
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.attn = _PlainAttention(hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _PlainLM(torch.nn.Module):
+    def __init__(self, vocab=100, hidden=64, layers=2, max_seq=32):
+        super().__init__()
+        self.max_seq = max_seq
+        self.tokens, self.positions = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(max_seq, hidden)
+        self.blocks = torch.nn.ModuleList(_PlainBlock(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        assert ids.shape[1] <= self.max_seq, "sequence longer than the position table"
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_tensors_made_in_forward_without_a_device_are_read_and_planned():
+    """The pattern that failed ("found at least two devices, meta and cpu", then
+    "cannot repeat_interleave a meta tensor without output_size"): read on meta, the blocks'
+    attention (grouped K/V) and their Sequential MLP recognised for tp; planned with tp=2. Its
+    shape assert stops torch.fx, so pipelines are not offered, and pinning pp names the line."""
+    model = _PlainLM()
+    ids = torch.randint(0, 100, (4, 16))
+    info = read_model(model, ids)
+    blocks = [layer for layer in info.graph.layers if layer.name in info.blocks]
+    assert len(blocks) == 2 and all(str(b.tp).endswith("block") for b in blocks)
+    assert (blocks[0].tp_dims.heads, blocks[0].tp_dims.kv_heads, blocks[0].tp_dims.ffn) == (8, 2, 256)
+    assert blocks[0].forward_flops_per_sample > 0
+    cluster = planner.cluster("cpu", 4)
+    plan = torch_monarch.plan(model, ids, 8, cluster, tp=2)
+    assert plan.mesh.tp == 2 and plan.mesh.pp == 1
+    with pytest.raises(ValueError, match=r"pp=2 is pinned, but _PlainLM cannot be cut into pipeline stages: "
+                                         r"torch.fx could not trace _PlainLM.forward: TraceError: .* at .*"
+                                         r"test_graph.py:\d+ \(assert ids.shape\[1\] <= self.max_seq"):
+        torch_monarch.plan(model, ids, 8, cluster, pp=2)

@@ -75,6 +75,7 @@ PINNED = {
     "bert@tp2": {"tp": 2},
     "t5@zero3": {"dp": 4, "zero_stage": 3},
     "qwen3@tp2": {"tp": 2},
+    "gpt2@tp2": {"tp": 2},
 }
 
 
