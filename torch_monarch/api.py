@@ -100,7 +100,13 @@ def _cut_problem(model, info, pins, who):
     it has no blocks to cut between): it is then planned without pipelines, and a pinned
     ``pp`` > 1 is refused with the reason."""
     from .pipeline import trace_problem
+    from .pipeline_hooks import cut_problem
+    from .sharded import _default_units
     problem = trace_problem(model) if len(info.blocks) > 1 else None
+    if problem is not None:
+        # Where torch.fx cannot trace the forward, stages are cut by module hooks instead.
+        hooks = cut_problem(model, _default_units(model), info)
+        problem = None if hooks is None else f"{problem}; and cutting by module hooks: {hooks}"
     if problem is not None and (pins.get("pp") or 1) > 1:
         raise ValueError(f"{who}: pp={pins['pp']} is pinned, but {type(model).__name__} cannot be cut into "
                          f"pipeline stages: {problem}")

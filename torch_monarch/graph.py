@@ -53,6 +53,14 @@ class ModuleRecord:
     saved_bytes: float = 0.0        # saved for backward, parameters excluded
     output_shapes: list = field(default_factory=list)
     order: int = -1                 # when it first ran (-1: never ran)
+    output_spec: object = None      # pytree structure of its first output (pipeline_hooks rebuilds it)
+    output_constants: dict = field(default_factory=dict)  # that output's non-tensor leaves, by position
+    output_leaves: list = field(default_factory=list)     # that output's tensors: (shape, dtype), in order
+    input_shape: tuple = None       # shape of its first tensor input
+    # Ids of the tensors it took (blocks: every argument) and gave, in its first run: which
+    # module feeds which block (pipeline_hooks checks that only the chain crosses stages).
+    input_ids: set = field(default_factory=set)
+    output_ids: set = field(default_factory=set)
 
 
 @dataclass
@@ -122,6 +130,7 @@ class _Recorder:
         self.order = 0
         self.seen_saved = {}
         self.saved_by = []  # (tensor, stack snapshot) for later classification
+        self.alive = []     # tensors whose ids the records keep (held so no id is reused)
         self.core = {}      # id -> tensor: attention-core outputs (selective.makes_core), this block
         self.saved_core = set()  # ids of saved tensors that are attention-core tensors
         self.weight_ids = set()
@@ -275,7 +284,7 @@ def _capture(model, example_input, recorder, tensors):
         (tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)), {})
     handles = []
 
-    def pre(module, _inputs):
+    def pre(module, _inputs, _kwargs):
         name = recorder.names.get(id(module))
         if name is None:
             return
@@ -286,6 +295,8 @@ def _capture(model, example_input, recorder, tensors):
         if r.order < 0:
             r.order = recorder.order
             recorder.order += 1
+            first = _first_tensor((_inputs, _kwargs))  # keyword inputs too (HF calls by keyword)
+            r.input_shape = tuple(first.shape) if first is not None else None
 
     def post(module, _inputs, output):
         name = recorder.names.get(id(module))
@@ -294,12 +305,27 @@ def _capture(model, example_input, recorder, tensors):
         r = recorder.records[name]
         if not r.output_shapes:
             r.output_shapes = _shapes(output)
+        if r.output_spec is None:
+            flat, r.output_spec = tree_flatten(output)
+            r.output_constants = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+            r.output_leaves = [(tuple(v.shape), v.dtype) for v in flat if isinstance(v, torch.Tensor)]
+            r.output_ids = {id(v) for v in flat if isinstance(v, torch.Tensor)}
+            recorder.alive.extend(v for v in flat if isinstance(v, torch.Tensor))  # ids stay theirs
         if recorder.stack and recorder.stack[-1] == name:
             recorder.stack.pop()
 
+    def block_inputs(module, args, kwargs):
+        r = recorder.records[recorder.names[id(module)]]
+        if not r.input_ids:
+            inputs = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+            r.input_ids = {id(v) for v in inputs}
+            recorder.alive.extend(inputs)
+
     for module in model.modules():
-        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
+        if recorder.names.get(id(module)) in recorder.blocks:
+            handles.append(module.register_forward_pre_hook(block_inputs, with_kwargs=True))
     was_training = model.training
     model.train()  # what training saves for backward (dropout masks included)
     try:

@@ -54,7 +54,8 @@ class ParallelModel(nn.Module):
     ``monarch::parallelize`` uses) does the rest: micro-batch loop or pipeline schedule,
     replica and tied-weight sync, the global mean loss, whole-model state dicts."""
 
-    def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None):
+    def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None,
+                 info=None):
         super().__init__()
         self.mesh = mesh
         self.layout = layout
@@ -102,8 +103,22 @@ class ParallelModel(nn.Module):
                            for n, p in mod._parameters.items() if p is not None and id(p) in first}
         pp_rank = mesh.coordinate("pp")
         self._local = list(layout.stages_of(pp_rank))  # the engine's rule (checked against the schedule)
+        self._hook_stages = False
         if self.pp > 1:
-            stages = split_model(model, layout.num_stages, units, list(layout.block_stage))
+            from .pipeline import trace_problem
+            problem = trace_problem(model, units)
+            if problem is None:
+                stages = split_model(model, layout.num_stages, units, list(layout.block_stage))
+            else:
+                # A forward torch.fx cannot trace (Hugging Face models): cut by module hooks,
+                # which needs the model as read on an example batch.
+                if info is None:
+                    raise ValueError(f"parallelize: pp={self.pp} needs the stages cut: {problem}; the hook-based "
+                                     "cut needs example_input= (the model as read on an example batch)")
+                from .pipeline_hooks import release_other_stages, split_by_hooks
+                stages = split_by_hooks(model, layout.num_stages, units, list(layout.block_stage), info)
+                release_other_stages(stages, self._local)
+                self._hook_stages = True
             self.num_stages = len(stages)
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
@@ -364,11 +379,16 @@ class ParallelModel(nn.Module):
             def loss(mb, _):
                 return loss_of(mb, outputs.pop(mb))
         else:
+            last = self.num_stages - 1
+
             def forward(stage, mb, received):
-                return self._run_stage(stage, mb, received, xs)
+                out = self._run_stage(stage, mb, received, xs)
+                if stage == last and self._hook_stages:
+                    return [loss_of(mb, out)]  # the model's output is whatever it returns: its loss crosses
+                return out
 
             def loss(mb, out):
-                return loss_of(mb, out[0])
+                return out[0] if self._hook_stages else loss_of(mb, out[0])
         try:
             return self._composition.train_step(forward, loss, samples=local)
         finally:
@@ -385,24 +405,33 @@ class ParallelModel(nn.Module):
         """Forward only (inference) through the pipeline; returns the model's outputs for
         the whole local batch on ranks of the last stage, None elsewhere."""
         if self.pp == 1:
-            return self.stages[0](*_as_tuple(inputs))
+            return _call(self.stages[0], inputs)
         xs = _split(inputs, self.micro_batches, "inputs")
         outputs = {}
 
         def forward(stage, mb, received):
             out = self._run_stage(stage, mb, received, xs)
             if stage == self.num_stages - 1:
-                outputs[mb] = out[0]
+                outputs[mb] = out if self._hook_stages else out[0]
+                if self._hook_stages:
+                    return []
             return out
 
         self._composition.predict(forward)
         if not outputs:
             return None
+        if not all(isinstance(outputs[k], torch.Tensor) for k in outputs):
+            return [outputs[k] for k in sorted(outputs)]  # the model's own outputs, per micro-batch
         return torch.cat([outputs[k] for k in sorted(outputs)], 0)
 
     def _run_stage(self, stage, mb, received, xs):
         module = self._wrapped[stage]
-        out = module(*_as_tuple(xs[mb])) if stage == 0 else module(*received)
+        if self._hook_stages:  # every stage runs the model's forward on the micro-batch's inputs
+            out = module(*received, _monarch_inputs=xs[mb])
+            if stage == self.num_stages - 1:
+                return out  # the model's output (a loss is taken from it here)
+        else:
+            out = _call(module, xs[mb]) if stage == 0 else module(*received)
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         for i, t in enumerate(out):
             if not isinstance(t, torch.Tensor):
@@ -631,7 +660,10 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             raise ValueError(f"parallelize: {e}") from None
     else:
         mixed = None
+    if info is None and example_input is not None and layout.mesh.pp > 1:
+        from .graph import read_model
+        info = read_model(model, example_input, tp_plan=tp_plan)
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
-                           init_fn=init_fn, mixed_precision=mixed)
+                           init_fn=init_fn, mixed_precision=mixed, info=info)
     result.plan = plan  # None when laid out by hand
     return result

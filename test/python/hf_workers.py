@@ -82,6 +82,8 @@ def main(scenario):
         try:
             results[key] = train(name, pins, rank)
         except Exception as e:  # noqa: BLE001 - every architecture is reported, the test asserts
+            import traceback
+            traceback.print_exc()  # every rank's, in its log (rank 0's error is the one reported)
             results[key] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
         torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], "rank0.pt"))

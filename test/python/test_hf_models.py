@@ -42,6 +42,16 @@ def test_tensor_parallelism_a_model_cannot_take_is_refused_by_name():
         api.plan(model, batch("gemma", 2), 8, planner.cluster("cpu", 4), tp=2)
 
 
+def test_encoder_decoder_pipelines_are_refused_by_name():
+    """T5's encoder (weights, before the decoder's blocks) feeds every decoder block: the hook
+    cut, which sends only the blocks' chain between stages, cannot cut it, and says so."""
+    from torch_monarch import api, planner
+    with pytest.raises(ValueError, match=r"pp=2 is pinned, but T5ForConditionalGeneration cannot be cut .* "
+                                         r"'encoder' \(before the blocks, with weights\) feeds block "
+                                         r"'decoder.block.1' directly"):
+        api.plan(build("t5"), batch("t5", 2), 8, planner.cluster("cpu", 4), pp=2)
+
+
 def test_every_architecture_is_read_and_planned():
     """One process: each model is read (its forward runs on meta parameters with the real
     padded batch: HF's mask checks read the attention mask's values) and planned for 4 CPU
@@ -76,6 +86,12 @@ PINNED = {
     "t5@zero3": {"dp": 4, "zero_stage": 3},
     "qwen3@tp2": {"tp": 2},
     "gpt2@tp2": {"tp": 2},
+    # Pipelines: HF forwards do not trace under torch.fx; stages are cut by module hooks.
+    "llama@pp2": {"pp": 2},
+    "gpt2@pp2": {"pp": 2},  # the embedding tied to the head across the two stages
+    "qwen2@pp2_tp2": {"pp": 2, "tp": 2},
+    "bert@pp2_zero3": {"pp": 2, "zero_stage": 3},
+    "mixtral@pp2": {"pp": 2},
 }
 
 
