@@ -126,23 +126,30 @@ class Engine:
         self.times, self.link_bytes, self.losses = [], [], []
 
     def step(self, step, rank, world, local_rank):
-        tokens = batch(step, rank, world)
-        dist.barrier()
-        before = eth0_tx_bytes() if local_rank == 0 else 0
-        t0 = time.perf_counter()
-        self.opt.zero_grad()
-        logits = self.wrapped(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        self.opt.step()
-        elapsed = time.perf_counter() - t0
-        dist.barrier()
-        sent = eth0_tx_bytes() - before if local_rank == 0 else 0
-        stats = torch.tensor([float(loss), float(sent)], dtype=torch.float64)
-        dist.all_reduce(stats)
+        elapsed, sent, loss = measured_step(self.wrapped, self.opt, batch(step, rank, world), VOCAB, world,
+                                            local_rank)
         self.times.append(elapsed)
-        self.link_bytes.append(stats[1].item())
-        self.losses.append(stats[0].item() / world)
+        self.link_bytes.append(sent)
+        self.losses.append(loss)
+
+
+def measured_step(wrapped, opt, tokens, vocab, world, local_rank):
+    """One training step between barriers: (its seconds, the bytes it put on the links between
+    nodes, summed over the nodes' eth0 counters, the global mean loss)."""
+    dist.barrier()
+    before = eth0_tx_bytes() if local_rank == 0 else 0
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    logits = wrapped(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    elapsed = time.perf_counter() - t0
+    dist.barrier()
+    sent = eth0_tx_bytes() - before if local_rank == 0 else 0
+    stats = torch.tensor([loss.item(), float(sent)], dtype=torch.float64)
+    dist.all_reduce(stats)
+    return elapsed, stats[1].item(), stats[0].item() / world
 
 
 def predict(links, compute_s, backward_s, grads_bytes, bucket_bytes):

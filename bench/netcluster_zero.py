@@ -29,15 +29,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from netcluster_dp import GPT, batch, eth0_tx_bytes, run_bench  # noqa: E402  (the same model, data, launch)
+from netcluster_dp import GPT, batch, measured_step, run_bench  # noqa: E402  (the same model, data, launch)
 
 HIDDEN, HEADS, LAYERS, SEQ, VOCAB, BATCH_PER_RANK = 256, 8, 4, 64, 8192, 4
 NODES, RANKS_PER_NODE = 2, 2
@@ -76,23 +74,11 @@ class Engine:
         self.times, self.link_bytes, self.losses = [], [], []
 
     def step(self, step, rank, world, local_rank):
-        tokens = tokens_for(step, rank, world)
-        dist.barrier()
-        before = eth0_tx_bytes() if local_rank == 0 else 0
-        t0 = time.perf_counter()
-        self.opt.zero_grad()
-        logits = self.wrapped(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        self.opt.step()
-        elapsed = time.perf_counter() - t0
-        dist.barrier()
-        sent = eth0_tx_bytes() - before if local_rank == 0 else 0
-        stats = torch.tensor([loss.item(), float(sent)], dtype=torch.float64)
-        dist.all_reduce(stats)
+        elapsed, sent, loss = measured_step(self.wrapped, self.opt, tokens_for(step, rank, world), VOCAB, world,
+                                            local_rank)
         self.times.append(elapsed)
-        self.link_bytes.append(stats[1].item())
-        self.losses.append(stats[0].item() / world)
+        self.link_bytes.append(sent)
+        self.losses.append(loss)
 
 
 def worker(args):
