@@ -119,6 +119,11 @@ def main():
         torch.save({k: v.detach().clone() for k, v in state.items()}, os.path.join(args.out, "state.pt"))
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump({"losses": losses, "global_step": trainer.global_step}, f)
+    # Lightning leaves its Gloo process group to interpreter exit, where tearing it down has
+    # aborted a DDPStrategy job once in CI ("terminate called without an active exception"
+    # after fit had ended): shut it down here, on every rank.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
