@@ -94,11 +94,17 @@ class MonarchStrategy(DDPStrategy):
         # Saved by torch_monarch.checkpoint beside the file (each rank's part), not in it.
         return {} if self.parallel_model is not None else super().optimizer_state(optimizer)
 
+    def _optimizer(self):
+        if len(self.optimizers) > 1:
+            raise ValueError(f"MonarchStrategy: the module configures {len(self.optimizers)} optimizers; "
+                             "torch_monarch.checkpoint saves and loads one with the model")
+        return self.optimizers[0] if self.optimizers else None
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
         from . import checkpoint as monarch_checkpoint
         if self.parallel_model is not None:
-            monarch_checkpoint.save(self.parallel_model, self.optimizers[0] if self.optimizers else None,
-                                    _monarch_dir(filepath), step=int(checkpoint.get("global_step", 0)))
+            monarch_checkpoint.save(self.parallel_model, self._optimizer(), _monarch_dir(filepath),
+                                    step=int(checkpoint.get("global_step", 0)))
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_optimizer_state_dict(self, checkpoint):
@@ -108,8 +114,7 @@ class MonarchStrategy(DDPStrategy):
         path = getattr(self, "_resume_path", None)
         if self.parallel_model is None or path is None or not os.path.isdir(_monarch_dir(path)):
             return super().load_optimizer_state_dict(checkpoint)
-        monarch_checkpoint.load(self.parallel_model, self.optimizers[0] if self.optimizers else None,
-                                _monarch_dir(path))
+        monarch_checkpoint.load(self.parallel_model, self._optimizer(), _monarch_dir(path))
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         self._resume_path = os.fspath(checkpoint_path)
