@@ -76,6 +76,7 @@ bench: build python
 	$(VENV)/bin/python bench/checkpoint.py --out bench/results/checkpoint.json
 	$(VENV)/bin/python bench/peers.py --out bench/results/peers.json
 	$(VENV)/bin/python bench/memory_prediction.py --out bench/results/memory_prediction.json
+	$(VENV)/bin/python bench/compile.py --out bench/results/compile.json
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp' '*.cu')

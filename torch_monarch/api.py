@@ -35,7 +35,7 @@ def _pins(pins):
 
 
 def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, param_dtype=None,
-                     cut_problem=None):
+                     cut_problem=None, compiled=False):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
     recomputation (``full`` or ``selective``) only for models with blocks, sequence
     parallelism only when pinned, tensor parallelism only for models with split-able
@@ -45,7 +45,9 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, 
     engine keeps the gradients it accumulates and reduces, and the shards' reduced ones, in
     fp32 whatever the compute dtype: zero_grad_bytes = 4. Without ZeRO the gradients are the
     parameters' (``param_dtype``: the fp32 master weights under mixed precision,
-    torch_monarch.mixed_precision): master_grad_bytes is their element size."""
+    torch_monarch.mixed_precision): master_grad_bytes is their element size. ``compiled``
+    (blocks under torch.compile): neither the zero-bubble schedule nor selective
+    recomputation, which run eagerly inside the blocks (torch_monarch.compile)."""
     pins = pins or {}
     dtype = _planner._enum(_planner.DType, dtype, "dtype") if dtype is not None else info.graph.layers[0].param_dtype
     t = _planner.training(global_batch, compute_dtype=dtype)
@@ -58,14 +60,16 @@ def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, 
     t.allow_recompute = len(info.blocks) > 0
     t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.selective, _planner.Recompute.full]
     t.allow_sequence_parallel = bool(pins.get("sequence_parallel"))
-    # A model still on meta is materialized after the cut, which tensor parallelism cannot
-    # do yet (it splits real weights).
-    t.allow_tensor_parallel = not deferred and any(
+    # (A model still on meta is split by tp on meta; each rank materializes its shards.)
+    t.allow_tensor_parallel = any(
         str(layer.tp).split(".")[-1] != "replicated" for layer in info.graph.layers)
     # Pipelines need blocks and a forward the stage cut can trace (``cut_problem`` says why not).
     t.allow_pipeline_parallel = len(info.blocks) > 1 and cut_problem is None
     t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
                    _planner.ScheduleKind.zero_bubble_h1]
+    if compiled:
+        t.schedules = [k for k in t.schedules if k != _planner.ScheduleKind.zero_bubble_h1]
+        t.recompute_modes = [m for m in t.recompute_modes if m != _planner.Recompute.selective]
     return t
 
 
@@ -78,20 +82,21 @@ def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
 
 
 def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,
-         alternatives=5, profile=None, **pins):
+         alternatives=5, profile=None, compile=False, **pins):
     """Plans ``model`` (any ``nn.Module``, on any device including ``meta``) for
     ``global_batch`` samples per step on ``cluster`` (a planner Cluster, e.g.
     ``torch_monarch.planner.cluster("a100-80gb", 1024)``; default: this job's machine,
     ``cluster.detect()``). ``profile``: per-layer times measured on the machine
     (``torch_monarch.profile.measure``, a MeasuredProfile or its JSON path) instead of the
-    analytic model's. Returns a Plan."""
+    analytic model's. ``compile``: plan for blocks under torch.compile (parallelize's
+    ``compile=``). Returns a Plan."""
     pins = _pins(pins)
     info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
     if cluster is None:
         from .cluster import detect
         cluster = detect()
     training = runtime_training(info, global_batch, dtype, pins, param_dtype=_param_dtype(model),
-                                cut_problem=_cut_problem(model, info, pins, "plan"))
+                                cut_problem=_cut_problem(model, info, pins, "plan"), compiled=compile not in (None, False))
     return _planner.plan(graph, cluster, training, alternatives=alternatives, profile=profile, **pins)
 
 
@@ -276,8 +281,9 @@ def _broadcast_text(group, text, root=0):
 
 
 def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dtype=None, tp_plan=None,
-                 probe_links=True, profile=None, **pins):
-    """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective."""
+                 probe_links=True, profile=None, compile=None, **pins):
+    """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective.
+    ``compile``: the blocks will run compiled (torch_monarch.compile)."""
     from . import _runtime
     from .cluster import detect, probe
     from .deferred import is_deferred
@@ -285,9 +291,6 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     if "recompute" in pins:
         from .recompute import check_mode
         check_mode(pins["recompute"])
-    if deferred and (pins.get("tp") or 1) > 1:
-        raise ValueError(f"parallelize: tp={pins['tp']} is pinned but the model is on meta: deferred "
-                         "initialization does not support tensor parallelism yet")
     from .log import get as get_log, progress
     with progress("api", "reading the model on the meta device"):
         info, graph = model_graph(model, example_input, dtype=dtype, tp_plan=tp_plan)
@@ -306,7 +309,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     if world.rank == 0:
         try:
             training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param,
-                                        cut_problem=cut_problem)
+                                        cut_problem=cut_problem, compiled=compile is not None)
             with progress("api", "planning", layers=len(graph), devices=world.size):
                 p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
             get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)

@@ -37,10 +37,12 @@ def _untouched(t):
     return bool((t == torch.iinfo(t.dtype).min).any())
 
 
-def materialize(module: nn.Module, init_fn=None, skip=(), root=None):
+def materialize(module: nn.Module, init_fn=None, skip=(), root=None, buffers_only=False):
     """Materializes the meta tensors of ``module`` (not those inside the modules in ``skip``)
     and initializes them. ``root``: the module tree in which aliases of the same tensor are
-    rebound too (default ``module``). Returns the number of elements materialized."""
+    rebound too (default ``module``). ``buffers_only``: the buffers, parameters left on meta
+    (initializers run on the modules then see meta parameters, which they leave as they
+    are). Returns the number of elements materialized."""
     root = root if root is not None else module
     skipped = {id(m) for s in skip for m in s.modules()}
     replaced = {}
@@ -49,7 +51,7 @@ def materialize(module: nn.Module, init_fn=None, skip=(), root=None):
         if id(sub) in skipped:
             continue
         own = False
-        for kind in ("_parameters", "_buffers"):
+        for kind in ("_buffers",) if buffers_only else ("_parameters", "_buffers"):
             table = getattr(sub, kind)
             for key, t in list(table.items()):
                 if t is None or not t.is_meta:
@@ -72,7 +74,9 @@ def materialize(module: nn.Module, init_fn=None, skip=(), root=None):
             if hasattr(sub, "reset_parameters"):
                 sub.reset_parameters()
             if init_fn is not None:
-                init_fn(sub)
+                # A tensor-parallel module is shown to init_fn as the module it replaced,
+                # holding its shards (tensor_parallel_modules._init_proxy).
+                init_fn(sub.init_proxy() if hasattr(sub, "init_proxy") else sub)
     new_ids = {id(new) for _, new in replaced.values()}
     missed = []
     for name, sub in touched:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import _runtime, deferred
+from . import compile as _compile
 from . import recompute as _recompute
 from . import zero_bubble as _zero_bubble
 from . import planner as _planner
@@ -55,7 +56,7 @@ class ParallelModel(nn.Module):
     replica and tied-weight sync, the global mean loss, whole-model state dicts."""
 
     def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None,
-                 info=None):
+                 info=None, compile_options=None):
         super().__init__()
         self.mesh = mesh
         self.layout = layout
@@ -72,23 +73,34 @@ class ParallelModel(nn.Module):
         units = list(_default_units(model) if units is None else units)
         self.deferred = deferred.is_deferred(model)
         # ZeRO-3 materializes the blocks one at a time inside the engine (each rank keeps its
-        # slice); every other layout materializes this rank's stages whole, after the cut.
-        per_unit = self.deferred and self.dp > 1 and zero_stage == 3
-        if self.deferred and self.tp > 1:
-            raise ValueError("parallelize: deferred initialization (a model on meta) with tp > 1 is not supported "
-                             "yet: plan with tp=1 (parallelize does so for a meta model), or build the model "
-                             "on a device")
+        # slice); every other layout materializes this rank's stages whole, after the cut (and
+        # after tp split them: each rank materializes its shards only). With tp > 1 ZeRO-3's
+        # blocks are materialized with the stage too: the weights tp leaves whole must be real
+        # before the engine makes them equal across tp, which happens before ZeRO shards them.
+        per_unit = self.deferred and self.dp > 1 and zero_stage == 3 and self.tp == 1
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
                             sequence_dim=sequence_dim, units=units)
+        # Compiled blocks (compile.py): each block's own forward, after tp swapped its linears
+        # and before recomputation wraps it.
+        zero_bubble = self.pp > 1 and layout.schedule == _planner.ScheduleKind.zero_bubble_h1
+        _compile.check(compile_options, zero_bubble, _recompute.mode_name(layout.recompute))
+        if compile_options is not None:
+            if not units:
+                raise ValueError(f"parallelize: compile=True compiles each block, and {type(model).__name__} has none "
+                                 "(no ModuleList of blocks; pass units=[...])")
+            _compile.compile_blocks(model, units, compile_options)
+        self.compiled = compile_options is not None
         # Inside each block's module hooks (ZeRO's gather and free stay once per block).
         if _recompute.mode_name(layout.recompute) != "none" and not units:
             raise ValueError(f"parallelize: recompute={_recompute.mode_name(layout.recompute)} recomputes blocks, "
                              f"and {type(model).__name__} has none (no ModuleList of blocks; pass units=[...])")
         _recompute.apply(units, _recompute.mode_name(layout.recompute))
-        if self.pp > 1 and str(layout.schedule).split(".")[-1] == "zero_bubble_h1":
+        # How many linears wait for the zero-bubble schedule's W pass (0 under other schedules).
+        self.deferred_linears = 0
+        if zero_bubble:
             # B and W split one backward's work instead of W replaying it.
-            _zero_bubble.defer_weight_gradients(model)
+            self.deferred_linears = _zero_bubble.defer_weight_gradients(model)
         # Every name a parameter has (a tied weight has two), with how tp cut it.
         self._tp_specs = {f"{mname}.{pname}" if mname else pname: shard_spec(p)
                           for mname, mod in model.named_modules() for pname, p in mod._parameters.items()
@@ -119,6 +131,10 @@ class ParallelModel(nn.Module):
                 stages = split_by_hooks(model, layout.num_stages, units, list(layout.block_stage), info)
                 release_other_stages(stages, self._local)
                 self._hook_stages = True
+                if self.deferred:
+                    # Every stage runs the model's forward: buffers held by other stages' modules
+                    # (rotary tables, position ids) must be real on every rank (they are small).
+                    deferred.materialize(model, init_fn, buffers_only=True)
             self.num_stages = len(stages)
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
@@ -518,7 +534,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
-                embeddings=None, profile=None) -> ParallelModel:
+                embeddings=None, profile=None, compile=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
@@ -551,6 +567,10 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     ``recompute="full"`` re-runs each block's forward in its backward, ``"selective"`` only its
     attention core (torch_monarch.recompute).
 
+    ``compile=True`` (or a dict of ``torch.compile`` keywords) compiles each block's forward
+    inside the layout's wrappers (torch_monarch.compile): parity with eager, no graph break
+    from the runtime inside a block.
+
     ``units``: the blocks a pipeline is cut between (default: the ModuleList holding the most parameters);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
     ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
@@ -571,12 +591,14 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     from .embeddings import EmbeddingBagCollection, EmbeddingCollection, parallelize_recommendation
     from .interop import refuse_foreign_layout
     refuse_foreign_layout(model, "torch_monarch.parallelize")
+    compile_options = _compile.compile_options(compile)
     if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
                                          virtual_stages=virtual_stages, unit_stage=unit_stage, units=units,
                                          tp_plan=tp_plan, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
-                                         init_fn=init_fn, recompute=recompute, profile=profile).items()
+                                         init_fn=init_fn, recompute=recompute, profile=profile,
+                                         compile=compile_options).items()
                    if v is not None}
         if plan is not None or ignored:
             raise ValueError("parallelize: a model with embedding tables runs its dense part data-parallel over every "
@@ -598,7 +620,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                                          sequence_parallel=sequence_parallel, recompute=recompute).items()
                 if v is not None}
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
-                                  tp_plan=tp_plan, profile=profile, **pins)
+                                  tp_plan=tp_plan, profile=profile, compile=compile_options, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
     elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
         raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "
@@ -664,6 +686,6 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         from .graph import read_model
         info = read_model(model, example_input, tp_plan=tp_plan)
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
-                           init_fn=init_fn, mixed_precision=mixed, info=info)
+                           init_fn=init_fn, mixed_precision=mixed, info=info, compile_options=compile_options)
     result.plan = plan  # None when laid out by hand
     return result

@@ -18,6 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from . import _runtime
+from . import tp_collectives as tpc
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,6 +235,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _as_parameter(weight)
         self.bias = _as_parameter(bias)
         self.group = group
+        self.group_key = tpc.group_key(group)  # what the collectives take (tp_collectives.py)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
@@ -246,16 +248,24 @@ class ColumnParallelLinear(nn.Module):
         transposed = _transposed_linear(linear)
         weight = _shard_param(linear.weight, 1 if transposed else 0, group, fused_parts, name, shared)
         bias = None if linear.bias is None else _shard_param(linear.bias, 0, group, fused_parts, name, shared)
-        return cls(weight, bias, group, gather_output, sequence_parallel, sequence_dim, fused_parts, transposed)
+        out = cls(weight, bias, group, gather_output, sequence_parallel, sequence_dim, fused_parts, transposed)
+        out._original = type(linear)
+        return out
+
+    def reset_parameters(self):
+        _reset_linear_shard(self, self.weight.shape[0 if self.transposed else 1])
+
+    def init_proxy(self):
+        return _init_proxy(self)
 
     def forward(self, x):
         if self.sequence_parallel:
-            x = _runtime.tp_sequence_gather(x, self.group, self.sequence_dim)
+            x = tpc.sequence_gather(x, self.group_key, self.sequence_dim)
         else:
-            x = _runtime.tp_copy_to_group(x, self.group)
+            x = tpc.copy_to_group(x, self.group_key)
         y = _linear(x, self.weight, self.bias, self.transposed)
         if self.gather_output:
-            y = _runtime.tp_gather_from_group(y.contiguous(), self.group, -1)
+            y = tpc.gather_from_group(y, self.group_key, -1)
         return y
 
     def extra_repr(self):
@@ -274,6 +284,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _as_parameter(weight)
         self.bias = _as_parameter(bias)
         self.group = group
+        self.group_key = tpc.group_key(group)
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.transposed = transposed  # weight kept in x out (HF Conv1D)
@@ -283,18 +294,27 @@ class RowParallelLinear(nn.Module):
         transposed = _transposed_linear(linear)
         weight = _shard_param(linear.weight, 0 if transposed else 1, group, 1, name, shared)
         bias = None if linear.bias is None else linear.bias
-        return cls(weight, bias, group, sequence_parallel, sequence_dim, transposed)
+        out = cls(weight, bias, group, sequence_parallel, sequence_dim, transposed)
+        out._original = type(linear)
+        return out
+
+    def reset_parameters(self):
+        # The whole layer's fan-in: this rank holds 1/tp of the input features.
+        _reset_linear_shard(self, self.weight.shape[0 if self.transposed else 1] * self.group.size)
+
+    def init_proxy(self):
+        return _init_proxy(self)
 
     def forward(self, x):
         y = _linear(x, self.weight, None, self.transposed)
         if self.sequence_parallel:
-            y = _runtime.tp_sequence_reduce_scatter(y.contiguous(), self.group, self.sequence_dim)
+            y = tpc.sequence_reduce_scatter(y, self.group_key, self.sequence_dim)
         else:
-            y = _runtime.tp_reduce_from_group(y, self.group)
+            y = tpc.reduce_from_group(y, self.group_key)
         if self.bias is not None:
             # Under sequence parallelism each rank adds the bias to its own tokens, so its
             # gradient is a partial sum: enter it through copy_to_group (sums in backward).
-            bias = _runtime.tp_copy_to_group(self.bias, self.group) if self.sequence_parallel else self.bias
+            bias = tpc.copy_to_group(self.bias, self.group_key) if self.sequence_parallel else self.bias
             y = y + bias
         return y
 
@@ -318,7 +338,26 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, emb, group, name="embedding", shared=None):
         weight = _shard_param(emb.weight, 0, group, 1, name, shared)
-        return cls(weight, group.rank * weight.shape[0], group, emb.padding_idx)
+        out = cls(weight, group.rank * weight.shape[0], group, emb.padding_idx)
+        out._original = type(emb)
+        return out
+
+    def _local_padding_idx(self):
+        pad = self.padding_idx
+        rows = self.weight.shape[0]
+        return pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < rows else None
+
+    def reset_parameters(self):
+        # nn.Embedding's: N(0, 1), the padding row zero (where this rank holds it).
+        with torch.no_grad():
+            self.weight.normal_()
+            pad = self._local_padding_idx()
+            if pad is not None:
+                self.weight[pad].zero_()
+
+    def init_proxy(self):
+        return _init_proxy(self, padding_idx=self._local_padding_idx(), num_embeddings=self.weight.shape[0],
+                           embedding_dim=self.weight.shape[1])
 
     def forward(self, tokens):
         pad = -1 if self.padding_idx is None else self.padding_idx
@@ -328,6 +367,36 @@ class VocabParallelEmbedding(nn.Module):
         return f"rows={self.weight.shape[0]} from {self.vocab_start}, dim={self.weight.shape[1]}, tp={self.group.size}"
 
 
+def _reset_linear_shard(module, fan_in):
+    """nn.Linear's initialization (kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)), the bias alike) on this rank's shard, with the unsplit layer's fan-in:
+    what a model built on meta gets before ``init_fn`` (deferred.py)."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        module.weight.uniform_(-bound, bound)
+        if module.bias is not None:
+            module.bias.uniform_(-bound, bound)
+
+
+def _init_proxy(module, **attributes):
+    """An instance of the split module's original class (nn.Linear, HF's Conv1D, nn.Embedding)
+    holding this rank's shards as its parameters, for a model's own initializer
+    (``init_fn``, e.g. a Hugging Face model's ``_init_weights``, which dispatches on the
+    module's class): it initializes the shards in place, each element as it would have
+    initialized the whole weight's (a shard of an N(0, s) weight is N(0, s))."""
+    cls = getattr(module, "_original", None)
+    if cls is None:
+        return module
+    proxy = cls.__new__(cls)
+    nn.Module.__init__(proxy)
+    proxy.weight = module.weight
+    if "bias" in module._parameters:
+        proxy.bias = module.bias
+    for key, value in attributes.items():
+        setattr(proxy, key, value)
+    return proxy
+
+
 class SequenceScatter(nn.Module):
     """Enters the sequence-parallel region: keeps this rank's slice of the sequence (the
     gradient is all-gathered)."""
@@ -335,10 +404,11 @@ class SequenceScatter(nn.Module):
     def __init__(self, group, sequence_dim=1):
         super().__init__()
         self.group = group
+        self.group_key = tpc.group_key(group)
         self.sequence_dim = sequence_dim
 
     def forward(self, x):
-        return _runtime.tp_scatter_to_group(x.contiguous(), self.group, self.sequence_dim)
+        return tpc.scatter_to_group(x, self.group_key, self.sequence_dim)
 
 
 _TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceScatter)
@@ -635,16 +705,14 @@ def _gather_at_module_inputs(group, sequence_dim, units):
             parent.register_forward_pre_hook(_sequence_gather_hook(group, sequence_dim), with_kwargs=True)
 
 
-def _gather_sequence(x, group, sequence_dim):
-    return _runtime.tp_gather_from_group(x.contiguous(), group, sequence_dim)
-
-
 def _sequence_gather_hook(group, sequence_dim):
+    key = tpc.group_key(group)
+
     def hook(_module, args, kwargs):
         if args and isinstance(args[0], torch.Tensor):
-            return (_gather_sequence(args[0], group, sequence_dim),) + tuple(args[1:]), kwargs
+            return (tpc.gather_from_group(args[0], key, sequence_dim),) + tuple(args[1:]), kwargs
         if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            kwargs = dict(kwargs, hidden_states=_gather_sequence(kwargs["hidden_states"], group, sequence_dim))
+            kwargs = dict(kwargs, hidden_states=tpc.gather_from_group(kwargs["hidden_states"], key, sequence_dim))
             return args, kwargs
         raise ValueError("sequence parallel: a module with column-parallel linears inside a block takes no "
                          "hidden states (first positional argument or hidden_states=) to gather")
@@ -676,9 +744,24 @@ def _sum_parameter_gradients_over(module, group):
     names, state dicts and the module's own forward stay as they were. (A tensor hook would
     not do: in torch 1.13 C++ hooks, such as the data-parallel engine's, see the gradient
     before Python hooks change it.)"""
-    cls = type(module)
+    module._monarch_sum_group = tpc.group_key(group)
+    module.__class__ = _summing_class(type(module))
+
+
+# One subclass per module class, not per module: torch.compile guards on a module's class,
+# so per-module classes would compile every block anew.
+_SUMMING_CLASSES = {}
+
+
+def _summing_class(cls):
+    if getattr(cls, "_monarch_sums_gradients", False):
+        return cls
+    sub = _SUMMING_CLASSES.get(cls)
+    if sub is not None:
+        return sub
 
     def forward(self, *args, **kwargs):
+        group_key = self._monarch_sum_group
         originals = dict(self._parameters)
         # Under mixed precision the module computes with cast copies of its parameters, in
         # its instance __dict__ (mixed_precision.py): those are what must be summed.
@@ -686,15 +769,17 @@ def _sum_parameter_gradients_over(module, group):
         try:
             for key, p in originals.items():
                 if key in shadowed:
-                    self.__dict__[key] = _runtime.tp_copy_to_group(shadowed[key], group)
+                    self.__dict__[key] = tpc.copy_to_group(shadowed[key], group_key)
                 elif p is not None:
-                    self._parameters[key] = _runtime.tp_copy_to_group(p, group)
+                    self._parameters[key] = tpc.copy_to_group(p, group_key)
             return cls.forward(self, *args, **kwargs)
         finally:
             self._parameters.update(originals)
             self.__dict__.update(shadowed)
 
-    module.__class__ = type(f"SequenceParallel{cls.__name__}", (cls,), {"forward": forward})
+    sub = _SUMMING_CLASSES[cls] = type(f"SequenceParallel{cls.__name__}", (cls,),
+                                       {"forward": forward, "_monarch_sums_gradients": True})
+    return sub
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from torch._dynamo.utils import counters
 
 from dist_harness import run_worker
 from hf_models import ARCHITECTURES, batch, build
@@ -32,6 +33,7 @@ def train(name, pins, rank):
     batches = [batch(name, GLOBAL_BATCH, seed=s) for s in range(STEPS)]
     example = {k: v[:2] for k, v in batches[0].items()}
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **pins)
+    counters.clear()
     dp, r = pm.dp, pm.mesh.coordinate("dp")
     local = GLOBAL_BATCH // dp
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
@@ -41,7 +43,12 @@ def train(name, pins, rank):
         losses.append(pm.train_step({k: v[r * local:(r + 1) * local] for k, v in b.items()}))
         opt.step()
     state = pm.state_dict()  # collective under ZeRO / tp: every rank calls it
-    out = {"plan": pm.plan.summary(), "losses": losses}
+    out = {"plan": pm.plan.summary(), "losses": losses, "deferred_linears": pm.deferred_linears}
+    if pins.get("compile"):
+        # Dynamo's counts over the steps: graph breaks (with their reasons) and graphs made.
+        out.update(graph_breaks={str(k): v for k, v in counters["graph_break"].items()},
+                   unique_graphs=counters["stats"]["unique_graphs"],
+                   compiled_blocks=sum(getattr(m, "_monarch_compiled", False) for m in model.modules()))
     if reference is not None:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
         ref_losses = []

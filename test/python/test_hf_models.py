@@ -92,7 +92,12 @@ PINNED = {
     "qwen2@pp2_tp2": {"pp": 2, "tp": 2},
     "bert@pp2_zero3": {"pp": 2, "zero_stage": 3},
     "mixtral@pp2": {"pp": 2},
+    # Blocks under torch.compile (torch_monarch.compile), inside tp, the hook-cut pipeline, ZeRO-3.
+    "llama@tp2_compiled": {"tp": 2, "compile": True},
+    "gpt2@pp2_compiled": {"pp": 2, "compile": True},
+    "qwen2@zero3_compiled": {"dp": 4, "zero_stage": 3, "compile": True},
 }
+COMPILED = [k for k, pins in PINNED.items() if pins.get("compile")]
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +109,24 @@ def pinned():
 @pytest.mark.parametrize("key", list(PINNED))
 def test_pinned_layout_trains_like_one_process(pinned, key):
     assert_parity(key, pinned[key])
+
+
+@pytest.mark.parametrize("key", COMPILED)
+def test_compiled_hf_blocks_make_one_graph_without_breaks(pinned, key):
+    """Hugging Face blocks compile whole inside the layout: no graph break during the steps,
+    one graph for all blocks (their key/value cache is off: its per-layer state would make
+    one graph per block)."""
+    r = pinned[key]
+    assert "error" not in r, r.get("error")
+    assert r["graph_breaks"] == {}, f"{key}: graph breaks {r['graph_breaks']}"
+    assert r["unique_graphs"] == 1, f"{key}: {r['unique_graphs']} graphs"
+    assert r["compiled_blocks"] >= 2, f"{key}: {r['compiled_blocks']} blocks compiled"
+
+
+@pytest.mark.parametrize("key", ["llama@pp2", "mixtral@pp2"])
+def test_zero_bubble_pipelines_defer_weight_gradients(pinned, key):
+    """Under the zero-bubble schedule the blocks' linears leave their weight gradients to the
+    W pass (torch_monarch.zero_bubble): a B pass that computed them would make W empty."""
+    r = pinned[key]
+    assert " zb_h1 " in r["plan"], f"{key}: planned {r['plan']}"
+    assert r["deferred_linears"] > 0, f"{key}: no linear defers its weight gradient"
