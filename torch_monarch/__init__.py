@@ -42,6 +42,7 @@ _RUNTIME = {
     "embeddings": None,
     "profile": None,
     "checkpoint": None,
+    "hf_checkpoint": None,
     "mixed_precision": None,
 }
 

@@ -448,6 +448,18 @@ class _File:
             t = t.view(torch.bfloat16)
         return t.reshape(h["shape"])
 
+    def release(self, key):
+        """Drops the pages of tensor `key` from this process's resident memory (they stay in
+        the page cache): a rank reading slices of many tensors holds the pages of one at a
+        time, not of every tensor it touched."""
+        if self.map is None or key not in self.header or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin, end = self.header[key]["data_offsets"]
+        start = (self.start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        length = self.start + end - start
+        if length > 0:
+            self.map.madvise(mmap.MADV_DONTNEED, start, length)
+
     def close(self):
         if self.map is not None:
             try:
@@ -803,6 +815,8 @@ class _Reader:
                 src = stored[tuple(slice(l - o, l - o + k) for l, o, k in zip(lo, s["offsets"], n))]
                 dst = out[tuple(slice(a + l - g, a + l - g + k) for a, l, g, k in zip(local, lo, glob, n))]
                 dst.copy_(src.reshape(dst.shape))
+                del src, stored
+                self.file(s["file"]).release(s["key"])
                 covered += int(np.prod(n))
                 if not glob:
                     break  # a single value: the first copy is it

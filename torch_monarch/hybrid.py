@@ -13,6 +13,7 @@ Under tensor parallelism the model returns logits split along the vocabulary: us
 ``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
 """
 
+import copy
 import os
 from collections import OrderedDict
 
@@ -71,6 +72,9 @@ class ParallelModel(nn.Module):
                                                                                name.endswith("LMHeadModel")))
         zero_stage = layout.zero_stage
         units = list(_default_units(model) if units is None else units)
+        # A Hugging Face model's config, as given (hf_checkpoint.save_pretrained writes it).
+        config = getattr(model, "config", None)
+        self.hf_config = copy.deepcopy(config) if hasattr(config, "save_pretrained") else None
         self.deferred = deferred.is_deferred(model)
         # ZeRO-3 materializes the blocks one at a time inside the engine (each rank keeps its
         # slice); every other layout materializes this rank's stages whole, after the cut (and
@@ -553,7 +557,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     each rank materializes only what it keeps (its pipeline stages; under ZeRO-3 one block at
     a time, keeping its slice), initialized by each submodule's ``reset_parameters()`` and
     then ``init_fn(submodule)``, so a model larger than one rank's memory can be
-    parallelized (tp must be 1 for now).
+    parallelized (a Hugging Face model's ``_init_weights`` is the default ``init_fn``; its
+    weights then load with ``torch_monarch.hf_checkpoint.load_pretrained``).
 
     With a ``plan`` (torch_monarch.planner.Plan) the mesh,
     block-to-stage assignment, schedule, micro-batches, virtual stages, ZeRO stage, sequence
@@ -592,6 +597,10 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     from .interop import refuse_foreign_layout
     refuse_foreign_layout(model, "torch_monarch.parallelize")
     compile_options = _compile.compile_options(compile)
+    if init_fn is None and callable(getattr(model, "_init_weights", None)):
+        # A Hugging Face model built on meta is initialized as its own constructor would
+        # (its _init_weights: weights, and buffers such as rotary tables).
+        init_fn = model._init_weights
     if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,

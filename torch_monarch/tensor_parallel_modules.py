@@ -390,8 +390,8 @@ def _init_proxy(module, **attributes):
     proxy = cls.__new__(cls)
     nn.Module.__init__(proxy)
     proxy.weight = module.weight
-    if "bias" in module._parameters:
-        proxy.bias = module.bias
+    if hasattr(module, "bias"):  # (None too: initializers test `module.bias is not None`)
+        proxy.register_parameter("bias", module.bias)
     for key, value in attributes.items():
         setattr(proxy, key, value)
     return proxy
