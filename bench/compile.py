@@ -6,9 +6,13 @@
 Method as bench/peers.py's: one launch holds every engine, rounds of one step each run them
 one after another (each round starting at another engine), the warm-up rounds (compilation
 included) are not timed; step time is the slowest rank's, best and median over the rounds.
-Peak memory: one launch per engine, the high-water mark's growth over three steps (compiled
-engines compile inside them), worst rank. Parity: every engine's losses and parameters
-against one eager process on the same global batches (peers.TOLERANCE).
+Peak memory, worst rank, one launch per engine and column: "peak" is the high-water mark's
+growth over three steps from before the engine is built (peers.py's measure: compiled engines
+compile inside it, so it holds Inductor's compilation too); "step peak" is the high-water
+mark's growth during two steps over the resident memory after a first step (compilation
+done, weights and optimizer state in place): what a training step needs on top of them.
+Parity: every engine's losses and parameters against one eager process on the same global
+batches (peers.TOLERANCE).
 """
 
 import argparse
@@ -22,6 +26,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peers  # noqa: E402
 import peers_compile  # noqa: E402
+from procmem import reset_peak, vm, warm_up_torch, worst_peak_growth, write_peak_growth  # noqa: E402
+
+
+def step_memory_worker(engine, out_dir):
+    """The step peak of ``engine`` on this rank (module docstring)."""
+    import torch
+    import torch.distributed as dist
+    import torch_monarch
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if not engine.startswith("FSDP2"):
+        torch_monarch.init()
+    warm_up_torch()
+    side = peers_compile.Engine(engine, peers.LR)
+    x, y = peers.batch(0)
+    side.step(*side.share(x, y, peers.GLOBAL_BATCH))  # compiles
+    dist.barrier()
+    reset_peak()
+    baseline = vm("VmRSS")
+    for step in (1, 2):
+        x, y = peers.batch(step)
+        side.step(*side.share(x, y, peers.GLOBAL_BATCH))
+    write_peak_growth(out_dir, baseline)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main():
@@ -42,10 +71,11 @@ def main():
                                env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
             row["peak_bytes"] = max(peers.read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
             shutil.rmtree(out)
+            row["step_peak_bytes"] = worst_peak_growth(os.path.abspath(__file__), args.ranks, engine)
     print(f"{args.ranks} ranks, Gloo, fp32, AdamW, Llama 4 x 256, global batch {peers.GLOBAL_BATCH} x {peers.SEQ} "
           f"tokens, {args.rounds} rounds (engines interleaved), torch {torch.__version__}, Inductor on CPU")
     print(f"{'engine':<22} {'vs':<20} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} {'peak MiB':>11} {'x':>5}"
-          f"  parity loss / params (engine, vs)")
+          f" {'step peak MiB':>13} {'x':>5}  parity loss / params (engine, vs)")
     pairs = []
     for a, b in peers_compile.PAIRS:
         ra, rb = rows[a], rows[b]
@@ -54,10 +84,13 @@ def main():
         memory = ""
         if "peak_bytes" in ra:
             pair["memory_ratio"] = ra["peak_bytes"] / rb["peak_bytes"]
-            memory = f"{ra['peak_bytes'] / 2**20:>5.0f}/{rb['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f}"
+            pair["step_memory_ratio"] = ra["step_peak_bytes"] / rb["step_peak_bytes"]
+            memory = (f"{ra['peak_bytes'] / 2**20:>5.0f}/{rb['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f} "
+                      f"{ra['step_peak_bytes'] / 2**20:>6.1f}/{rb['step_peak_bytes'] / 2**20:<6.1f} "
+                      f"{pair['step_memory_ratio']:>5.2f}")
         pairs.append(pair)
         print(f"{a:<22} {b:<20} {ra['best_s'] * 1e3:>7.1f}/{rb['best_s'] * 1e3:<7.1f} {pair['best_ratio']:>5.2f} "
-              f"{ra['median_s'] * 1e3:>7.1f}/{rb['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} {memory:>17}  "
+              f"{ra['median_s'] * 1e3:>7.1f}/{rb['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} {memory:>37}  "
               f"{ra['loss_rel_diff']:.1e}/{ra['parameter_rel_diff']:.1e}, "
               f"{rb['loss_rel_diff']:.1e}/{rb['parameter_rel_diff']:.1e}")
     worst = max(max(r["loss_rel_diff"] / peers.TOLERANCE["loss"], r["parameter_rel_diff"] / peers.TOLERANCE["parameters"])
@@ -74,4 +107,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        step_memory_worker(sys.argv[2], sys.argv[3])
+    else:
+        main()
