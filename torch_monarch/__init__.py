@@ -24,6 +24,7 @@ _RUNTIME = {
     "VocabEmbedding": "tensor_parallel_modules",
     "VocabHead": "tensor_parallel_modules",
     "Replicate": "tensor_parallel_modules",
+    "Heads": "tensor_parallel_modules",
     "parallelize": "hybrid",
     "ParallelModel": "hybrid",
     "plan": "api",

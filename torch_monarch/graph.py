@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import planner as _planner
 from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
-from .tensor_parallel_modules import (Colwise, Replicate, Rowwise, head_counts, linear_dims,
+from .tensor_parallel_modules import (Colwise, Heads, Replicate, Rowwise, head_counts, linear_dims,
                                       VocabEmbedding, VocabHead, default_plan, resolve_plan)
 
 
@@ -492,8 +492,10 @@ def _tp_of(model, lname, plan):
     prefix = lname + "." if lname else ""
     inside = {n: s for n, s in plan.items() if n == lname or n.startswith(prefix)}
     dims = _planner.TpDims()
-    col = [n for n, s in inside.items() if isinstance(s, Colwise)]
-    row = [n for n, s in inside.items() if isinstance(s, Rowwise)]
+    # An attention module split by heads (nn.MultiheadAttention) is its own column and row.
+    fused = [n for n, s in inside.items() if isinstance(s, Heads)]
+    col = [n for n, s in inside.items() if isinstance(s, Colwise)] + fused
+    row = [n for n, s in inside.items() if isinstance(s, Rowwise)] + fused
     vocab = [model.get_submodule(n) for n, s in inside.items() if isinstance(s, (VocabEmbedding, VocabHead))]
     if vocab and not (col and row):
         m = vocab[0]
@@ -502,7 +504,9 @@ def _tp_of(model, lname, plan):
     if not col or not row:
         return _planner.TpPattern.replicated, dims
     heads, kv_heads = 0, 0
-    for parent in sorted({n.rpartition(".")[0] for n in col}):
+    for n in fused:
+        heads = heads or model.get_submodule(n).num_heads
+    for parent in sorted({n.rpartition(".")[0] for n in col if n not in fused}):
         h, kv = head_counts(model.get_submodule(parent) if parent else model)
         heads, kv_heads = heads or h, kv_heads or (kv if h else 0)
     dims.heads = heads
@@ -512,7 +516,8 @@ def _tp_of(model, lname, plan):
     widths = [linear_dims(model.get_submodule(n))[0] for n in row if linear_dims(model.get_submodule(n)) is not None]
     dims.ffn = max(widths) if widths else 0
     has_attention = heads > 0 or any(_looks_like_attention(n) for n in col)
-    has_mlp = len(widths) > (1 if has_attention else 0)
+    # (A head-split attention module's output projection is inside it, not among the rows.)
+    has_mlp = len(widths) > (1 if has_attention and not fused else 0)
     if has_attention and has_mlp:
         return _planner.TpPattern.block, dims
     return (_planner.TpPattern.heads if has_attention else _planner.TpPattern.column_row), dims
@@ -530,7 +535,8 @@ def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
     parallel linear, before the row-parallel one), and the replicated residual stream."""
     col = {n for n, s in plan.items() if isinstance(s, (Colwise, VocabHead))}
     row = {n for n, s in plan.items() if isinstance(s, Rowwise)}
-    split_parents = {n.rpartition(".")[0] for n in col}
+    # Inside a head-split attention module everything but its output is split too.
+    split_parents = {n.rpartition(".")[0] for n in col} | {n for n, s in plan.items() if isinstance(s, Heads)}
     prefix = lname + "." if lname else ""
     a = _planner.ActivationBytes()
     for t, stack in recorder.saved_by:
@@ -604,7 +610,7 @@ def _gemms_of(recorder, lname, plan, batch, split):
         if lname not in stack:
             continue
         style = plan.get(stack[-1]) if split and stack else None
-        cut = (_planner.GemmSplit.n if isinstance(style, (Colwise, VocabHead)) else
+        cut = (_planner.GemmSplit.n if isinstance(style, (Colwise, VocabHead, Heads)) else
                _planner.GemmSplit.k if isinstance(style, Rowwise) else _planner.GemmSplit.none)
         out.append(_planner.Gemm(m_per_sample=m / batch, n=n, k=k, split=cut))
     return out

@@ -9,6 +9,7 @@ the C++ frontend uses); this module only swaps submodules of a Python module tre
     loss = vocab_parallel_cross_entropy(logits, targets, mesh)
 """
 
+import contextlib
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -56,7 +57,14 @@ class Replicate:
     """Not split (every tp rank holds it whole)."""
 
 
-_STYLES = (Colwise, Rowwise, VocabEmbedding, VocabHead, Replicate)
+@dataclass(frozen=True)
+class Heads:
+    """An attention module holding its own projections (``nn.MultiheadAttention``): its heads
+    split over tp, the q/k/v projections by rows (column-parallel), the output projection by
+    columns (row-parallel, its output all-reduced)."""
+
+
+_STYLES = (Colwise, Rowwise, VocabEmbedding, VocabHead, Replicate, Heads)
 
 HEAD_COUNT_ATTRIBUTES = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads")
 KV_HEAD_COUNT_ATTRIBUTES = ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads")
@@ -131,8 +139,11 @@ def default_plan(model: nn.Module):
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for _, m in embeddings), default=None)
     plan = {}
+    attention = []  # nn.MultiheadAttention modules: their out_proj is theirs to split
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1].lower()
+        if any(name.startswith(a + ".") for a in attention):
+            continue
         annotated = getattr(module, "monarch_tp_style", None)
         if annotated is not None:
             # A custom module says how it splits (instance or class attribute).
@@ -140,6 +151,9 @@ def default_plan(model: nn.Module):
                 raise ValueError(f"tensor parallel: '{name or '<root>'}'.monarch_tp_style is {annotated!r}, "
                                  f"not one of {[c.__name__ for c in _STYLES]}")
             plan[name] = annotated
+        elif isinstance(module, nn.MultiheadAttention):
+            plan[name] = Heads()
+            attention.append(name)
         elif isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
             plan[name] = VocabEmbedding()
         elif linear_dims(module) is not None:
@@ -411,7 +425,169 @@ class SequenceScatter(nn.Module):
         return tpc.scatter_to_group(x, self.group_key, self.sequence_dim)
 
 
-_TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceScatter)
+class ParallelMultiheadAttention(nn.Module):
+    """``nn.MultiheadAttention`` with its heads split over tp (Megatron-LM's attention split,
+    Shoeybi et al. 2019, Sec. 3): this rank holds its heads' rows of the q/k/v projections
+    (``in_proj_weight`` as q|k|v parts, or the separate ``q/k/v_proj_weight``), their
+    biases and ``bias_k``/``bias_v`` columns, and the matching columns of ``out_proj``
+    (a RowParallelLinear: the output is all-reduced). Same arguments, results and parameter
+    names as the module it replaces (inputs (L, N, E), or (N, L, E) with ``batch_first``, or
+    unbatched; ``key_padding_mask``, 2-D or per-head 3-D ``attn_mask``, ``add_bias_kv``,
+    ``add_zero_attn``, ``kdim``/``vdim``); attention weights, when asked for, are averaged
+    over all heads (an all-reduce) or gathered per head."""
+
+    def __init__(self, mha, group, name="attention", shared=None, rng=None):
+        super().__init__()
+        tp = group.size
+        if mha.num_heads % tp:
+            raise ValueError(f"tensor parallel: tp={tp} does not divide num_heads={mha.num_heads} of "
+                             f"nn.MultiheadAttention '{name}' (legal tp: {_divisors(mha.num_heads)})")
+        self.group, self.group_key, self.rng = group, tpc.group_key(group), rng
+        self.embed_dim, self.kdim, self.vdim = mha.embed_dim, mha.kdim, mha.vdim
+        self.total_heads, self.num_heads, self.head_dim = mha.num_heads, mha.num_heads // tp, mha.head_dim
+        self.dropout, self.batch_first, self.add_zero_attn = mha.dropout, mha.batch_first, mha.add_zero_attn
+        self._qkv_same_embed_dim = mha._qkv_same_embed_dim
+        self._original = type(mha)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = _shard_param(mha.in_proj_weight, 0, group, 3, name, shared)
+            for key in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(key, None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            for key in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                setattr(self, key, _shard_param(getattr(mha, key), 0, group, 1, name, shared))
+        self.in_proj_bias = (None if mha.in_proj_bias is None
+                             else _shard_param(mha.in_proj_bias, 0, group, 3, name, shared))
+        for key in ("bias_k", "bias_v"):  # (1, 1, E): this rank's heads' columns
+            t = getattr(mha, key)
+            self.register_parameter(key, None if t is None else _shard_param(t, 2, group, 1, name, shared))
+        self.out_proj = RowParallelLinear.from_linear(mha.out_proj, group, name=f"{name}.out_proj", shared=shared)
+
+    def reset_parameters(self):
+        # nn.MultiheadAttention's: xavier-uniform projections with the whole weight's fans
+        # (fan_in E, fan_out 3E for the fused q|k|v), zero biases, xavier-normal bias_k/v.
+        with torch.no_grad():
+            if self.in_proj_weight is not None:
+                bound = math.sqrt(6.0 / (self.embed_dim + 3 * self.embed_dim))
+                self.in_proj_weight.uniform_(-bound, bound)
+            else:
+                for key, fan_in in (("q_proj_weight", self.embed_dim), ("k_proj_weight", self.kdim),
+                                    ("v_proj_weight", self.vdim)):
+                    bound = math.sqrt(6.0 / (fan_in + self.embed_dim))
+                    getattr(self, key).uniform_(-bound, bound)
+            if self.in_proj_bias is not None:
+                self.in_proj_bias.zero_()
+            for key in ("bias_k", "bias_v"):
+                t = getattr(self, key)
+                if t is not None:
+                    t.normal_(0.0, math.sqrt(2.0 / (2 * self.embed_dim)))
+
+    def _projections(self):
+        if self.in_proj_weight is not None:
+            w = self.in_proj_weight.chunk(3)
+        else:
+            w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        b = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
+        return w, b
+
+    def _mask(self, attn_mask, key_padding_mask, batch, length, source, dtype):
+        """One additive float mask broadcastable to (N, local heads, L, S), or None."""
+        mask = None
+        if attn_mask is not None:
+            m = attn_mask
+            if m.dtype == torch.bool:
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+            m = m.to(dtype)
+            if m.dim() == 2:
+                m = m.view(1, 1, length, source)
+            else:  # (N * all heads, L, S): this rank's heads
+                first = self.group.rank * self.num_heads
+                m = m.view(batch, self.total_heads, length, source)[:, first:first + self.num_heads]
+            mask = m
+        if key_padding_mask is not None:
+            k = key_padding_mask
+            if k.dtype == torch.bool:
+                k = torch.zeros(k.shape, dtype=dtype, device=k.device).masked_fill(k, float("-inf"))
+            k = k.to(dtype).view(batch, 1, 1, source)
+            mask = k if mask is None else mask + k
+        return mask
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if is_causal and attn_mask is None:
+            raise RuntimeError("nn.MultiheadAttention: need attn_mask if specifying the is_causal hint")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        length, batch, _ = query.shape
+        (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
+        # The inputs are replicated over tp: their gradients are all-reduced (copy_to_group),
+        # once per distinct tensor (self-attention passes one three times).
+        entered = {}
+
+        def enter(x):
+            if id(x) not in entered:
+                entered[id(x)] = tpc.copy_to_group(x, self.group_key)
+            return entered[id(x)]
+
+        q, k, v = F.linear(enter(query), w_q, b_q), F.linear(enter(key), w_k, b_k), F.linear(enter(value), w_v, b_v)
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(1, batch, -1)])
+            v = torch.cat([v, self.bias_v.expand(1, batch, -1)])
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        h, d = self.num_heads, self.head_dim
+        q = q.view(length, batch, h, d).permute(1, 2, 0, 3)
+        k = k.view(k.shape[0], batch, h, d).permute(1, 2, 0, 3)
+        v = v.view(v.shape[0], batch, h, d).permute(1, 2, 0, 3)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(batch, h, 1, d)], dim=2)
+            v = torch.cat([v, v.new_zeros(batch, h, 1, d)], dim=2)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        source = k.shape[2]
+        mask = self._mask(attn_mask, key_padding_mask, batch, length, source, q.dtype)
+        p = self.dropout if self.training else 0.0
+        # Dropout masks differ across tp ranks (they hold different heads): drawn from the
+        # per-tp-rank generator when tensor_parallel gave one.
+        forked = self.rng.fork() if (p > 0 and self.rng is not None) else contextlib.nullcontext()
+        weights = None
+        with forked:
+            if not need_weights:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            else:
+                scores = (q / math.sqrt(d)) @ k.transpose(-2, -1)
+                if mask is not None:
+                    scores = scores + mask
+                probs = scores.softmax(-1)
+                weights = probs
+                out = F.dropout(probs, p) @ v if p > 0 else probs @ v
+        out = out.permute(2, 0, 1, 3).reshape(length, batch, h * d)
+        out = self.out_proj(out)
+        if weights is not None:
+            if average_attn_weights:  # the mean over every head: this rank's sum, all-reduced
+                weights = tpc.reduce_from_group(weights.sum(1), self.group_key) / self.total_heads
+            else:
+                weights = tpc.gather_from_group(weights, self.group_key, 1)
+            if unbatched:
+                weights = weights.squeeze(0)
+        if unbatched:
+            out = out.squeeze(1)
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, local_heads={self.num_heads} of {self.total_heads}, "
+                f"tp={self.group.size}, batch_first={self.batch_first}")
+
+
+_TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceScatter,
+               ParallelMultiheadAttention)
 
 
 def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-100, reduction="mean"):
@@ -519,7 +695,8 @@ def _check_coverage(model, plan, tp, units):
     error listing what was seen, so the user can name the modules (``plan=``) or annotate
     them (``monarch_tp_style``). The planner applies the same rule (search.cpp tp_conflict).
     ``plan`` includes Replicate entries."""
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    modules = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, (nn.Linear, nn.Embedding, nn.MultiheadAttention))]
     seen = ", ".join(_describe_module(n, m) for n, m in modules[:24]) + (", ..." if len(modules) > 24 else "")
     fix = ("name them in plan= ({'blocks.*.attn.qkv': Colwise(fused_parts=3), 'blocks.*.attn.out': Rowwise(), ...}) "
            "or give their class a monarch_tp_style attribute")
@@ -530,8 +707,9 @@ def _check_coverage(model, plan, tp, units):
                          f"to replicate the model, use tp=1.")
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(u)] + "." for u in units if id(u) in names and names[id(u)]]
-    in_blocks = [n for n, m in modules if linear_dims(m) is not None and any(n.startswith(p) for p in prefixes)]
-    projections = {n for n, s in plan.items() if isinstance(s, (Colwise, Rowwise))}
+    in_blocks = [n for n, m in modules if (linear_dims(m) is not None or isinstance(m, nn.MultiheadAttention))
+                 and any(n.startswith(p) for p in prefixes)]
+    projections = {n for n, s in plan.items() if isinstance(s, (Colwise, Rowwise, Heads))}
     if in_blocks and not any(any(n.startswith(p) for p in prefixes) for n in projections):
         raise ValueError(f"tensor parallel: tp={tp} but the plan splits none of the linear layers in "
                          f"{type(model).__name__}'s blocks (their names match no known projection; only "
@@ -600,6 +778,16 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
                                                    gather_output=style.gather_output,
                                                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                                                    name=name, shared=shared)
+        elif isinstance(style, Heads):
+            if not isinstance(module, nn.MultiheadAttention):
+                raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, Heads needs "
+                                 "nn.MultiheadAttention")
+            if sequence_parallel:
+                raise ValueError(f"tensor parallel: sequence parallelism with nn.MultiheadAttention ('{name}') is "
+                                 "not supported yet; use sequence_parallel=False")
+            if rng is None:
+                rng = TensorParallelRNG(torch.initial_seed(), group.rank)
+            new = ParallelMultiheadAttention(module, group, name=name, shared=shared, rng=rng)
         elif isinstance(style, Rowwise):
             if linear_dims(module) is None:
                 raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, Rowwise needs nn.Linear "
