@@ -386,7 +386,7 @@ class ParallelModel(nn.Module):
                 return value
             # The composition averages micro-batches and weighs ranks by `local`: scaled so the
             # sum over both is the token mean (a micro-batch without label tokens adds 0).
-            return value * (m * counts[mb] / local) if counts[mb] else value * 0.0
+            return value * (m * counts[mb] / local) if counts[mb] else _zero_loss(out, value)
 
         if self.pp == 1:
             # The model's output may be anything the loss takes: it stays here, not in C++.
@@ -518,6 +518,18 @@ def _model_loss(out):
         raise ValueError(f"train_step: the model returned a {type(out).__name__} without a loss; pass "
                          "labels in the inputs (Hugging Face models compute their loss from them) or a loss_fn")
     return loss
+
+
+def _zero_loss(out, value):
+    """The loss of a micro-batch without label tokens: 0, with a backward through the model's
+    other outputs (its logits) that gives every parameter a zero gradient. The model's own
+    loss there is 0/0 (NaN), whose backward would make every gradient NaN even scaled by 0."""
+    if isinstance(out, dict):  # Hugging Face's ModelOutput is one
+        parts = [t.sum() * 0.0 for k, t in out.items() if k != "loss" and isinstance(t, torch.Tensor)
+                 and t.is_floating_point() and t.requires_grad]
+        if parts:
+            return sum(parts)
+    return value * 0.0
 
 
 def _label_tokens(causal, xs):

@@ -28,9 +28,14 @@ GLOBAL_BATCH, STEPS, LR, EPS = 8, 3, 1e-3, 1e-6
 
 def train(name, pins, rank):
     import torch_monarch
+    pins = dict(pins)
+    unlabelled = pins.pop("_unlabelled_rows", None)  # rows whose labels are all -100, every step
     model = build(name)
     reference = copy.deepcopy(model) if rank == 0 else None
     batches = [batch(name, GLOBAL_BATCH, seed=s) for s in range(STEPS)]
+    if unlabelled:
+        for b in batches:
+            b["labels"][unlabelled[0]:unlabelled[1]] = -100
     example = {k: v[:2] for k, v in batches[0].items()}
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=GLOBAL_BATCH, **pins)
     counters.clear()

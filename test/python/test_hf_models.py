@@ -96,6 +96,9 @@ PINNED = {
     "llama@tp2_compiled": {"tp": 2, "compile": True},
     "gpt2@pp2_compiled": {"pp": 2, "compile": True},
     "qwen2@zero3_compiled": {"dp": 4, "zero_stage": 3, "compile": True},
+    # dp rank 1's rows carry no label (all -100): its loss is 0/0 in HF's own mean; it must add
+    # nothing, not NaN, to the step.
+    "llama@dp4_unlabelled_rank": {"dp": 4, "_unlabelled_rows": [2, 4]},
 }
 COMPILED = [k for k, pins in PINNED.items() if pins.get("compile")]
 
