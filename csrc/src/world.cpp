@@ -3,6 +3,7 @@
 #include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
 
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <sstream>
@@ -27,6 +28,17 @@ int env_int(const char* name, int fallback, bool required) {
   TORCH_CHECK(end != value && *end == '\0' && parsed >= 0 && parsed < (1L << 30),
               "monarch::init: environment variable ", name, "='", value, "' is not a non-negative integer");
   return static_cast<int>(parsed);
+}
+
+// A peer that died closes its sockets; the next send to it raises SIGPIPE, whose default
+// action kills this rank silently (exit 141) before Gloo can report the broken connection
+// as an error naming the collective. Python ignores SIGPIPE already; a C++ program that kept
+// the default gets it ignored here (a handler of its own is left alone).
+void ignore_default_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    std::signal(SIGPIPE, SIG_IGN);
+  }
 }
 
 bool is_loopback(const std::string& host) {
@@ -63,6 +75,7 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
 
 std::shared_ptr<World> World::init(const InitOptions& options) {
   const LaunchEnv env = LaunchEnv::from_environment();
+  ignore_default_sigpipe();
   log::set_rank(env.rank);
   const auto start = std::chrono::steady_clock::now();
   c10d::TCPStoreOptions opts;
@@ -96,6 +109,7 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
                                          int world_size, const InitOptions& options) {
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "monarch: rank ", rank,
               " is not in a world of ", world_size);
+  ignore_default_sigpipe();
   store->setTimeout(options.timeout);
   log::set_rank(rank);
   log::debug("world", "joined a world of ", world_size, " ranks (timeout ", options.timeout.count(), " ms)");
