@@ -1,5 +1,6 @@
 """``python3 -m torch_monarch``: plans a model written in Python, without materializing it
-(``plan``); writes a plan's HTML report (``report``); compares two plans (``diff``).
+(``plan``); writes a plan's HTML report (``report``); compares two plans (``diff``); merges a
+hung or failed job's flight recorder dumps and names where the ranks diverged (``hangs``).
 
     python3 -m torch_monarch plan examples/models.py:gpt2_small --seq 1024 \\
         --gpus 64 --cluster a100-80gb --global-batch 512 -o plan.json
@@ -60,6 +61,8 @@ def _parser():
     report.add_argument("-o", "--output", required=True, help="the HTML file to write")
     report.add_argument("--trace", help="a run's measured trace (model.trace()), drawn under the prediction")
     report.add_argument("--trace-step", type=int, default=-1, help="which pipeline step of the trace (default: last)")
+    hangs = sub.add_parser("hangs", help="merge the ranks' flight recorder dumps and name the first divergence")
+    hangs.add_argument("directory", help="MONARCH_FLIGHT_RECORDER_DIR of the job")
     diff = sub.add_parser("diff", help="what differs between two plans")
     diff.add_argument("a", help="plan JSON")
     diff.add_argument("b", help="plan JSON")
@@ -80,6 +83,14 @@ def _report_or_diff(args):
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.command == "hangs":
+        from . import hangs
+        try:
+            print(hangs.report(args.directory))
+        except ValueError as e:
+            print(f"python3 -m torch_monarch: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command in ("report", "diff"):
         try:
             return _report_or_diff(args)

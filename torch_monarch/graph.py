@@ -27,6 +27,7 @@ depends only on the inputs.
     becomes a ``block`` layer whose ``tp_dims`` name what tp must divide.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -367,8 +368,10 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
             if id(p) not in meta_of:
                 # A buffer stays itself (positions, token types, rotary frequencies: small, and
                 # read for their values); a parameter, or a buffer still on meta, becomes meta.
+                # A copy: the read forward must not update the model's own buffers (batch norm's
+                # running statistics and its num_batches_tracked).
                 real_buffer = not isinstance(p, nn.Parameter) and not p.is_meta
-                m = p.detach().cpu() if real_buffer else torch.empty(p.shape, dtype=p.dtype, device="meta")
+                m = p.detach().cpu().clone() if real_buffer else torch.empty(p.shape, dtype=p.dtype, device="meta")
                 if isinstance(p, nn.Parameter):
                     m.requires_grad_(p.requires_grad)
                     param_ids.add(id(m))
@@ -388,7 +391,8 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     recorder.weight_ids = weight_ids
     recorder.blocks = {n for n, m in model.named_modules() if id(m) in {id(b) for b in blocks_of(model)}}
     recorder.records = records
-    _capture(model, example_input, recorder, tensors)
+    with _any_batch_size():
+        _capture(model, example_input, recorder, tensors)
 
     plan = resolve_plan(model, tp_plan)
     info_layers = _layers(model, records)
@@ -409,6 +413,32 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     return ModelInfo(graph=graph, modules=records, layer_modules=[n for n, _ in info_layers], blocks=blocks,
                      tied=[v for v in tied.values() if len(v) > 1], batch=batch, seq=seq, total_params=total,
                      tp_plan=plan, param_dtype=_dtype_of(model))
+
+
+@contextlib.contextmanager
+def _any_batch_size():
+    """Batch norm in training mode refuses a batch with one value per channel (a one-sample
+    example input to a BatchNorm1d), and updating its running variance divides by n - 1.
+    Reading needs no batch statistics, only the operations and their shapes: while the model
+    is read, the check is off and training-mode batch norm keeps no running statistics."""
+    import torch.nn.functional as F
+    check, batch_norm = getattr(F, "_verify_batch_size", None), F.batch_norm
+
+    def reading_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                           momentum=0.1, eps=1e-5):
+        if training:
+            running_mean = running_var = None
+        return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+    if check is not None:
+        F._verify_batch_size = lambda size: None
+    F.batch_norm = reading_batch_norm
+    try:
+        yield
+    finally:
+        F.batch_norm = batch_norm
+        if check is not None:
+            F._verify_batch_size = check
 
 
 def _named(model, modules):

@@ -1,5 +1,7 @@
 #include "monarch/runtime/communicator.h"
 
+#include "monarch/runtime/flight_recorder.h"
+
 
 #include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
@@ -83,10 +85,15 @@ void Handle::wait() {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const std::string message = what_ + " failed: " + error;
+  std::string message = what_ + " failed: " + error;
+  if (group_) {
+    const std::string others = flight::others(*group_);
+    if (!others.empty()) message += "\n  meanwhile " + others;
+  }
   if (failure_ && failure_->empty()) {
     *failure_ = message;
     log::error("comm", message);  // once per group: later calls repeat it
+    flight::dump(message);
   }
   TORCH_CHECK(false, message);
 }
@@ -132,6 +139,25 @@ Communicator::Communicator(compat::BackendPtr group, std::vector<int> ranks, int
     if (ranks_[i] == rank) group_rank_ = static_cast<int>(i);
   }
   TORCH_INTERNAL_ASSERT(group_rank_ >= 0, "rank ", rank, " not in group ", name_);
+  flight::set_rank(rank);
+  if (store_ && size() > 1) {
+    auto info = std::make_shared<flight::GroupInfo>();
+    info->name = name_;
+    info->key = key_;
+    info->ranks = ranks_;
+    info->global_rank = rank;
+    auto store = store_;
+    info->check = [store](const std::string& k) { return store->check({k}); };
+    info->get = [store](const std::string& k) {
+      const auto bytes = store->get(k);
+      return std::string(bytes.begin(), bytes.end());
+    };
+    info->set = [store](const std::string& k, const std::string& v) {
+      store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+    };
+    flight::register_group(info);
+    info_ = std::move(info);
+  }
 }
 
 std::string Communicator::describe(CollectiveKind kind, const at::Tensor& t) const {
@@ -191,7 +217,23 @@ std::string describe_fingerprint(const int64_t* w) {
 }  // namespace
 
 void Communicator::agree(Op op, const at::Tensor& t, int64_t root, bool cuda) {
-  if (!check_ || size() == 1) return;
+  if (size() == 1) return;
+  {
+    flight::Call call;
+    call.group = name_;
+    call.key = key_;
+    call.ranks = ranks_;
+    call.seq = issued_++;
+    call.op = op_name(static_cast<int64_t>(op));
+    call.numel = t.defined() ? t.numel() : 0;
+    call.dtype = t.defined() ? std::string(c10::toString(t.scalar_type())) : "";
+    call.phase = phase_;
+    call.step = step_;
+    call.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
+    flight::record(std::move(call));
+  }
+  if (!check_) return;
   auto mine = at::zeros({kWords}, at::kLong);
   int64_t* w = mine.data_ptr<int64_t>();
   w[0] = kMagic;
@@ -234,12 +276,13 @@ void Communicator::agree(Op op, const at::Tensor& t, int64_t root, bool cuda) {
          "or the ranks were given different batch sizes or options.";
   if (state_dict) msg << " A sharded model's state_dict() / load_state_dict() is collective: call it on every rank.";
   *failure_ = msg.str();
+  flight::dump(msg.str());
   TORCH_CHECK(false, msg.str());
 }
 
-std::chrono::milliseconds Communicator::entry_timeout() {
+std::chrono::milliseconds Communicator::entry_timeout(std::chrono::milliseconds job_timeout) {
   const char* value = std::getenv("MONARCH_ENTRY_TIMEOUT_S");
-  double seconds = 60;
+  double seconds = job_timeout.count() / 2000.0;
   if (value != nullptr && *value != '\0') {
     char* end = nullptr;
     seconds = std::strtod(value, &end);
@@ -249,6 +292,10 @@ std::chrono::milliseconds Communicator::entry_timeout() {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
+void Communicator::expect_all(const std::string& what) {
+  expect_all(what, entry_timeout(gloo_group::timeout(group_)));
+}
+
 void Communicator::expect_all(const std::string& what, std::chrono::milliseconds deadline) {
   if (size() == 1 || !store_) return;
   check_usable();
@@ -256,6 +303,10 @@ void Communicator::expect_all(const std::string& what, std::chrono::milliseconds
   const std::string prefix = key_ + "/expect/" + what + "/" + std::to_string(call) + "/";
   const std::string mine = prefix + std::to_string(global_rank());
   store_->set(mine, std::vector<uint8_t>{1});
+  if (info_) {
+    flight::announce(*info_, what + " (call #" + std::to_string(call) + " on group '" + name_ + "', step " +
+                                 std::to_string(step_) + ")");
+  }
   // Polled with check(), not a store wait with a timeout: nothing stays pending in the
   // store after a deadline passes.
   const auto start = std::chrono::steady_clock::now();
@@ -274,6 +325,7 @@ void Communicator::expect_all(const std::string& what, std::chrono::milliseconds
   }
   if (missing.empty()) {
     ++expected_[what];
+    if (info_) flight::withdraw(*info_);
     return;
   }
   // Withdrawn, and the call number not used up: a later call on this rank pairs with the
@@ -285,9 +337,14 @@ void Communicator::expect_all(const std::string& what, std::chrono::milliseconds
   for (int r : ranks_) msg << " " << r;
   msg << ") but rank" << (missing.size() > 1 ? "s" : "");
   for (int r : missing) msg << " " << r;
-  msg << " did not call it within " << deadline.count() / 1000.0 << " s (MONARCH_ENTRY_TIMEOUT_S): " << what
+  const char* env = std::getenv("MONARCH_ENTRY_TIMEOUT_S");
+  msg << " did not call it within " << deadline.count() / 1000.0 << " s ("
+      << ((env != nullptr && *env != '\0') ? "MONARCH_ENTRY_TIMEOUT_S"
+                                            : "half the job's timeout; MONARCH_ENTRY_TIMEOUT_S sets it")
+      << "): " << what
       << " is collective on a sharded or parallel model, so every rank must call it (for a checkpoint: call it on "
          "every rank, then save on rank 0 only).";
+  flight::dump(msg.str());
   TORCH_CHECK(false, msg.str());
 }
 

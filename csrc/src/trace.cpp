@@ -178,7 +178,7 @@ void save(const std::string& path, DeviceMesh& mesh) {
   const std::string prefix = "monarch/trace/" + std::to_string(calls++) + "/";
   const auto& store = world->store();
   store->set(prefix + std::to_string(rank), std::vector<uint8_t>(part.begin(), part.end()));
-  const auto deadline = Communicator::entry_timeout();
+  const auto deadline = Communicator::entry_timeout(world->timeout());
   // Waits for `keys` until `limit`; returns the ones still missing.
   auto wait_for = [&](const std::vector<std::string>& keys, std::chrono::milliseconds limit) {
     const auto start = std::chrono::steady_clock::now();

@@ -1,5 +1,6 @@
 #include "monarch/runtime/world.h"
 
+#include "monarch/runtime/flight_recorder.h"
 #include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
 
@@ -110,6 +111,8 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "monarch: rank ", rank,
               " is not in a world of ", world_size);
   ignore_default_sigpipe();
+  flight::set_rank(rank);
+  flight::install_termination_report();
   store->setTimeout(options.timeout);
   log::set_rank(rank);
   log::debug("world", "joined a world of ", world_size, " ranks (timeout ", options.timeout.count(), " ms)");

@@ -316,3 +316,44 @@ def test_tensors_made_in_forward_without_a_device_are_read_and_planned():
     assert re.search(r"torch.fx could not trace _PlainLM.forward: TraceError: .* at .*test_graph.py:\d+ "
                      r"\(assert ids.shape\[1\] <= self.max_seq", trace_problem(model))
     assert torch_monarch.plan(model, ids, 8, cluster, pp=2).mesh.pp == 2
+
+
+def test_a_batchnorm_model_is_read_and_planned_from_one_sample_without_touching_its_statistics():
+    """A ResNet-style model (BasicBlocks of conv + BatchNorm2d, a BatchNorm1d after the
+    classifier) read from a one-sample example: training-mode batch norm would refuse one value
+    per channel, and reading needs no batch statistics. The model's running statistics and
+    num_batches_tracked stay as they were."""
+    from torch import nn
+    from torch_monarch import api, planner
+
+    class BasicBlock(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+            self.layers = nn.ModuleList([BasicBlock(16) for _ in range(4)])
+            self.fc, self.bn = nn.Linear(16, 10), nn.BatchNorm1d(10)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.bn(self.fc(x.mean((2, 3))))
+
+    model = Net()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    info, graph = api.model_graph(model, torch.randn(1, 3, 32, 32))
+    assert len(info.blocks) == 4
+    assert graph.total_params() == sum(p.numel() for p in model.parameters())
+    plan = api.plan(model, torch.randn(1, 3, 32, 32), 64, planner.cluster("cpu", 4))
+    assert plan.mesh.world_size() == 4
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), f"reading changed {k}"

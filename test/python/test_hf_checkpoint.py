@@ -138,3 +138,35 @@ def test_no_rank_held_the_whole_model_while_loading(tmp, layout):
         # block materialized whole, its flat copy and shard, while the engine shards it).
         assert mem["held"] <= 0.3 * mem["model_bytes"], (layout, k, mem)
         assert mem["peak_growth"] < 0.9 * mem["model_bytes"], (layout, k, mem)
+
+
+def test_one_process_round_trip_and_errors_name_the_tensor(tmp_path):
+    """Without a layout: a plain model saves in Hugging Face's format and loads back; a
+    checkpoint of another shape is refused naming the tensor, and the model is left as it
+    was."""
+    import transformers
+    from torch_monarch import hf_checkpoint
+    from torch_monarch.checkpoint import CheckpointError
+    small = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    a = transformers.LlamaForCausalLM(small)
+    hf_checkpoint.save_pretrained(a, tmp_path / "a")
+    assert (tmp_path / "a" / "model.safetensors").exists() and (tmp_path / "a" / "config.json").exists()
+    b = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "a")
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    torch.manual_seed(1)
+    c = transformers.LlamaForCausalLM(small)
+    hf_checkpoint.load_pretrained(c, tmp_path / "a")
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, c.state_dict()[k]), k
+    wider = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"tensor 'model.embed_tokens.weight' is \[64, 32\] in .* the model has "
+                                              r"\[64, 48\]"):
+        hf_checkpoint.load_pretrained(wider, tmp_path / "a")
+    for k, v in wider.state_dict().items():
+        assert torch.equal(v, before[k]), k

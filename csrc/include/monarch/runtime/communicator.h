@@ -43,6 +43,9 @@ class ByteCounters {
 };
 
 class NcclBackend;  // nccl_backend.h (MONARCH_WITH_NCCL builds)
+namespace flight {
+struct GroupInfo;  // flight_recorder.h
+}
 
 // A collective in flight. Contract: until wait() returns, the input and output buffers
 // belong to the collective (do not read the output, do not modify the input). wait()
@@ -64,8 +67,12 @@ class Handle {
   // Records the collective in the trace (trace.h) once wait() succeeds, from now until then:
   // `kind` a string literal, `bytes` what this rank sent, `group` the group's name.
   Handle traced(const char* kind, double bytes, const std::string& group) &&;
+  // The group it runs on: a failure then says what the group's other members announced
+  // (flight_recorder.h) and dumps the flight recorder.
+  void set_group(std::shared_ptr<const flight::GroupInfo> group) { group_ = std::move(group); }
 
  private:
+  std::shared_ptr<const flight::GroupInfo> group_;
   compat::WorkPtr work_;
   std::function<void()> waiter_;  // instead of work_
   std::string what_;
@@ -182,9 +189,15 @@ class Communicator {
   // announcements of the same call; if some never come it throws, naming them and saying
   // that every rank must call it, instead of entering a collective that would wait out the
   // whole timeout. The store wait leaves nothing pending, so the group stays usable.
-  void expect_all(const std::string& what, std::chrono::milliseconds deadline = entry_timeout());
-  // expect_all's default deadline: MONARCH_ENTRY_TIMEOUT_S, else 60 s.
-  static std::chrono::milliseconds entry_timeout();
+  // While it waits, this rank's call is announced in the store (flight_recorder.h): a member
+  // whose own collective fails meanwhile names it. The default deadline is entry_timeout()
+  // of this group's collective timeout (the job's).
+  void expect_all(const std::string& what);
+  void expect_all(const std::string& what, std::chrono::milliseconds deadline);
+  // The entry checks' deadline: MONARCH_ENTRY_TIMEOUT_S when set, else half of `job_timeout`
+  // (so that the precise message of an entry check comes before any collective of the job
+  // times out).
+  static std::chrono::milliseconds entry_timeout(std::chrono::milliseconds job_timeout);
 
  private:
   enum class Op : int64_t { all_reduce = 1, all_reduce_average, all_reduce_max, reduce_scatter, all_gather,
@@ -196,7 +209,9 @@ class Communicator {
   // fingerprint so that a rank on CUDA and one on CPU fail here instead of hanging.
   void agree(Op op, const at::Tensor& t, int64_t root = -1, bool cuda = false);
   Handle make(compat::WorkPtr work, std::string what, std::function<void()> finish = {}) const {
-    return Handle(std::move(work), std::move(what), std::move(finish), failure_);
+    Handle handle(std::move(work), std::move(what), std::move(finish), failure_);
+    handle.set_group(info_);
+    return handle;
   }
   Handle all_reduce_bf16(at::Tensor buffer, bool average);
   // CUDA path (communicator.cpp). on_cuda: whether the call's tensors are CUDA tensors
@@ -218,6 +233,8 @@ class Communicator {
   int64_t step_ = 0;
   const char* phase_ = "a direct call";
   std::map<std::string, int64_t> expected_;  // expect_all calls per `what`
+  int64_t issued_ = 0;                        // collectives issued (the flight recorder's numbers)
+  std::shared_ptr<flight::GroupInfo> info_;   // announcements (with a store)
 };
 
 }  // namespace monarch
