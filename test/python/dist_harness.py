@@ -130,6 +130,15 @@ def launch_with_launcher(world_size, scenario, timeout=120, env=None, worker="wo
     return result
 
 
+def vm(field):
+    """A /proc/self/status memory field of this process in bytes (VmRSS, VmHWM, VmData)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def run_worker(main, *args):
     """A worker script's entry: exits with main(*args), or on an exception prints its
     traceback and one line naming it ("worker error: ..."), the line tests read, and exits 1."""

@@ -10,15 +10,7 @@ import sys
 
 import torch
 
-from dist_harness import run_worker
-
-
-def vm(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+from dist_harness import run_worker, vm
 
 
 def main(arg):
