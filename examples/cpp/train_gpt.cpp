@@ -6,7 +6,7 @@
 //   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt --pp 2 --zero 3
 //   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
 //
-// Flags: --plan FILE (use a saved plan), --save-plan FILE, --pp N --dp N --zero S
+// Flags (an unknown one is an error): --plan FILE (use a saved plan), --save-plan FILE, --tp 1, --pp N --dp N --zero S
 // --micro-batch N --schedule NAME --recompute none|selective|full (pins for the planner), --steps N, --layers N,
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
@@ -122,7 +122,26 @@ std::string arg(std::map<std::string, std::string>& args, const std::string& key
   return it == args.end() ? fallback : it->second;
 }
 
+// A flag's integer value; an error naming the flag when it is not one.
+int64_t int_arg(std::map<std::string, std::string>& args, const std::string& key, const std::string& fallback) {
+  const std::string text = arg(args, key, fallback);
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) {
+    throw std::invalid_argument("train_gpt: --" + key + " takes an integer, got '" + text + "'");
+  }
+  return value;
+}
+
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+const std::set<std::string> kFlags = {"plan", "save-plan", "tp", "pp", "dp", "zero", "micro-batch", "schedule",
+                                      "recompute", "steps", "layers", "trace", "torchscript"};
 
 }  // namespace
 
@@ -140,9 +159,32 @@ int main(int argc, char** argv) {
     std::cerr << "train_gpt: flag " << argv[argc - 1] << " has no value\n";
     return 2;
   }
+  // An unknown flag is an error, not ignored (a mistyped pin would run another layout).
+  for (const auto& [key, value] : args) {
+    if (kFlags.count(key) == 0) {
+      std::cerr << "train_gpt: unknown flag --" << key << " (known:";
+      for (const auto& f : kFlags) std::cerr << " --" << f;
+      std::cerr << ")\n";
+      return 2;
+    }
+  }
   Config c;
-  c.steps = std::stoll(arg(args, "steps", "5"));
-  c.layers = std::stoll(arg(args, "layers", "4"));
+  try {
+    c.steps = int_arg(args, "steps", "5");
+    c.layers = int_arg(args, "layers", "4");
+    // Tensor parallelism needs the module tree rewritten, which this frontend does not do yet.
+    if (int_arg(args, "tp", "1") != 1) {
+      throw std::invalid_argument("train_gpt: --tp " + arg(args, "tp") +
+                                  ": the C++ frontend does not split modules for tensor parallelism yet; tp must "
+                                  "be 1 (Python's parallelize does tp)");
+    }
+    for (const char* key : {"pp", "dp", "zero", "micro-batch"}) {
+      if (!arg(args, key).empty()) int_arg(args, key, "");
+    }
+  } catch (const std::invalid_argument& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
   const std::string torchscript = arg(args, "torchscript");
 
   try {
@@ -186,10 +228,10 @@ int main(int argc, char** argv) {
       monarch::planner::SearchOptions options;
       auto& pins = options.pins;
       pins.tp = 1;
-      if (!arg(args, "pp").empty()) pins.pp = std::stoll(arg(args, "pp"));
-      if (!arg(args, "dp").empty()) pins.dp = std::stoll(arg(args, "dp"));
-      if (!arg(args, "zero").empty()) pins.zero_stage = std::stoll(arg(args, "zero"));
-      if (!arg(args, "micro-batch").empty()) pins.micro_batch_size = std::stoll(arg(args, "micro-batch"));
+      if (!arg(args, "pp").empty()) pins.pp = int_arg(args, "pp", "");
+      if (!arg(args, "dp").empty()) pins.dp = int_arg(args, "dp", "");
+      if (!arg(args, "zero").empty()) pins.zero_stage = int_arg(args, "zero", "");
+      if (!arg(args, "micro-batch").empty()) pins.micro_batch_size = int_arg(args, "micro-batch", "");
       if (!arg(args, "recompute").empty()) pins.recompute = monarch::planner::recompute_from_string(arg(args, "recompute"));
       if (!arg(args, "schedule").empty()) pins.schedule = monarch::planner::schedule_from_string(arg(args, "schedule"));
       plan = monarch::planner::search(graph, monarch::planner::cluster_preset("cpu", world->size()), training,

@@ -194,3 +194,15 @@ def test_the_cpp_frontend_writes_a_trace_the_report_draws(tmp_path):
     text = html.read_text()
     assert text.count('class="timeline-row" data-kind="measured"') == 4
     assert 'class="bubble-measured"' in text and 'class="bubble-predicted"' in text
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tpp", "2"], "unknown flag --tpp (known: "),
+    (["--tp", "2"], "--tp 2: the C++ frontend does not split modules for tensor parallelism yet; tp must be 1"),
+    (["--pp", "two"], "--pp takes an integer, got 'two'"),
+])
+def test_a_mistyped_or_unsupported_flag_is_refused_not_ignored(flags, message):
+    """Before, an unknown flag was ignored: `train_gpt --tp 2` ran pp=1 dp=4 tp=1 without a word."""
+    r = subprocess.run([BINARY, *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr, r.stderr
