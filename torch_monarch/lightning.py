@@ -12,10 +12,15 @@ parallelism splits its layers in place) and wrapped by our data-parallel engine,
 builds the optimizers from ``configure_optimizers``, so they step on this rank's parameters.
 Lightning's loop then calls ``training_step`` through the wrapper, as with DDP.
 
-Layouts: Lightning builds its optimizers from the module's own parameters, so the layouts whose
-parameters stay in the module are offered: data parallelism, tensor parallelism and their mix
-(``zero_stage=0``, ``pp=1`` unless a plan says otherwise, which is refused). A split output head
-gathers its logits, since ``training_step`` computes its loss on whole rows.
+Layouts: data parallelism, ZeRO-1/2/3, tensor parallelism and their mixes (``pp=1``: Lightning's
+loop calls ``training_step`` once per batch, which a pipeline schedule would have to own; a plan
+or pin with pp > 1 is refused). Lightning builds its optimizers from the module's own
+parameters (``configure_optimizers``); under ZeRO each optimizer is then pointed at this rank's
+shards of them, parameter by parameter (same groups and hyperparameters, state still empty), as
+Lightning's FSDP strategy builds its optimizers over the sharded parameters. A split output head
+gathers its logits, since ``training_step`` computes its loss on whole rows. Gradient clipping by
+Lightning (``gradient_clip_val``) sees the module's parameters, whose gradients ZeRO keeps in
+the shards: refused under ZeRO.
 
 Checkpoints: the model and the optimizer are saved by ``torch_monarch.checkpoint`` (every rank
 writes what it holds, in any layout) in a directory beside the Lightning checkpoint file, which
@@ -40,13 +45,10 @@ class MonarchStrategy(DDPStrategy):
         """``pins``: ``parallelize``'s (``tp``, ``dp``, ``micro_batch``, ``sequence_parallel``,
         ``recompute``, ...); ``plan``: a saved plan to run instead of planning."""
         super().__init__(process_group_backend=process_group_backend)
-        for key in ("pp", "zero_stage"):
-            if key in pins and pins[key] not in (None, 1 if key == "pp" else 0):
-                raise ValueError(f"MonarchStrategy: {key}={pins[key]}: Lightning builds its optimizers from the "
-                                 "module's own parameters, so only layouts that keep them there run (zero_stage=0, "
-                                 "pp=1)")
+        if pins.get("pp") not in (None, 1):
+            raise ValueError(f"MonarchStrategy: pp={pins['pp']}: Lightning's loop calls training_step once per "
+                             "batch, which a pipeline schedule would have to own; only pp=1 runs")
         pins.setdefault("pp", 1)
-        pins.setdefault("zero_stage", 0)
         self._pins, self._global_batch, self._example, self._plan = pins, global_batch, example_input, plan
         self.parallel_model = None
 
@@ -54,9 +56,9 @@ class MonarchStrategy(DDPStrategy):
         import torch_monarch
         torch_monarch.init()  # joins the process group Lightning made
         if self._plan is not None:
-            if self._plan.mesh.pp != 1 or self._plan.zero_stage != 0:
-                raise ValueError(f"MonarchStrategy: the plan has pp={self._plan.mesh.pp} zero_stage="
-                                 f"{self._plan.zero_stage}; Lightning's optimizers need zero_stage=0 and pp=1")
+            if self._plan.mesh.pp != 1:
+                raise ValueError(f"MonarchStrategy: the plan has pp={self._plan.mesh.pp}; Lightning's loop runs "
+                                 "pp=1 only")
             self.parallel_model = torch_monarch.parallelize(model, plan=self._plan)
             return self.parallel_model
         example = self._example if self._example is not None else getattr(model, "example_input_array", None)
@@ -70,6 +72,32 @@ class MonarchStrategy(DDPStrategy):
         self.parallel_model = torch_monarch.parallelize(model, example_input=example, global_batch=global_batch,
                                                         **pins)
         return self.parallel_model
+
+    def setup_optimizers(self, trainer):
+        super().setup_optimizers(trainer)
+        pm = self.parallel_model
+        if pm is None or pm.dp == 1 or pm.zero_stage == 0:
+            return
+        if trainer.gradient_clip_val:
+            raise ValueError("MonarchStrategy: gradient_clip_val with ZeRO (zero_stage="
+                             f"{pm.zero_stage}): Lightning clips the module's parameters' gradients, which ZeRO "
+                             "keeps in this rank's shards; clip in the module (on_before_optimizer_step) or use "
+                             "zero_stage=0")
+        # configure_optimizers stepped on the module's own parameters; ZeRO steps on this
+        # rank's shards of them (the same names).
+        shards = dict(pm.named_parameters())
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                params = []
+                for p in group["params"]:
+                    name = names.get(id(p))
+                    if name is None or name not in shards:
+                        raise ValueError(f"MonarchStrategy: an optimizer steps on a tensor that is not one of "
+                                         f"the module's parameters ({name or tuple(p.shape)}): under ZeRO each "
+                                         "optimizer must step on the module's parameters")
+                    params.append(shards[name])
+                group["params"] = params
 
     @property
     def distributed_sampler_kwargs(self):

@@ -88,6 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", choices=["ddp", "monarch"], required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--zero", type=int, help="MonarchStrategy's zero_stage pin (default: the planner's)")
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-every", type=int, default=0)
@@ -101,7 +102,7 @@ def main():
         strategy = DDPStrategy(process_group_backend="gloo")
     else:
         from torch_monarch.lightning import MonarchStrategy
-        strategy = MonarchStrategy(tp=args.tp)
+        strategy = MonarchStrategy(tp=args.tp, **({"zero_stage": args.zero} if args.zero is not None else {}))
     callbacks = []
     if args.save_every:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.save_every,
@@ -117,8 +118,10 @@ def main():
     torch.distributed.all_gather_object(losses, module.losses)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in state.items()}, os.path.join(args.out, "state.pt"))
+        pm = getattr(trainer.strategy, "parallel_model", None)
+        plan = pm.plan.summary() if pm is not None and pm.plan is not None else None
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"losses": losses, "global_step": trainer.global_step}, f)
+            json.dump({"losses": losses, "global_step": trainer.global_step, "plan": plan}, f)
     # Lightning leaves its Gloo process group to interpreter exit, where tearing it down has
     # aborted a DDPStrategy job once in CI ("terminate called without an active exception"
     # after fit had ended): shut it down here, on every rank.

@@ -47,6 +47,16 @@ def test_planned_layout_matches_ddp(tmp_path):
     assert_same(monarch, ddp, "planner's layout (dp=4)")
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_layouts_match_ddp(tmp_path, zero):
+    """ZeRO over 4 replicas: the optimizer Lightning built from configure_optimizers steps on
+    this rank's shards."""
+    ddp = job(tmp_path, "ddp", "--strategy", "ddp")
+    sharded = job(tmp_path, f"zero{zero}", "--strategy", "monarch", "--zero", str(zero))
+    assert f"zero={zero}" in sharded["plan"] and "dp=4" in sharded["plan"], sharded["plan"]
+    assert_same(sharded, ddp, f"ZeRO-{zero} dp=4")
+
+
 def test_tensor_parallel_layout_matches_ddp_on_its_replicas(tmp_path):
     """tp=2 x dp=2 on 4 processes: the tp pair of a replica reads the same batch, so it
     trains as DDPStrategy on 2 processes."""
