@@ -121,10 +121,10 @@ class ParallelModel(nn.Module):
         self._local = list(layout.stages_of(pp_rank))  # the engine's rule (checked against the schedule)
         self._hook_stages = False
         if self.pp > 1:
-            from .pipeline import trace_problem
-            problem = trace_problem(model, units)
+            from .pipeline import trace_for_cut
+            graph, problem = trace_for_cut(model, units)
             if problem is None:
-                stages = split_model(model, layout.num_stages, units, list(layout.block_stage))
+                stages = split_model(model, layout.num_stages, units, list(layout.block_stage), graph=graph)
             else:
                 # A forward torch.fx cannot trace (Hugging Face models): cut by module hooks,
                 # which needs the model as read on an example batch.

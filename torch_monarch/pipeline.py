@@ -70,17 +70,22 @@ def trace_problem(model: nn.Module, units=None):
     needs a torch.fx trace of its forward with the blocks as leaves. The answer names the
     error and the line of the model's code that stopped the trace (data-dependent control
     flow such as ``assert x.shape[1] <= n``, calls fx cannot follow)."""
+    return trace_for_cut(model, units)[1]
+
+
+def trace_for_cut(model: nn.Module, units=None):
+    """(graph, None) with the torch.fx trace ``split_model`` cuts, or (None, why not) as
+    ``trace_problem`` says it: one trace serves both."""
     import traceback
     units = list(_default_units(model) if units is None else units)
     try:
-        _Tracer(units).trace(model)
-        return None
+        return _Tracer(units).trace(model), None
     except Exception as e:  # noqa: BLE001 - any failure of the user's forward under fx is the answer
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename
                   and "/torch_monarch/" not in f.filename]
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
         message = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"torch.fx could not trace {type(model).__name__}.forward: {type(e).__name__}: {message}{where}"
+        return None, f"torch.fx could not trace {type(model).__name__}.forward: {type(e).__name__}: {message}{where}"
 
 
 def boundaries_from_sizes(sizes):
@@ -117,13 +122,14 @@ class StageModules:
         return [u for u, s in zip(self.units, self.unit_stage) if s == stage]
 
 
-def split_model(model: nn.Module, num_stages: int, units=None, unit_stage=None) -> StageModules:
+def split_model(model: nn.Module, num_stages: int, units=None, unit_stage=None, graph=None) -> StageModules:
     """Cuts ``model`` into ``num_stages`` stages at block boundaries.
 
     ``units``: the blocks, in execution order (default: the entries of the largest
     ``nn.ModuleList``). ``unit_stage[i]``: the stage of block i (non-decreasing, every stage
     used; default: as even as possible). Code before the first block joins stage 0, code
-    after the last joins the last stage.
+    after the last joins the last stage. ``graph``: the model's trace from ``trace_for_cut``
+    with the same units (traced here when not given).
     """
     units = list(_default_units(model) if units is None else units)
     if not units:
@@ -150,7 +156,8 @@ def split_model(model: nn.Module, num_stages: int, units=None, unit_stage=None) 
             raise ValueError(f"pipeline: block {i} ({type(u).__name__}) is not a submodule of the model")
         unit_index[names[id(u)]] = i
 
-    graph = _Tracer(units).trace(model)
+    if graph is None:
+        graph = _Tracer(units).trace(model)
     # Stage of every node: the stage of the last block seen (stage 0 before the first).
     stage_of = {}
     current = 0
