@@ -389,7 +389,8 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     batch, seq = _batch_and_seq(example_input)
     recorder = _Recorder(names, param_ids)
     recorder.weight_ids = weight_ids
-    recorder.blocks = {n for n, m in model.named_modules() if id(m) in {id(b) for b in blocks_of(model)}}
+    block_ids = {id(b) for b in blocks_of(model)}  # (once: finding them walks the whole model)
+    recorder.blocks = {n for n, m in model.named_modules() if id(m) in block_ids}
     recorder.records = records
     with _any_batch_size():
         _capture(model, example_input, recorder, tensors)
