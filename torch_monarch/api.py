@@ -309,7 +309,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     if world.rank == 0:
         try:
             training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param,
-                                        cut_problem=cut_problem, compiled=compile is not None)
+                                        cut_problem=cut_problem, compiled=compile not in (None, False))
             with progress("api", "planning", layers=len(graph), devices=world.size):
                 p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
             get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)

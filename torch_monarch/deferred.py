@@ -59,6 +59,9 @@ def materialize(module: nn.Module, init_fn=None, skip=(), root=None, buffers_onl
                 if id(t) not in replaced:
                     data = _blank(t)
                     new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    # What was noted on the meta tensor stays (how tensor parallelism cut it:
+                    # a shard must not be taken for a replicated weight).
+                    new.__dict__.update(getattr(t, "__dict__", {}))
                     replaced[id(t)] = (t, new)  # the old tensor kept alive: its id stays unique
                 table[key] = replaced[id(t)][1]
                 own = True

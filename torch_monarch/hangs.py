@@ -23,16 +23,19 @@ def load(directory):
     dumps = {}
     for path in sorted(glob.glob(os.path.join(directory, "rank*.json"))):
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 d = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"hangs: {path} is not readable JSON ({e})") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
+        if not isinstance(d, dict) or d.get("format") != FORMAT or "rank" not in d or \
+                not isinstance(d.get("calls"), list):
             raise ValueError(f"hangs: {path} is not a {FORMAT} dump")
         dumps[int(d["rank"])] = d
     if not dumps:
         raise ValueError(f"hangs: no flight recorder dumps (rank*.json) in {directory}")
-    return dumps
+    # A directory reused across torchrun restarts: the newest attempt's dumps only.
+    newest = max(d.get("attempt", 0) for d in dumps.values())
+    return {r: d for r, d in dumps.items() if d.get("attempt", 0) == newest}
 
 
 def _describe(call):
@@ -52,10 +55,12 @@ def divergences(dumps):
             g["by_rank"].setdefault(rank, {})[call["seq"]] = call
     findings = []
     for key, g in groups.items():
-        members = [r for r in g["ranks"] if r in dumps]
+        # Members whose dump holds calls of this group (a rank's ring, shared by all its groups,
+        # may have dropped every call of a rarely used one: nothing can be said of it).
+        members = [r for r in g["ranks"] if r in dumps and g["by_rank"].get(r)]
         if len(members) < 2:
             continue
-        by_rank = {r: g["by_rank"].get(r, {}) for r in members}
+        by_rank = {r: g["by_rank"][r] for r in members}
         held = [min(calls) for calls in by_rank.values() if calls]
         start = max(held) if held else 0
         last = max((max(calls) for calls in by_rank.values() if calls), default=-1)

@@ -150,8 +150,9 @@ def save_pretrained(model, path, *, config=None):
                            "weight_map": {n: file_of[owner[n]] for n in sorted(names)}}, f, indent=2)
         elif os.path.exists(os.path.join(path, INDEX)):
             os.remove(os.path.join(path, INDEX))  # a stale index of an earlier save
-        for name in os.listdir(path):  # shards of an earlier save with another file count
-            if name.startswith("model-") and name.endswith(".safetensors") and name not in file_of.values():
+        for name in os.listdir(path):  # files of an earlier save (another file count, or one file)
+            stale_shard = name.startswith("model-") and name.endswith(".safetensors")
+            if (stale_shard or name == SINGLE) and name not in file_of.values():
                 os.remove(os.path.join(path, name))
         if config is not None:
             config.save_pretrained(path)

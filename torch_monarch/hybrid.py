@@ -142,9 +142,10 @@ class ParallelModel(nn.Module):
             self.num_stages = len(stages)
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
-                for st in self._local:
-                    deferred.materialize(stages.modules[st], init_fn,
-                                         skip=stages.units_of(st) if per_unit else ())
+                with _shard_init_rng(mesh, self.tp):
+                    for st in self._local:
+                        deferred.materialize(stages.modules[st], init_fn,
+                                             skip=stages.units_of(st) if per_unit else ())
                 stages.tied = [(n, users, _resolve(stages.modules, users, n, p)) for n, users, p in stages.tied]
             bad = [(n, s) for n, s, _ in stages.tied if not s <= {0, self.num_stages - 1}]
             if bad:
@@ -158,7 +159,8 @@ class ParallelModel(nn.Module):
             stage_modules = stages.modules
         else:
             if self.deferred:
-                deferred.materialize(model, init_fn, skip=units if per_unit else ())
+                with _shard_init_rng(mesh, self.tp):
+                    deferred.materialize(model, init_fn, skip=units if per_unit else ())
             self.num_stages = 1
             self._tied = []
             self._stage_units = {0: units}
@@ -460,6 +462,18 @@ class ParallelModel(nn.Module):
         return out
 
 
+def _shard_init_rng(mesh, tp):
+    """While a model on meta is materialized after tp split it: the default generator seeded
+    per tp rank (as tensor_parallel's per-rank generator is), so the ranks' shards of a split
+    weight are different draws, not copies of one another (the weights tp leaves whole are
+    made equal from tp rank 0 afterwards). Restored after."""
+    import contextlib
+    if tp == 1:
+        return contextlib.nullcontext()
+    from .tensor_parallel_modules import TensorParallelRNG
+    return TensorParallelRNG(torch.initial_seed(), mesh.coordinate("tp")).fork()
+
+
 def _resolve(stage_modules, users, name, param):
     """The parameter called ``name`` as a local stage now holds it (materializing replaced the
     meta object); the meta one where no local stage holds it."""
@@ -523,7 +537,9 @@ def _model_loss(out):
 def _zero_loss(out, value):
     """The loss of a micro-batch without label tokens: 0, with a backward through the model's
     other outputs (its logits) that gives every parameter a zero gradient. The model's own
-    loss there is 0/0 (NaN), whose backward would make every gradient NaN even scaled by 0."""
+    loss there is 0/0 (NaN), whose backward would make every gradient NaN even scaled by 0.
+    A model returning its loss alone (no other output to build the zero from) still gets
+    ``value * 0``: NaN there."""
     if isinstance(out, dict):  # Hugging Face's ModelOutput is one
         parts = [t.sum() * 0.0 for k, t in out.items() if k != "loss" and isinstance(t, torch.Tensor)
                  and t.is_floating_point() and t.requires_grad]
@@ -609,10 +625,6 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     from .interop import refuse_foreign_layout
     refuse_foreign_layout(model, "torch_monarch.parallelize")
     compile_options = _compile.compile_options(compile)
-    if init_fn is None and callable(getattr(model, "_init_weights", None)):
-        # A Hugging Face model built on meta is initialized as its own constructor would
-        # (its _init_weights: weights, and buffers such as rotary tables).
-        init_fn = model._init_weights
     if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
@@ -629,6 +641,11 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                                           bucket_cap_mb=bucket_cap_mb or 25.0, **(embeddings or {}))
     if embeddings is not None:
         raise ValueError("parallelize: embeddings= given, but the model holds no embedding collection")
+    if init_fn is None and any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+                               for c in type(model).__mro__):
+        # A Hugging Face model built on meta is initialized as its own constructor would
+        # (its _init_weights(module): weights, and buffers such as rotary tables).
+        init_fn = model._init_weights
     info = None
     if profile is not None and (plan is not None or example_input is None):
         raise ValueError("parallelize: profile= is what the planner plans from; it needs example_input= and "

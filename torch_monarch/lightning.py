@@ -67,6 +67,9 @@ class MonarchStrategy(DDPStrategy):
                              "`example_input_array` on the LightningModule, or pass example_input= or plan=")
         global_batch = self._global_batch or _batch_size(example) * self.world_size
         pins = dict(self._pins)
+        trainer = getattr(model, "_trainer", None)
+        if "zero_stage" not in pins and trainer is not None and trainer.gradient_clip_val:
+            pins["zero_stage"] = 0  # Lightning clips the module's own gradients: no ZeRO
         if "tp_plan" not in pins:
             pins["tp_plan"] = _whole_logits_plan(model)
         self.parallel_model = torch_monarch.parallelize(model, example_input=example, global_batch=global_batch,

@@ -436,6 +436,10 @@ class ParallelMultiheadAttention(nn.Module):
     ``add_zero_attn``, ``kdim``/``vdim``); attention weights, when asked for, are averaged
     over all heads (an all-reduce) or gathered per head."""
 
+    # What nn.TransformerEncoderLayer reads to choose its fused inference kernel, which would
+    # run the shards without the output all-reduce: never taken with this module.
+    _qkv_same_embed_dim = False
+
     def __init__(self, mha, group, name="attention", shared=None, rng=None):
         super().__init__()
         tp = group.size
@@ -446,9 +450,9 @@ class ParallelMultiheadAttention(nn.Module):
         self.embed_dim, self.kdim, self.vdim = mha.embed_dim, mha.kdim, mha.vdim
         self.total_heads, self.num_heads, self.head_dim = mha.num_heads, mha.num_heads // tp, mha.head_dim
         self.dropout, self.batch_first, self.add_zero_attn = mha.dropout, mha.batch_first, mha.add_zero_attn
-        self._qkv_same_embed_dim = mha._qkv_same_embed_dim
+        self._fused_qkv = mha._qkv_same_embed_dim
         self._original = type(mha)
-        if self._qkv_same_embed_dim:
+        if self._fused_qkv:
             self.in_proj_weight = _shard_param(mha.in_proj_weight, 0, group, 3, name, shared)
             for key in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
                 self.register_parameter(key, None)
@@ -467,7 +471,7 @@ class ParallelMultiheadAttention(nn.Module):
         # nn.MultiheadAttention's: xavier-uniform projections with the whole weight's fans
         # (fan_in E, fan_out 3E for the fused q|k|v), zero biases, xavier-normal bias_k/v.
         with torch.no_grad():
-            if self.in_proj_weight is not None:
+            if self._fused_qkv:
                 bound = math.sqrt(6.0 / (self.embed_dim + 3 * self.embed_dim))
                 self.in_proj_weight.uniform_(-bound, bound)
             else:
@@ -483,7 +487,7 @@ class ParallelMultiheadAttention(nn.Module):
                     t.normal_(0.0, math.sqrt(2.0 / (2 * self.embed_dim)))
 
     def _projections(self):
-        if self.in_proj_weight is not None:
+        if self._fused_qkv:
             w = self.in_proj_weight.chunk(3)
         else:
             w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
@@ -564,8 +568,10 @@ class ParallelMultiheadAttention(nn.Module):
                 if mask is not None:
                     scores = scores + mask
                 probs = scores.softmax(-1)
-                weights = probs
-                out = F.dropout(probs, p) @ v if p > 0 else probs @ v
+                if p > 0:
+                    probs = F.dropout(probs, p)
+                weights = probs  # (after dropout, as nn.MultiheadAttention returns them)
+                out = probs @ v
         out = out.permute(2, 0, 1, 3).reshape(length, batch, h * d)
         out = self.out_proj(out)
         if weights is not None:

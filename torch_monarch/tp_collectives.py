@@ -50,7 +50,9 @@ def _run(x, group, dim, kind):
 @torch.library.custom_op("monarch::tp_collective", mutates_args=())
 def _tp_collective(x: torch.Tensor, group: int, dim: int, kind: int) -> torch.Tensor:
     out = _run(x, _GROUPS[group], dim, kind)
-    return out.clone() if out is x else out  # an operator's output never aliases its input
+    # An operator's output never aliases its input: this rank's chunk can be a view of it.
+    same = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return out.clone() if same else out
 
 
 @_tp_collective.register_fake

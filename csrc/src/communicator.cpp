@@ -86,14 +86,15 @@ void Handle::wait() {
     error = e.what();
   }
   std::string message = what_ + " failed: " + error;
+  const bool first = failure_ && failure_->empty();
+  if (first) flight::dump(message);  // before reading the store, which may be slow or gone
   if (group_) {
     const std::string others = flight::others(*group_);
     if (!others.empty()) message += "\n  meanwhile " + others;
   }
-  if (failure_ && failure_->empty()) {
+  if (first) {
     *failure_ = message;
     log::error("comm", message);  // once per group: later calls repeat it
-    flight::dump(message);
   }
   TORCH_CHECK(false, message);
 }
@@ -233,6 +234,12 @@ void Communicator::agree(Op op, const at::Tensor& t, int64_t root, bool cuda) {
                        std::chrono::system_clock::now().time_since_epoch()).count();
     flight::record(std::move(call));
   }
+  if (announced_ && info_) {
+    // An entry check that gave up left its note for the peers; this rank went on (it caught
+    // the error): the note no longer says where it is.
+    flight::withdraw(*info_);
+    announced_ = false;
+  }
   if (!check_) return;
   auto mine = at::zeros({kWords}, at::kLong);
   int64_t* w = mine.data_ptr<int64_t>();
@@ -338,6 +345,7 @@ void Communicator::expect_all(const std::string& what, std::chrono::milliseconds
   msg << ") but rank" << (missing.size() > 1 ? "s" : "");
   for (int r : missing) msg << " " << r;
   const char* env = std::getenv("MONARCH_ENTRY_TIMEOUT_S");
+  announced_ = info_ != nullptr;  // left for the peers to read; withdrawn at this rank's next collective
   msg << " did not call it within " << deadline.count() / 1000.0 << " s ("
       << ((env != nullptr && *env != '\0') ? "MONARCH_ENTRY_TIMEOUT_S"
                                             : "half the job's timeout; MONARCH_ENTRY_TIMEOUT_S sets it")

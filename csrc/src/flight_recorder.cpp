@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -98,9 +99,20 @@ namespace {
 // What dump() does, without logging (the termination watcher may run while the process is
 // exiting and its loggers are being destroyed: it writes to stderr itself). Returns the
 // path, "" when not configured, or "!" + path when the write failed.
-std::string write_dump(const std::string& reason) {
+std::string write_dump(const std::string& why) {
   const char* dir = std::getenv("MONARCH_FLIGHT_RECORDER_DIR");
   if (dir == nullptr || *dir == '\0') return "";
+  // A later dump (the launcher's SIGTERM after this rank's own failure) keeps the first
+  // reason, the root cause, in front.
+  static std::mutex reason_mutex;
+  static std::string first;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex);
+    if (first.empty()) first = why;
+    reason = first == why ? why : first + "\nthen: " + why;
+  }
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   int rank;
   int64_t dropped;
   {
@@ -116,7 +128,8 @@ std::string write_dump(const std::string& reason) {
       path + "." + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id())) + ".partial";
   std::ofstream out(partial);
   out << "{\"format\": \"monarch-flight-recorder\", \"version\": 1, \"rank\": " << rank
-      << ", \"pid\": " << ::getpid() << ", \"reason\": " << json_string(reason) << ", \"dropped\": " << dropped
+      << ", \"pid\": " << ::getpid() << ", \"attempt\": " << (attempt != nullptr ? std::atoll(attempt) : 0)
+      << ", \"reason\": " << json_string(reason) << ", \"dropped\": " << dropped
       << ", \"calls\": [";
   for (size_t i = 0; i < calls.size(); ++i) {
     const Call& c = calls[i];
@@ -202,7 +215,16 @@ void write_stderr(const std::string& text) {
   }
 }
 
+pid_t watcher_pid = 0;  // the process whose thread reads the pipe
+
 void on_sigterm(int) {
+  if (::getpid() != watcher_pid) {
+    // A child forked after init (multiprocessing) inherited this handler but not the
+    // watcher thread: it dies of SIGTERM as it would have, and never wakes its parent's.
+    std::signal(SIGTERM, SIG_DFL);
+    std::raise(SIGTERM);
+    return;
+  }
   const char byte = 'T';
   [[maybe_unused]] ssize_t n = ::write(termination_pipe[1], &byte, 1);
 }
@@ -218,25 +240,28 @@ void report_termination() {
     }
   }
   std::ostringstream msg;
-  msg << "rank " << rank << " was terminated (SIGTERM: the launcher stops the job after another rank failed)";
+  msg << "rank " << rank
+      << " was terminated (SIGTERM: the launcher stopping the job, e.g. after another rank failed, or a "
+         "scheduler's preemption)";
   const auto calls = snapshot();
   if (!calls.empty()) {
     const Call& c = calls.back();
     msg << "; its last collective: " << c.op << " of " << c.numel << " " << c.dtype << " on group '" << c.group
         << "' (call #" << c.seq << ") in " << c.phase << ", step " << c.step;
   }
+  // What needs no store first (the store may be slow or gone): the line and the dump.
+  const std::string prefix = "[rank " + std::to_string(rank) + "] [flight] [error] ";
+  write_stderr(prefix + msg.str());
+  const std::string line = dump_line(write_dump(msg.str()));
+  if (!line.empty()) write_stderr(prefix + line);
   std::string seen;
   for (const auto& g : groups) {
     const std::string o = others(*g);
     if (!o.empty() && seen.find(o) == std::string::npos) {
-      msg << "\n  on group '" << g->name << "': " << o;
+      write_stderr(prefix + "on group '" + g->name + "': " + o);
       seen += o;
     }
   }
-  const std::string text = msg.str();
-  write_stderr("[rank " + std::to_string(rank) + "] [flight] [error] " + text);
-  const std::string line = dump_line(write_dump(text));
-  if (!line.empty()) write_stderr("[rank " + std::to_string(rank) + "] [flight] [error] " + line);
 }
 
 }  // namespace
@@ -246,7 +271,8 @@ void install_termination_report() {
   std::call_once(once, [] {
     struct sigaction current {};
     if (sigaction(SIGTERM, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
-    if (::pipe(termination_pipe) != 0) return;
+    if (::pipe2(termination_pipe, O_CLOEXEC) != 0) return;
+    watcher_pid = ::getpid();
     std::atexit([] { exiting.store(true); });
     std::thread([] {
       char byte;
@@ -256,24 +282,23 @@ void install_termination_report() {
         if (n < 0 && errno == EINTR) continue;
         return;
       }
-      // The report reads the store, which may be gone: whatever happens, the process dies of
-      // SIGTERM within 5 s, as the launcher expects.
-      std::thread([] {
-        std::this_thread::sleep_for(std::chrono::seconds(5));
-        std::signal(SIGTERM, SIG_DFL);
-        std::raise(SIGTERM);
-      }).detach();
-      if (!exiting.load()) {
-        try {
-          report_termination();
-        } catch (...) {
-        }
+      // The report reads the store, which may be slow or gone: whatever happens, the process
+      // dies of SIGTERM within 2 s, as the launcher expects.
+      try {
+        std::thread([] {
+          std::this_thread::sleep_for(std::chrono::seconds(2));
+          std::signal(SIGTERM, SIG_DFL);
+          std::raise(SIGTERM);
+        }).detach();
+        if (!exiting.load()) report_termination();
+      } catch (...) {
       }
       std::signal(SIGTERM, SIG_DFL);
       std::raise(SIGTERM);
     }).detach();
     struct sigaction action {};
     action.sa_handler = on_sigterm;
+    action.sa_flags = SA_RESTART;  // the interrupted thread's system calls go on as before
     sigemptyset(&action.sa_mask);
     sigaction(SIGTERM, &action, nullptr);
   });

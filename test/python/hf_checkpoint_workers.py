@@ -36,6 +36,9 @@ def main(arg):
     pm = torch_monarch.parallelize(model, example_input=example, global_batch=batches[0]["input_ids"].shape[0],
                                    cluster=torch_monarch.planner.cluster("cpu", 4), **pins)
     laid_out = vm("VmHWM") - hwm_before
+    # What this rank's shards of split weights were initialized to (before the load): tp ranks
+    # must draw different values, not copies of one another.
+    split = sorted((n, float(p.detach().double().sum())) for n, p in pm.named_parameters() if pm.tp_spec(n))
     hf_checkpoint.load_pretrained(pm, source)
     memory = {"model_bytes": model_bytes, "peak_growth": vm("VmHWM") - hwm_before, "laid_out_growth": laid_out,
               "held": sum(p.numel() * p.element_size() for p in pm.parameters())}
@@ -49,7 +52,8 @@ def main(arg):
         opt.step()
     hf_checkpoint.save_pretrained(pm, target)
     with open(os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "memory": memory, "plan": pm.plan.summary()}, f)
+        json.dump({"losses": losses, "memory": memory, "plan": pm.plan.summary(), "init_sums": split,
+                   "coords": [pm.mesh.coordinate(a) for a in ("pp", "dp", "tp")]}, f)
     return 0
 
 

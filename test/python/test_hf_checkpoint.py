@@ -170,3 +170,18 @@ def test_one_process_round_trip_and_errors_name_the_tensor(tmp_path):
         hf_checkpoint.load_pretrained(wider, tmp_path / "a")
     for k, v in wider.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_tp_ranks_initialize_different_shards_of_a_meta_model(tmp):
+    """Built on meta and split by tp, each rank initializes its shards: tp ranks of a stage
+    must draw different values (the default generator is seeded alike across tp)."""
+    ranks = round_trip(tmp, "tp2_pp2")[3]
+    by_stage = {}
+    for r in ranks:
+        pp, _, tp = r["coords"]
+        by_stage.setdefault(pp, {})[tp] = dict(r["init_sums"])
+    for pp, shards in by_stage.items():
+        assert set(shards) == {0, 1}, shards.keys()
+        assert shards[0], f"stage {pp}: no split weights"
+        same = [n for n in shards[0] if shards[0][n] == shards[1].get(n)]
+        assert not same, f"stage {pp}: tp ranks initialized {same} alike"

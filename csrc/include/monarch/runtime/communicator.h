@@ -234,6 +234,7 @@ class Communicator {
   const char* phase_ = "a direct call";
   std::map<std::string, int64_t> expected_;  // expect_all calls per `what`
   int64_t issued_ = 0;                        // collectives issued (the flight recorder's numbers)
+  bool announced_ = false;                    // a failed entry check's note is still in the store
   std::shared_ptr<flight::GroupInfo> info_;   // announcements (with a store)
 };
 
