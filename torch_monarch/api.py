@@ -34,7 +34,7 @@ def _pins(pins):
     return out
 
 
-def runtime_training(info, global_batch, dtype=None, pins=None, deferred=False, param_dtype=None,
+def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None,
                      cut_problem=None, compiled=False):
     """The TrainingConfig the planner searches under, restricted to what the runtime builds:
     recomputation (``full`` or ``selective``) only for models with blocks, sequence
@@ -286,8 +286,6 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     ``compile``: the blocks will run compiled (torch_monarch.compile)."""
     from . import _runtime
     from .cluster import detect, probe
-    from .deferred import is_deferred
-    deferred = is_deferred(model)
     if "recompute" in pins:
         from .recompute import check_mode
         check_mode(pins["recompute"])
@@ -308,7 +306,7 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
     text, error = None, ""
     if world.rank == 0:
         try:
-            training = runtime_training(info, global_batch, dtype, _pins(pins), deferred, param_dtype=param,
+            training = runtime_training(info, global_batch, dtype, _pins(pins), param_dtype=param,
                                         cut_problem=cut_problem, compiled=compile not in (None, False))
             with progress("api", "planning", layers=len(graph), devices=world.size):
                 p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))

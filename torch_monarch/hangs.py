@@ -15,7 +15,6 @@ import json
 import os
 
 FORMAT = "monarch-flight-recorder"
-_SIGNATURE = ("op", "numel", "dtype", "phase", "step")
 
 
 def load(directory):
