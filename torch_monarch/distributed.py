@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import compat
 
 compat.check_supported()  # before the runtime extension loads: a torch outside 2.9-2.14 is named
+compat.guard_gloo_exit()
 from . import _runtime  # noqa: E402
 from . import log as _log  # noqa: E402
 
