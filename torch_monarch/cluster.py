@@ -113,6 +113,15 @@ def cpu_overlap_contention(ranks_per_node, cores):
     return 1.0 if ranks_per_node >= cores else 0.0
 
 
+def zero_overlap_pays_here():
+    """The planner's zero_overlap rule (planner::zero_overlap_pays: overlap contention below 1)
+    for this machine without measuring anything: GPUs overlap (their presets' contention is
+    below 1); CPU ranks only with a core to spare per rank (cpu_overlap_contention)."""
+    if torch.cuda.is_available():
+        return True
+    return cpu_overlap_contention(_env_int("LOCAL_WORLD_SIZE", 1), float(_cores())) < 1.0
+
+
 def detect(world_size=None, ranks_per_node=None, measure=True):
     """The planner's Cluster for this job: world size and ranks per node from torchrun's
     environment (WORLD_SIZE, LOCAL_WORLD_SIZE), device memory (CUDA properties, or on CPU

@@ -27,6 +27,7 @@ from . import recompute as _recompute
 from . import zero_bubble as _zero_bubble
 from . import planner as _planner
 from .data_parallel import DataParallel
+from .cluster import zero_overlap_pays_here
 from .distributed import device_mesh
 from .mixed_precision import CastParameters
 from .sharded import FullyShardedModule, _default_units, fully_shard
@@ -226,7 +227,8 @@ class ParallelModel(nn.Module):
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
                                                init_fn=init_fn, mixed_precision=mixed_precision,
                                                reduction=layout.dp_reduction,
-                                               inter_node_compression=layout.inter_node_compression)
+                                               inter_node_compression=layout.inter_node_compression,
+                                               overlap=layout.zero_overlap)
                 self._composition.set_fully_shard(s, self._wrapped[s]._engine)
             else:
                 self._wrapped[s] = m
@@ -692,6 +694,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 bucket_bytes=int(bucket_cap_mb * mib) if bucket_cap_mb else int(plan.dp_bucket_bytes),
                 block_names=block_names,
                 recompute=_recompute_kind(recompute if recompute is not None else plan.recompute),
+                zero_overlap=plan.zero_overlap,
                 # The plan's dp reduction holds while the override keeps the replicated engine.
                 **({"dp_reduction": plan.dp_reduction, "inter_node_compression": plan.inter_node_compression}
                    if zero_stage in (None, 0) and plan.zero_stage == 0 else {}))
@@ -707,7 +710,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             virtual_stages=virtual_stages or 1, block_stage=list(unit_stage) if unit_stage is not None else [],
             schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
             sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
-            block_names=block_names, recompute=_recompute_kind(recompute))
+            block_names=block_names, recompute=_recompute_kind(recompute),
+            zero_overlap=zero_overlap_pays_here())
     # The compute dtype: the plan's (or, laid out by hand, ``dtype=``); where it is not the
     # parameters' dtype the runtime computes in it with master weights in theirs.
     from .api import mixed_precision_for, mixed_precision_of, torch_dtype

@@ -78,6 +78,7 @@ build_transformer = _P.build_transformer
 restrict_cuts_to_blocks = _P.restrict_cuts_to_blocks
 cluster_preset = _P.cluster_preset
 cluster_preset_names = _P.cluster_preset_names
+zero_overlap_pays = _P.zero_overlap_pays
 search = _P.search
 evaluate_layout = _P.evaluate_layout
 validate = _P.validate

@@ -42,7 +42,8 @@ class FullyShardedModule(nn.Module):
     rank's shards."""
 
     def __init__(self, module, mesh, units, zero_stage, reshard_after_forward, mixed_precision, reduce_dtype,
-                 ignored_parameters=(), init_fn=None, reduction="flat", inter_node_compression=None):
+                 ignored_parameters=(), init_fn=None, reduction="flat", inter_node_compression=None,
+                 overlap=True):
         super().__init__()
         self.module = module
         self.mesh = mesh
@@ -79,6 +80,7 @@ class FullyShardedModule(nn.Module):
             options.reduce_dtype = str(reduce_dtype).replace("torch.", "")
         options.hierarchical = reduction == "hierarchical"
         options.inter_node_compression = inter_node_compression or "none"
+        options.overlap = bool(overlap)
         materialize = None
         if any(p.is_meta for group in groups for p in group):
             if any(p.is_meta for p in self.ignored_parameters):
@@ -210,7 +212,7 @@ def _tensors(output):
 def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
                 reshard_after_forward: bool = True, mixed_precision=None, reduce_dtype=None,
                 ignored_parameters=(), init_fn=None, reduction: str = "flat",
-                inter_node_compression: str = None) -> FullyShardedModule:
+                inter_node_compression: str = None, overlap: bool = None) -> FullyShardedModule:
     """Shards ``module`` over the mesh's ``dp`` axis.
 
     ``units``: submodules gathered and freed as one piece (default: the entries of the
@@ -238,6 +240,14 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     (rounded afresh from the fp32 shards each time) and the gradients (with error feedback:
     each rank keeps the residual of the chunks it sends, ``(nodes - 1) / world`` of the
     model in fp32). The plan's ``dp_reduction`` / ``inter_node_compression`` say the same.
+
+    ``overlap``: run the collectives behind computation (ZeRO-3 prefetches the next unit's
+    parameters; a unit's gradient reduction stays in flight while the next unit's backward
+    runs), or wait for each where it is issued, holding one unit's parameters and one unit's
+    gradient buffer less. Default (None): the planner's rule for this machine
+    (``torch_monarch.cluster.zero_overlap_pays_here``): on GPUs, overlap; on CPU ranks that
+    have no core to spare (Gloo sums and copies on the cores that compute), none. The plan's
+    ``zero_overlap`` says the same.
     """
     refuse_foreign_layout(module, "torch_monarch.fully_shard")
     if zero_stage not in (1, 2, 3):
@@ -248,5 +258,9 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
         raise ValueError(f"inter_node_compression: expected None, 'bf16' or 'int8', got {inter_node_compression!r}")
     mesh = mesh if mesh is not None else device_mesh()
     units = _default_units(module) if units is None else list(units)
+    if overlap is None:
+        from .cluster import zero_overlap_pays_here
+        overlap = zero_overlap_pays_here()
     return FullyShardedModule(module, mesh, units, zero_stage, reshard_after_forward, mixed_precision,
-                              reduce_dtype, ignored_parameters, init_fn, reduction, inter_node_compression)
+                              reduce_dtype, ignored_parameters, init_fn, reduction, inter_node_compression,
+                              overlap)

@@ -331,6 +331,8 @@ void bind_cluster_training(py::module_& m) {
                " per device>";
       });
 
+  m.def("zero_overlap_pays", &zero_overlap_pays, py::arg("cluster"),
+        "Whether overlapping the ZeRO engine's collectives with computation can save time (overlap_contention < 1).");
   m.def("cluster_preset", &cluster_preset, py::arg("name"), py::arg("devices"),
         "A known cluster (see cluster_preset_names()) with `devices` devices in total.");
   m.def("cluster_preset_names", &cluster_preset_names);
@@ -385,6 +387,7 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("schedule", &Pins::schedule)
       .def_readwrite("recompute", &Pins::recompute)
       .def_readwrite("sequence_parallel", &Pins::sequence_parallel)
+      .def_readwrite("zero_overlap", &Pins::zero_overlap)
       .def("all_layout_pinned", &Pins::all_layout_pinned)
       .def("__repr__", [](const Pins& p) {
         return "Pins(tp=" + opt(p.tp) + ", pp=" + opt(p.pp) + ", dp=" + opt(p.dp) +
@@ -551,6 +554,8 @@ void bind_plan(py::module_& m) {
           "inter_node_compression", [](const Plan& p) { return to_string(p.inter_node_compression); },
           [](Plan& p, const std::string& name) { p.inter_node_compression = compression_from_string(name); },
           "'none', 'bf16' or 'int8': the inter-node hop of a hierarchical reduction.")
+      .def_readwrite("zero_overlap", &Plan::zero_overlap,
+                     "ZeRO 1-3: collectives behind computation (prefetch, a reduction in flight), or each waited for.")
       .def_readwrite("layers", &Plan::layers)
       .def_readwrite("embeddings", &Plan::embeddings)
       .def_readwrite("prediction", &Plan::prediction)

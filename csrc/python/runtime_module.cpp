@@ -193,6 +193,7 @@ void bind_composition(py::module_& m) {
       .def_property_readonly("dp_reduction", [](const Layout& l) { return planner::to_string(l.dp_reduction); })
       .def_property_readonly("inter_node_compression",
                              [](const Layout& l) { return planner::to_string(l.inter_node_compression); })
+      .def_readonly("zero_overlap", &Layout::zero_overlap)
       .def_property_readonly("num_stages", &Layout::num_stages)
       .def("stages_of", &Layout::stages_of, arg("pp_rank"))
       .def("summary", &Layout::summary)
@@ -206,8 +207,10 @@ void bind_composition(py::module_& m) {
       [](int64_t num_blocks, int64_t world_size, int64_t pp, int64_t dp, int64_t tp, int64_t virtual_stages,
          std::vector<int64_t> block_stage, std::optional<planner::ScheduleKind> schedule, int64_t micro_batches,
          int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names,
-         planner::Recompute recompute, const std::string& dp_reduction, const std::string& inter_node_compression) {
+         planner::Recompute recompute, const std::string& dp_reduction, const std::string& inter_node_compression,
+         bool zero_overlap) {
         LayoutPins p;
+        p.zero_overlap = zero_overlap;
         p.dp_reduction = planner::dp_reduction_from_string(dp_reduction);
         p.inter_node_compression = planner::compression_from_string(inter_node_compression);
         p.pp = pp;
@@ -227,7 +230,7 @@ void bind_composition(py::module_& m) {
       arg("block_stage") = std::vector<int64_t>{}, arg("schedule") = py::none(), arg("micro_batches") = 1,
       arg("zero_stage") = 0, arg("sequence_parallel") = false, arg("bucket_bytes") = 25 * 1024 * 1024,
       arg("block_names") = std::vector<std::string>{}, arg("recompute") = planner::Recompute::none,
-      arg("dp_reduction") = "flat", arg("inter_node_compression") = "none");
+      arg("dp_reduction") = "flat", arg("inter_node_compression") = "none", arg("zero_overlap") = true);
   m.def("even_block_stages", &even_block_stages, arg("num_blocks"), arg("num_stages"));
 
   py::class_<StateEntry>(m, "StateEntry")
@@ -554,6 +557,8 @@ PYBIND11_MODULE(_runtime, m) {
           [](FullyShardOptions& o, const std::string& name) { o.reduce_dtype = dtype_from_name(name, "reduce_dtype"); },
           "'float32', 'bfloat16' or 'float16' (default: the compute dtype)")
       .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root)
+      .def_readwrite("overlap", &FullyShardOptions::overlap,
+                     "collectives behind computation (prefetch, a reduction in flight); False: each waited for")
       .def_readwrite("hierarchical", &FullyShardOptions::hierarchical,
                      "ZeRO++: gathers and reduce-scatters in two hops over the group's nodes (stage 3)")
       .def_property(
@@ -598,7 +603,8 @@ PYBIND11_MODULE(_runtime, m) {
           py::arg("values"),
            "Every parameter whole, in full_parameters()' order (None keeps one): this rank keeps its slice.")
       .def_property_readonly("num_units", &FullyShardEngine::num_units)
-      .def_property_readonly("zero_stage", [](const FullyShardEngine& e) { return e.options().zero_stage; });
+      .def_property_readonly("zero_stage", [](const FullyShardEngine& e) { return e.options().zero_stage; })
+      .def_property_readonly("overlap", [](const FullyShardEngine& e) { return e.options().overlap; });
 
   bind_tensor_parallel(m);
   bind_pipeline(m);

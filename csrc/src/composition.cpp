@@ -72,6 +72,7 @@ std::string Layout::summary() const {
       << " micro_batches=" << micro_batches;
   if (mesh.pp > 1) out << " schedule=" << planner::to_string(schedule) << " v=" << virtual_stages;
   if (sequence_parallel) out << " sp";
+  if (!zero_overlap && zero_stage > 0 && mesh.dp > 1) out << " overlap=off";
   return out.str();
 }
 
@@ -130,6 +131,7 @@ Layout layout_from_plan(const planner::Plan& plan, int64_t num_blocks, int64_t w
   l.recompute = plan.recompute;
   l.dp_reduction = plan.dp_reduction;
   l.inter_node_compression = plan.inter_node_compression;
+  l.zero_overlap = plan.zero_overlap;
   for (const auto& layer : plan.layers) {
     if (layer.kind == planner::LayerKind::block) l.block_stage.push_back(layer.stage);
   }
@@ -165,6 +167,7 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
   l.recompute = pins.recompute;
   l.dp_reduction = pins.dp_reduction;
   l.inter_node_compression = pins.inter_node_compression;
+  l.zero_overlap = pins.zero_overlap;
   if (l.micro_batches < 1 || l.zero_stage < 0 || l.zero_stage > 3 || l.virtual_stages < 1) {
     throw std::invalid_argument("monarch: micro_batches must be >= 1, zero_stage in 0..3, virtual_stages >= 1");
   }

@@ -368,7 +368,7 @@ void FullyShardEngine::sync_parameters() {
     auto padded = at::empty({u.shard_numel * group_.size()}, at::TensorOptions().dtype(options_.compute_dtype));
     Handle h = group_.all_gather(padded, packed_shard(u).to(options_.compute_dtype));
     flight.push_back({k, padded, std::move(h)});
-    if (flight.size() == 2) {
+    if (flight.size() == (options_.overlap ? 2u : 1u)) {
       finish(flight.front());
       flight.erase(flight.begin());
     }
@@ -388,7 +388,7 @@ void FullyShardEngine::before_forward(int64_t unit) {
     return;
   }
   finish_gather(unit);
-  if (unit + 1 < num_units()) start_gather(unit + 1);  // prefetch the next unit
+  if (options_.overlap && unit + 1 < num_units()) start_gather(unit + 1);  // prefetch the next unit
 }
 
 void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>& outputs) {
@@ -416,7 +416,7 @@ void FullyShardEngine::before_backward(int64_t unit) {
   u.backward_ready = true;
   Communicator::Phase phase(group_, "fully_shard backward (re-gather)");
   finish_gather(unit);
-  if (unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
+  if (options_.overlap && unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
 }
 
 void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor& grad) {
@@ -475,6 +475,7 @@ void FullyShardEngine::reduce_unit(int64_t unit) {
   // finishes now, so at most two units' full gradient buffers (and, under stage 3, their
   // gathered parameters) are alive at once during backward.
   if (unit + 1 < num_units() && units_[unit + 1].reduce_launched) finish_unit(unit + 1);
+  if (!options_.overlap) finish_unit(unit);  // waited for here: one gradient buffer at a time
 }
 
 void FullyShardEngine::finish_unit(int64_t k) {

@@ -366,6 +366,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       }
       FullyShardOptions o;
       o.zero_stage = layout.zero_stage;
+      o.overlap = layout.zero_overlap;
       o.hierarchical = layout.dp_reduction == planner::DpReduction::hierarchical;
       o.inter_node_compression = layout.inter_node_compression;
       st->zero = std::make_unique<FullyShardEngine>(units, mesh->group("dp"), o, FullyShardEngine::Materialize{},

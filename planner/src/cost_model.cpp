@@ -51,6 +51,8 @@ double shared_core_speedup(const Cluster& cluster, const Layout& layout) {
   return std::min(devices / cluster.cores_per_node, static_cast<double>(layout.pp));
 }
 
+bool zero_overlap_pays(const Cluster& cluster) { return cluster.overlap_contention < 1.0; }
+
 double overlapped_seconds(double compute_s, double comm_s, double contention) {
   // While both run each goes 1 + contention times slower; whichever is left then runs alone:
   // max(c, x) + contention * min(c, x) for c, x >= 0.
@@ -347,7 +349,16 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     const double forward_hiding = forward - (tp_shares_link ? forward_tp : 0.0);
     const double backward_hiding = backward - (tp_shares_link ? tp_comm - forward_tp : 0.0);
     exposed_forward = first_ag + overlapped_seconds(forward_hiding, ag - first_ag, kappa) - forward_hiding;
-    if (layout.schedule == ScheduleKind::zero_bubble_h1) {
+    if (!layout.zero_overlap) {
+      // Each collective waited for where it is issued: nothing hides.
+      exposed_forward = ag;
+      if (layout.schedule == ScheduleKind::zero_bubble_h1) {
+        exposed_backward_input = ag_back;
+        exposed_backward_weight = rs;
+      } else {
+        exposed_backward_input = ag_back + rs;
+      }
+    } else if (layout.schedule == ScheduleKind::zero_bubble_h1) {
       // The input-gradient pass needs the gathered weights; the weight pass, which the
       // schedule defers into bubbles, produces the gradients to reduce.
       const double weight_grad = backward_compute / 2.0;
@@ -451,6 +462,7 @@ Layout layout_of(const Plan& plan) {
   l.sequence_parallel = plan.sequence_parallel;
   l.dp_reduction = plan.dp_reduction;
   l.inter_node_compression = plan.inter_node_compression;
+  l.zero_overlap = plan.zero_overlap;
   return l;
 }
 
@@ -480,7 +492,8 @@ struct RankLoad {
 // per sharding unit (the blocks; the other layers are one root unit): Gloo's reduce-scatter
 // receives a unit's whole gradient for each of the two reductions in flight; stage 2 also
 // holds the unsharded gradients of the unit being filled and of the one being reduced;
-// stage 1 keeps every unit's whole gradient until its backward ends.
+// stage 1 keeps every unit's whole gradient until its backward ends. Without overlap
+// (Plan::zero_overlap) one reduction is in flight and it is the unit just filled: half.
 // Under gradient accumulation (several micro-batches) the whole gradients add up from the
 // first backward to the step's end, beside the activations: all of it is counted at once.
 // With one micro-batch the unsharded gradients live only within the backward, which frees
@@ -502,7 +515,7 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   const double whole = load.params * g;
   if (layout.num_micro_batches > 1) {
     mem.grads = whole;
-    mem.buffers = 2 * unit * g + shard * g;
+    mem.buffers = (layout.zero_overlap ? 2 : 1) * unit * g + shard * g;
     return mem;
   }
   MemoryBreakdown start = mem, end = mem;
@@ -510,7 +523,7 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   start.buffers = (root + unit) * g;
   end.activations = 0;
   if (layout.zero_stage == 1) end.grads += whole;
-  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * g;
+  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * g / (layout.zero_overlap ? 1.0 : 2.0);
   return end.total() > start.total() ? end : start;
 }
 
@@ -611,8 +624,12 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         const double reduce = dp_comm.seconds(c, grads, g);
         const double last_micro_batch_backward = load.backward_s;
         const double last_bucket = dp_comm.seconds(c, bucket, g);
-        end += last_bucket + overlapped_seconds(last_micro_batch_backward, reduce - last_bucket,
-                                                cluster.overlap_contention) - last_micro_batch_backward;
+        if (layout.zero_stage == 2 && !layout.zero_overlap) {
+          end += reduce;  // each unit's reduce-scatter waited for as its backward ends
+        } else {
+          end += last_bucket + overlapped_seconds(last_micro_batch_backward, reduce - last_bucket,
+                                                  cluster.overlap_contention) - last_micro_batch_backward;
+        }
       }
       if (layout.zero_stage == 1 || layout.zero_stage == 2) {
         end += dp_comm.seconds(Collective::all_gather, load.params * training.param_bytes, training.param_bytes);
@@ -674,9 +691,12 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // prefetched and its all-gather output while it is unpacked (3 units of parameters);
       // the unsharded gradients of the unit being filled and of the one being reduced (2);
       // the root unit (layers outside the units) whole with its gradient for the whole step.
+      // Without overlap (Plan::zero_overlap) nothing is prefetched and each reduction is
+      // waited for: 2 units of parameters (one gathered, its all-gather output) and 1 gradient.
       const double g = training.zero_gradient_bytes();
-      buffers += 3 * load.largest_gathered * training.param_bytes + 2 * load.largest_gathered * g +
-                 load.root_params * (training.param_bytes + g);
+      const double param_units = layout.zero_overlap ? 3 : 2, grad_units = layout.zero_overlap ? 2 : 1;
+      buffers += param_units * load.largest_gathered * training.param_bytes +
+                 grad_units * load.largest_gathered * g + load.root_params * (training.param_bytes + g);
       if (dp_comm.hierarchical()) {
         // ZeRO++ (hierarchical_shard.h): at the end of the forward every unit's secondary
         // shard (1/L of it, as it crossed nodes) waits for its backward; a compressed

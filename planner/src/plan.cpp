@@ -91,7 +91,7 @@ bool Plan::operator==(const Plan& o) const {
          virtual_stages == o.virtual_stages && recompute == o.recompute &&
          sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
          dp_reduction == o.dp_reduction && inter_node_compression == o.inter_node_compression &&
-         layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
+         zero_overlap == o.zero_overlap && layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
          alternatives == o.alternatives && tie_break == o.tie_break;
 }
 
@@ -108,6 +108,7 @@ std::string Plan::summary() const {
   s += sequence_parallel ? " sp=on" : " sp=off";
   if (dp_reduction != DpReduction::flat) s += " dp_reduction=" + to_string(dp_reduction);
   if (inter_node_compression != Compression::none) s += " compression=" + to_string(inter_node_compression);
+  if (!zero_overlap && zero_stage >= 2 && mesh.dp > 1) s += " overlap=off";
   return s;
 }
 

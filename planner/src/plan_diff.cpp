@@ -85,6 +85,7 @@ std::string diff_plans(const Plan& a, const Plan& b) {
   field("dp_bucket_bytes", format_bytes(a.dp_bucket_bytes), format_bytes(b.dp_bucket_bytes));
   field("dp_reduction", to_string(a.dp_reduction), to_string(b.dp_reduction));
   field("inter_node_compression", to_string(a.inter_node_compression), to_string(b.inter_node_compression));
+  field("zero_overlap", a.zero_overlap ? "on" : "off", b.zero_overlap ? "on" : "off");
   field("embedding tables", a.embeddings ? "sharded" : "none", b.embeddings ? "sharded" : "none");
   if (o.tellp() == layout_mark) o << "  same\n";
 

@@ -226,6 +226,7 @@ Json plan_to_json_value(const Plan& p) {
   j["dp_bucket_bytes"] = p.dp_bucket_bytes;
   j["dp_reduction"] = to_string(p.dp_reduction);
   j["inter_node_compression"] = to_string(p.inter_node_compression);
+  j["zero_overlap"] = p.zero_overlap;
   Json layers = Json::array();
   for (const auto& l : p.layers) layers.push_back(layer_to_json(l));
   j["layers"] = layers;
@@ -518,7 +519,7 @@ Plan plan_from_value(const Json& root) {
                  {"version", "model", "cluster", "training", "mesh", "zero_stage",
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
                   "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
-                  "inter_node_compression", "layers", "embeddings",
+                  "inter_node_compression", "zero_overlap", "layers", "embeddings",
                   "prediction", "alternatives", "tie_break"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
@@ -548,6 +549,7 @@ Plan plan_from_value(const Json& root) {
     p.inter_node_compression =
         compression_from_string(f.string("inter_node_compression"), f.path("inter_node_compression"));
   }
+  if (f.has("zero_overlap")) p.zero_overlap = f.boolean("zero_overlap");  // optional: overlapped before
   const Json& layers = f.array("layers");
   for (size_t i = 0; i < layers.size(); ++i) {
     p.layers.push_back(layer_from_json(Fields(

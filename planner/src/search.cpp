@@ -505,15 +505,21 @@ class Searcher {
     Candidate c;
     c.plan = make_plan(l, *partition);
     // The layout's dp reduction: the fastest that fits (the first on a tie, flat before
-    // hierarchical before compressed). Under ZeRO 0 they need the same memory; ZeRO++ keeps
-    // secondary shards (and residuals when compressed), so it may not fit where flat does.
+    // hierarchical before compressed, overlapped before not). Under ZeRO 0 they need the same
+    // memory; ZeRO++ keeps secondary shards (and residuals when compressed), so it may not
+    // fit where flat does; overlap holds a unit more (Plan::zero_overlap).
     std::optional<Prediction> prediction;
-    std::pair<DpReduction, Compression> chosen{DpReduction::flat, Compression::none};
+    std::tuple<DpReduction, Compression, bool> chosen{DpReduction::flat, Compression::none, true};
     double threshold = over ? kInf : prune_threshold(mesh);
     bool chosen_fits = false;
-    for (const auto& option : dp_reductions(l)) {
-      c.plan.dp_reduction = option.first;
-      c.plan.inter_node_compression = option.second;
+    std::vector<std::tuple<DpReduction, Compression, bool>> options;
+    for (const auto& [reduction, compression] : dp_reductions(l)) {
+      for (bool overlap : zero_overlaps(l)) options.emplace_back(reduction, compression, overlap);
+    }
+    for (const auto& option : options) {
+      c.plan.dp_reduction = std::get<0>(option);
+      c.plan.inter_node_compression = std::get<1>(option);
+      c.plan.zero_overlap = std::get<2>(option);
       // The threshold only falls for an option that fits: a faster one that does not must
       // not prune a slower one that does.
       auto scored = predict_if_faster(graph_, c.plan, &sims_, threshold, &estimator_);
@@ -532,8 +538,9 @@ class Searcher {
       ++stats_.pruned;
       return;
     }
-    c.plan.dp_reduction = chosen.first;
-    c.plan.inter_node_compression = chosen.second;
+    c.plan.dp_reduction = std::get<0>(chosen);
+    c.plan.inter_node_compression = std::get<1>(chosen);
+    c.plan.zero_overlap = std::get<2>(chosen);
     c.plan.prediction = *prediction;
     c.over_memory = over || c.plan.prediction.memory_bytes_per_device > limit;
     c.key = c.plan.summary();
@@ -561,6 +568,16 @@ class Searcher {
   // The dp reductions to score for a layout: flat; and where the training config allows it and
   // the dp group spans nodes with more than one of its ranks on each, hierarchical, plain and
   // with the one lossy compression the config allows.
+  // Overlap of the ZeRO engine's collectives (Plan::zero_overlap): where it pays, overlapped
+  // first and waited-for as the fallback that holds a unit less; where it cannot save time
+  // (zero_overlap_pays), only waited-for. DDP (ZeRO 0) overlaps its buckets in every plan.
+  std::vector<bool> zero_overlaps(const Layout& l) const {
+    if (l.dp <= 1 || l.zero_stage == 0) return {true};
+    if (pins_.zero_overlap) return {*pins_.zero_overlap};
+    if (!zero_overlap_pays(cluster_)) return {false};
+    return {true, false};
+  }
+
   std::vector<std::pair<DpReduction, Compression>> dp_reductions(const Layout& l) const {
     std::vector<std::pair<DpReduction, Compression>> out = {{DpReduction::flat, Compression::none}};
     // The runtime runs it under ZeRO 0 (DataParallel) and ZeRO-3 (ZeRO++); its ZeRO-1/2
@@ -648,6 +665,7 @@ class Searcher {
     plan.dp_bucket_bytes = training_.dp_bucket_bytes;
     plan.dp_reduction = l.dp_reduction;
     plan.inter_node_compression = l.inter_node_compression;
+    plan.zero_overlap = l.zero_overlap;
     for (size_t i = 0; i < graph_.layers.size(); ++i) {
       const Layer& layer = graph_.layers[i];
       LayerPlacement lp;

@@ -83,3 +83,19 @@ def test_probe_measures_the_cores_four_ranks_share_and_caches_them():
         assert busy < 0.95 * alone, (busy, alone)
         assert 1.0 <= first["cores_per_node"] < 4.0
         assert first["overlap_contention"] == 1.0
+
+
+def test_zero_overlap_follows_the_planners_rule_for_the_cores_ranks_share(monkeypatch):
+    """fully_shard's default and parallelize laid out by hand use the planner's zero_overlap
+    rule (planner.zero_overlap_pays): the collectives run behind computation only where the
+    ranks leave a core free for them; otherwise each is waited for, holding a unit less."""
+    from torch_monarch import planner
+    monkeypatch.setattr(cl.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cl, "_cores", lambda: 8)
+    for ranks, pays in ((4, True), (8, False), (16, False)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert cl.zero_overlap_pays_here() is pays, ranks
+        c = planner.cluster_preset("cpu", 1)
+        c.overlap_contention = cl.cpu_overlap_contention(ranks, 8)
+        assert planner.zero_overlap_pays(c) is pays, ranks
+    assert planner.zero_overlap_pays(planner.cluster_preset("h100-80gb", 8))

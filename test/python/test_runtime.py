@@ -134,10 +134,11 @@ def test_zero3_hierarchical_on_two_nodes(reference):
             assert (got - want).norm() <= 0.05 * want.norm() + 1e-3, name
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_fully_shard_parity_and_memory(reference, stage, ranks):
-    results = run_ok(ranks, f"zero{stage}")
+# Each stage with its collectives overlapped and waited for (Plan::zero_overlap), once each.
+@pytest.mark.parametrize("stage,ranks,overlap", [(1, 2, True), (1, 4, False), (2, 2, False), (2, 4, True),
+                                                 (3, 2, True), (3, 4, False)])
+def test_fully_shard_parity_and_memory(reference, stage, ranks, overlap):
+    results = run_ok(ranks, f"zero{stage}_{'overlap' if overlap else 'waited'}")
     # The ranks' shards add up to the model, each element held once.
     assert sum(r["facts"]["shard"] for r in results) == results[0]["facts"]["total"]
     for rank, result in enumerate(results):
@@ -153,6 +154,7 @@ def test_fully_shard_parity_and_memory(reference, stage, ranks):
         assert f["held_grad"] == 0, who  # stage 1 reduce-scatters: no whole .grad kept
         assert f["logits_diff"] <= 1e-6, who
         assert f["sharded_reload_diff"] == 0, who
+        assert f["overlap"] == overlap, who
         assert f["other_model_loaded"] and f["full_reload_diff"] == 0, who
 
 

@@ -81,6 +81,7 @@ def train_sharded(mesh, stage, mixed_precision=None, **options):
         "held": sum(p.numel() for p in plain.parameters()),
         "held_grad": sum(p.grad.numel() for p in plain.parameters() if p.grad is not None),
         "reduce_bytes": dp.bytes_sent(torch_monarch._runtime.CollectiveKind.reduce_scatter),
+        "overlap": model._engine.overlap,
     }
     shape = make_model()
     # This rank's rows of every parameter: dim 0 split in chunks of ceil(rows / N).
@@ -211,8 +212,9 @@ def main(scenario):
         result.update(ranks_per_node=mesh.ranks_per_node)
     elif scenario == "zero3_bf16":
         result = train_sharded(mesh, 3, mixed_precision=torch.bfloat16)
-    elif scenario.startswith("zero"):
-        result = train_sharded(mesh, int(scenario[4]))
+    elif scenario.startswith("zero"):  # zero<stage>, zero<stage>_overlap, zero<stage>_waited
+        overlap = {"_overlap": True, "_waited": False}.get(scenario[5:])
+        result = train_sharded(mesh, int(scenario[4]), overlap=overlap)
     elif scenario.startswith("recover_backward"):  # recover_backward0 (dp), 1-3 (ZeRO)
         result = train_after_failed_backward(mesh, int(scenario[-1]))
     elif scenario.startswith("retry_dead_peer"):

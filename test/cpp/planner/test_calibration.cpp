@@ -47,6 +47,7 @@ double tflops(const ModelGraph& g, int64_t gpus, int64_t global_batch, int64_t t
                           pp > 1 ? ScheduleKind::one_f_one_b : ScheduleKind::none);
   pins.recompute = Recompute::full;
   pins.sequence_parallel = false;
+  pins.zero_overlap = true;  // DeepSpeed's ZeRO-3 prefetches and reduces behind computation
   // ZeRO-3 without model parallelism ran with a memory budget the model does not describe
   // (DeepSpeed's partitioned activation checkpoints); time is what is checked here.
   const Plan p = evaluate_layout(g, cluster_preset("a100-80gb", gpus), batch(global_batch), pins,

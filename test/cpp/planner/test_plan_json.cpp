@@ -214,7 +214,7 @@ TEST_CASE("plan JSON writes keys in schema order", "[plan_json]") {
                     "version", "model", "cluster", "training", "mesh", "zero_stage",
                     "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
                     "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
-                    "inter_node_compression", "layers", "prediction", "alternatives"});
+                    "inter_node_compression", "zero_overlap", "layers", "prediction", "alternatives"});
   CHECK(j["dp_reduction"] == "flat");
   CHECK(j["inter_node_compression"] == "none");
   CHECK(j["training"]["allow_hierarchical_dp"] == true);
@@ -681,4 +681,19 @@ TEST_CASE("plan JSON names an unknown dp reduction or compression", "[plan_json]
   j = good;
   j["dp_reduction"] = "flat";
   REQUIRE_THROWS_WITH(from_value(j), Contains("inter_node_compression: int8 compresses the inter-node hop"));
+}
+
+TEST_CASE("plan JSON carries zero_overlap; plans written before it overlap", "[plan_json][zero_overlap]") {
+  Plan p = make_plan();
+  p.zero_overlap = false;
+  const Plan back = plan_from_json(to_json(p));
+  CHECK_FALSE(back.zero_overlap);
+  CHECK(back == p);
+  CHECK_FALSE(back == make_plan());
+  Json j = to_value(p);
+  CHECK(j["zero_overlap"] == false);
+  j.erase("zero_overlap");
+  CHECK(from_value(j).zero_overlap);
+  j["zero_overlap"] = "no";
+  CHECK_THROWS_WITH(from_value(j), Catch::Contains("zero_overlap"));
 }

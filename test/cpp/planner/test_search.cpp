@@ -648,3 +648,60 @@ TEST_CASE("ranks lend idle cores only on one node, and only as many times as the
   cluster.cores_per_node = 0;  // GPUs: every device computes on its own
   CHECK(shared_core_speedup(cluster, l) == Approx(1.0));
 }
+
+TEST_CASE("ZeRO's collectives overlap computation only where that can save time", "[search][zero_overlap]") {
+  const ModelGraph g = comm_heavy();
+  // GPUs (overlap contention below 1): overlapped, faster than waiting for each collective,
+  // for one unit's parameters and one unit's gradients more (ZeRO-3).
+  const Cluster gpus = cluster_preset("a100-80gb", 8);
+  REQUIRE(zero_overlap_pays(gpus));
+  for (int64_t zero : {2, 3}) {
+    const Plan on = data_parallel(gpus, batch(16), zero);
+    CHECK(on.zero_overlap);
+    Plan off = on;
+    off.zero_overlap = false;
+    const Prediction waited = predict(g, off);
+    CHECK(on.prediction.step_time_s < waited.step_time_s);
+    CHECK(waited.memory.buffers < on.prediction.memory.buffers);
+    CHECK(waited.memory.params == on.prediction.memory.params);
+    CHECK(waited.memory.activations == on.prediction.memory.activations);
+    CHECK(off.summary() == on.summary() + " overlap=off");
+  }
+  // ZeRO-3's difference is one gathered unit and one unit's gradient buffer: the largest block.
+  const Plan on3 = data_parallel(gpus, batch(16), 3);
+  Plan off3 = on3;
+  off3.zero_overlap = false;
+  double block = 0;  // the largest sharding unit (each block, tp = 1)
+  for (const auto& l : on3.layers) {
+    if (l.sharding_unit) block = std::max(block, static_cast<double>(l.params));
+  }
+  REQUIRE(block > 0);
+  CHECK(on3.prediction.memory.buffers - predict(g, off3).memory.buffers ==
+        Approx(block * (on3.training.param_bytes + on3.training.zero_gradient_bytes())));
+
+  // Where overlap does not fit and waiting does, waiting is chosen.
+  Cluster tight = gpus;
+  const double need_on = on3.prediction.memory_bytes_per_device, need_off = predict(g, off3).memory_bytes_per_device;
+  tight.device_memory_bytes = tight.memory_reserved_bytes + (need_on + need_off) / 2;
+  CHECK_FALSE(data_parallel(tight, batch(16), 3).zero_overlap);
+
+  // CPU ranks with no core to spare (contention 1): overlap would hide nothing (the same
+  // predicted time), so the collectives are waited for, holding less.
+  Cluster cpus = cluster_preset("cpu", 4);
+  cpus.overlap_contention = 1.0;
+  REQUIRE_FALSE(zero_overlap_pays(cpus));
+  const Plan waited = data_parallel(cpus, batch(16), 3);
+  CHECK_FALSE(waited.zero_overlap);
+  Plan overlapped = waited;
+  overlapped.zero_overlap = true;
+  const Prediction p = predict(g, overlapped);
+  CHECK(p.step_time_s == Approx(waited.prediction.step_time_s).epsilon(1e-9));
+  CHECK(p.memory.buffers > waited.prediction.memory.buffers);
+
+  // A pin is honoured; DDP keeps its bucket overlap whatever the cluster.
+  Pins pinned = layout_pins(1, 1, 4, 3, 1, ScheduleKind::none);
+  pinned.recompute = Recompute::none;
+  pinned.zero_overlap = true;
+  CHECK(evaluate_layout(g, cpus, batch(16), pinned).zero_overlap);
+  CHECK(data_parallel(cpus, batch(16), 0).zero_overlap);
+}

@@ -45,6 +45,7 @@ struct Layout {
   // inter-node hop optionally compressed (hierarchical.h).
   planner::DpReduction dp_reduction = planner::DpReduction::flat;
   planner::Compression inter_node_compression = planner::Compression::none;
+  bool zero_overlap = true;  // ZeRO 1-3: planner::Plan::zero_overlap (FullyShardOptions::overlap)
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
   // The stages pipeline rank `pp_rank` runs (stage s on rank s % pp, as every schedule
   // places them); frontends build exactly these, and the state dict's owner follows it.
@@ -65,6 +66,7 @@ struct LayoutPins {
   planner::Recompute recompute = planner::Recompute::none;
   planner::DpReduction dp_reduction = planner::DpReduction::flat;
   planner::Compression inter_node_compression = planner::Compression::none;
+  bool zero_overlap = true;
 };
 
 // The plan's layout for a model with `num_blocks` blocks on `world_size` ranks. Throws

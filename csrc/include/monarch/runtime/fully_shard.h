@@ -59,6 +59,13 @@ struct FullyShardOptions {
   // gradients with error feedback).
   bool hierarchical = false;
   WireCompression inter_node_compression = WireCompression::none;
+  // Collectives behind computation (planner::Plan::zero_overlap): stage 3 prefetches the next
+  // unit's parameters (forward and backward), and a unit's gradient reduction stays in flight
+  // while the next unit's backward runs. Off: each collective is waited for where it is
+  // issued, holding one unit's parameters and one unit's gradient buffer less; where
+  // communication shares the cores that compute (Gloo with a rank per core) overlap hides
+  // nothing and only costs that memory.
+  bool overlap = true;
 };
 
 class FullyShardEngine {

@@ -93,7 +93,13 @@ struct Layout {
   // How the dp collectives run (collectives.h, DpGroup); no effect on memory.
   DpReduction dp_reduction = DpReduction::flat;
   Compression inter_node_compression = Compression::none;
+  bool zero_overlap = true;  // Plan::zero_overlap
 };
+
+// Whether overlapping the dp collectives with computation can save time on `cluster`: with
+// overlap_contention >= 1 each side runs fully slowed while both do (overlapped_seconds(c, x,
+// 1) = c + x, the serial time), so overlap only costs memory there (Plan::zero_overlap).
+bool zero_overlap_pays(const Cluster& cluster);
 
 // The elements of the weight tied between the layers of graph.tied_groups[g]
 // (ModelGraph::tied_params), at the share one rank's layer holds under `costs`' layout.

@@ -40,6 +40,7 @@ struct Pins {
   std::optional<ScheduleKind> schedule;
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
+  std::optional<bool> zero_overlap;  // Plan::zero_overlap (ZeRO 1-3 with dp > 1)
   bool all_layout_pinned() const { return tp && pp && dp && zero_stage && micro_batch_size && schedule; }
 };
 
