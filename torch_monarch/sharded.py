@@ -241,10 +241,10 @@ def fully_shard(module: nn.Module, mesh=None, units=None, zero_stage: int = 3,
     each rank keeps the residual of the chunks it sends, ``(nodes - 1) / world`` of the
     model in fp32). The plan's ``dp_reduction`` / ``inter_node_compression`` say the same.
 
-    ``overlap``: run the collectives behind computation (ZeRO-3 prefetches the next unit's
-    parameters; a unit's gradient reduction stays in flight while the next unit's backward
-    runs), or wait for each where it is issued, holding one unit's parameters and one unit's
-    gradient buffer less. Default (None): the planner's rule for this machine
+    ``overlap``: keep a unit's gradient reduce-scatter in flight while the next unit's
+    backward runs, or wait for each as it is launched, holding one unit's gradient buffer
+    less (ZeRO-3 prefetches the next unit's parameters either way). Default (None): the
+    planner's rule for this machine
     (``torch_monarch.cluster.zero_overlap_pays_here``): on GPUs, overlap; on CPU ranks that
     have no core to spare (Gloo sums and copies on the cores that compute), none. The plan's
     ``zero_overlap`` says the same.

@@ -555,7 +555,7 @@ void bind_plan(py::module_& m) {
           [](Plan& p, const std::string& name) { p.inter_node_compression = compression_from_string(name); },
           "'none', 'bf16' or 'int8': the inter-node hop of a hierarchical reduction.")
       .def_readwrite("zero_overlap", &Plan::zero_overlap,
-                     "ZeRO 1-3: collectives behind computation (prefetch, a reduction in flight), or each waited for.")
+                     "ZeRO 1-3: a unit's gradient reduce-scatter in flight during the next unit's backward, or each waited for.")
       .def_readwrite("layers", &Plan::layers)
       .def_readwrite("embeddings", &Plan::embeddings)
       .def_readwrite("prediction", &Plan::prediction)

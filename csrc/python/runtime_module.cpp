@@ -558,7 +558,7 @@ PYBIND11_MODULE(_runtime, m) {
           "'float32', 'bfloat16' or 'float16' (default: the compute dtype)")
       .def_readwrite("broadcast_from_root", &FullyShardOptions::broadcast_from_root)
       .def_readwrite("overlap", &FullyShardOptions::overlap,
-                     "collectives behind computation (prefetch, a reduction in flight); False: each waited for")
+                     "a unit's gradient reduce-scatter in flight during the next unit's backward; False: each waited for")
       .def_readwrite("hierarchical", &FullyShardOptions::hierarchical,
                      "ZeRO++: gathers and reduce-scatters in two hops over the group's nodes (stage 3)")
       .def_property(

@@ -388,7 +388,7 @@ void FullyShardEngine::before_forward(int64_t unit) {
     return;
   }
   finish_gather(unit);
-  if (options_.overlap && unit + 1 < num_units()) start_gather(unit + 1);  // prefetch the next unit
+  if (unit + 1 < num_units()) start_gather(unit + 1);  // prefetch the next unit
 }
 
 void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>& outputs) {
@@ -416,7 +416,7 @@ void FullyShardEngine::before_backward(int64_t unit) {
   u.backward_ready = true;
   Communicator::Phase phase(group_, "fully_shard backward (re-gather)");
   finish_gather(unit);
-  if (options_.overlap && unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
+  if (unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
 }
 
 void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor& grad) {

@@ -350,14 +350,12 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     const double backward_hiding = backward - (tp_shares_link ? tp_comm - forward_tp : 0.0);
     exposed_forward = first_ag + overlapped_seconds(forward_hiding, ag - first_ag, kappa) - forward_hiding;
     if (!layout.zero_overlap) {
-      // Each collective waited for where it is issued: nothing hides.
-      exposed_forward = ag;
-      if (layout.schedule == ScheduleKind::zero_bubble_h1) {
-        exposed_backward_input = ag_back;
-        exposed_backward_weight = rs;
-      } else {
-        exposed_backward_input = ag_back + rs;
-      }
+      // Each gradient reduce-scatter waited for as it is launched; the gathers still prefetch.
+      const double input_hiding = layout.schedule == ScheduleKind::zero_bubble_h1
+                                      ? backward_hiding - backward_compute / 2.0 : backward_hiding;
+      exposed_backward_input = backward_first_ag +
+          overlapped_seconds(input_hiding, ag_back - backward_first_ag, kappa) - input_hiding;
+      exposed_backward_weight = rs;
     } else if (layout.schedule == ScheduleKind::zero_bubble_h1) {
       // The input-gradient pass needs the gathered weights; the weight pass, which the
       // schedule defers into bubbles, produces the gradients to reduce.
@@ -691,11 +689,11 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // prefetched and its all-gather output while it is unpacked (3 units of parameters);
       // the unsharded gradients of the unit being filled and of the one being reduced (2);
       // the root unit (layers outside the units) whole with its gradient for the whole step.
-      // Without overlap (Plan::zero_overlap) nothing is prefetched and each reduction is
-      // waited for: 2 units of parameters (one gathered, its all-gather output) and 1 gradient.
+      // Without overlap (Plan::zero_overlap) each reduction is waited for as it is launched:
+      // one unit's unsharded gradients.
       const double g = training.zero_gradient_bytes();
-      const double param_units = layout.zero_overlap ? 3 : 2, grad_units = layout.zero_overlap ? 2 : 1;
-      buffers += param_units * load.largest_gathered * training.param_bytes +
+      const double grad_units = layout.zero_overlap ? 2 : 1;
+      buffers += 3 * load.largest_gathered * training.param_bytes +
                  grad_units * load.largest_gathered * g + load.root_params * (training.param_bytes + g);
       if (dp_comm.hierarchical()) {
         // ZeRO++ (hierarchical_shard.h): at the end of the forward every unit's secondary

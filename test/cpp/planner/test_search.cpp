@@ -651,24 +651,32 @@ TEST_CASE("ranks lend idle cores only on one node, and only as many times as the
 
 TEST_CASE("ZeRO's collectives overlap computation only where that can save time", "[search][zero_overlap]") {
   const ModelGraph g = comm_heavy();
-  // GPUs (overlap contention below 1): overlapped, faster than waiting for each collective,
-  // for one unit's parameters and one unit's gradients more (ZeRO-3).
+  // GPUs (overlap contention below 1): overlapped, faster than waiting for each reduction,
+  // for one unit's gradients more. (Micro-batches whose backward is long enough to hide the
+  // collectives: when communication dominates, the backward hides as much either way.)
+  auto compute_bound = [&](const Cluster& cluster, int64_t zero) {
+    Pins pins = layout_pins(1, 1, cluster.world_size(), zero, 64, ScheduleKind::none);
+    pins.recompute = Recompute::none;
+    return evaluate_layout(g, cluster, batch(64 * cluster.world_size()), pins);
+  };
   const Cluster gpus = cluster_preset("a100-80gb", 8);
   REQUIRE(zero_overlap_pays(gpus));
   for (int64_t zero : {2, 3}) {
-    const Plan on = data_parallel(gpus, batch(16), zero);
+    INFO("zero_stage " << zero);
+    const Plan on = compute_bound(gpus, zero);
     CHECK(on.zero_overlap);
     Plan off = on;
     off.zero_overlap = false;
     const Prediction waited = predict(g, off);
     CHECK(on.prediction.step_time_s < waited.step_time_s);
-    CHECK(waited.memory.buffers < on.prediction.memory.buffers);
+    // (ZeRO-2's peak here is the backward's start, where no reduction is in flight yet.)
+    CHECK(waited.memory.buffers <= on.prediction.memory.buffers);
     CHECK(waited.memory.params == on.prediction.memory.params);
     CHECK(waited.memory.activations == on.prediction.memory.activations);
     CHECK(off.summary() == on.summary() + " overlap=off");
   }
-  // ZeRO-3's difference is one gathered unit and one unit's gradient buffer: the largest block.
-  const Plan on3 = data_parallel(gpus, batch(16), 3);
+  // ZeRO-3's difference is one unit's gradient buffer: the largest block's.
+  const Plan on3 = compute_bound(gpus, 3);
   Plan off3 = on3;
   off3.zero_overlap = false;
   double block = 0;  // the largest sharding unit (each block, tp = 1)
@@ -677,13 +685,13 @@ TEST_CASE("ZeRO's collectives overlap computation only where that can save time"
   }
   REQUIRE(block > 0);
   CHECK(on3.prediction.memory.buffers - predict(g, off3).memory.buffers ==
-        Approx(block * (on3.training.param_bytes + on3.training.zero_gradient_bytes())));
+        Approx(block * on3.training.zero_gradient_bytes()));
 
   // Where overlap does not fit and waiting does, waiting is chosen.
   Cluster tight = gpus;
   const double need_on = on3.prediction.memory_bytes_per_device, need_off = predict(g, off3).memory_bytes_per_device;
   tight.device_memory_bytes = tight.memory_reserved_bytes + (need_on + need_off) / 2;
-  CHECK_FALSE(data_parallel(tight, batch(16), 3).zero_overlap);
+  CHECK_FALSE(compute_bound(tight, 3).zero_overlap);
 
   // CPU ranks with no core to spare (contention 1): overlap would hide nothing (the same
   // predicted time), so the collectives are waited for, holding less.

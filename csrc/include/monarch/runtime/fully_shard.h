@@ -59,12 +59,12 @@ struct FullyShardOptions {
   // gradients with error feedback).
   bool hierarchical = false;
   WireCompression inter_node_compression = WireCompression::none;
-  // Collectives behind computation (planner::Plan::zero_overlap): stage 3 prefetches the next
-  // unit's parameters (forward and backward), and a unit's gradient reduction stays in flight
-  // while the next unit's backward runs. Off: each collective is waited for where it is
-  // issued, holding one unit's parameters and one unit's gradient buffer less; where
-  // communication shares the cores that compute (Gloo with a rank per core) overlap hides
-  // nothing and only costs that memory.
+  // Gradient reductions behind computation (planner::Plan::zero_overlap): a unit's
+  // reduce-scatter stays in flight while the next unit's backward runs. Off: each is waited
+  // for as it is launched, holding one unit's gradient buffer less; where communication
+  // shares the cores that compute (Gloo with a rank per core), Gloo's reduce-scatter sums on
+  // those cores and the overlap measured no faster (docs/cost_model.md). Stage 3's parameter
+  // gathers prefetch the next unit either way.
   bool overlap = true;
 };
 

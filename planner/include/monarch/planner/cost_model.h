@@ -96,7 +96,7 @@ struct Layout {
   bool zero_overlap = true;  // Plan::zero_overlap
 };
 
-// Whether overlapping the dp collectives with computation can save time on `cluster`: with
+// Whether overlapping ZeRO's gradient reductions with computation can save time on `cluster`: with
 // overlap_contention >= 1 each side runs fully slowed while both do (overlapped_seconds(c, x,
 // 1) = c + x, the serial time), so overlap only costs memory there (Plan::zero_overlap).
 bool zero_overlap_pays(const Cluster& cluster);

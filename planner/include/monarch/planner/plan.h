@@ -121,10 +121,9 @@ struct Plan {
   // nodes with more than one of its ranks per node; compression needs hierarchical.
   DpReduction dp_reduction = DpReduction::flat;
   Compression inter_node_compression = Compression::none;
-  // ZeRO-2/3: whether the dp collectives run behind computation (the next unit's gather
-  // issued before the current unit computes, a unit's gradient reduce-scatter left in flight
-  // while the next unit's backward runs) or are waited for where they are issued. Overlap
-  // costs one unit's parameters and one unit's gradient buffer more (cost_model.cpp) and pays
+  // ZeRO 1-3: whether a unit's gradient reduce-scatter stays in flight while the next unit's
+  // backward runs, or is waited for as it is launched (stage 3's parameter gathers prefetch
+  // either way). Overlap holds one unit's unsharded gradients more (cost_model.cpp) and pays
   // only where communication and computation can run at once (Cluster::overlap_contention
   // < 1, zero_overlap_pays). Optional in JSON: plans written before it overlap.
   bool zero_overlap = true;
