@@ -6,6 +6,8 @@
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/modules/container/any.h>
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <map>
 #include <set>
@@ -33,7 +35,7 @@ std::string join(const std::vector<std::string>& items) {
 }
 
 std::string prefixed(const std::string& prefix, const std::string& name) {
-  return prefix.empty() ? name : prefix + "." + name;
+  return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
 }
 
 }  // namespace
@@ -61,6 +63,7 @@ void add_sequential(ChainModel& out, torch::nn::Sequential seq, const std::strin
     for (const auto& prm : item.value()->named_parameters(true)) p.parameters.emplace_back(prefixed(name, prm.key()), prm.value());
     for (const auto& buf : item.value()->named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.key()), buf.value());
     p.forward = [seq, i](const at::Tensor& x) mutable { return (seq->begin() + i)->forward<at::Tensor>(x); };
+    p.module = item.value();
     out.pieces.push_back(std::move(p));
   }
 }
@@ -112,6 +115,7 @@ ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::
   for (const auto& prm : model->named_parameters(true)) p.parameters.emplace_back(prm.key(), prm.value());
   for (const auto& buf : model->named_buffers(true)) p.buffers.emplace_back(buf.key(), buf.value());
   p.forward = std::move(forward);
+  p.module = model;
   out.pieces.push_back(std::move(p));
   out.set_training = [model](bool on) { model->train(on); };
   return out;
@@ -174,6 +178,124 @@ std::vector<std::string> plan_differences(const planner::Plan& plan, const Chain
   return out;
 }
 
+// ---- tensor parallelism ------------------------------------------------------------------
+
+namespace {
+
+// A layer the tp plan splits.
+struct TpTarget {
+  size_t piece;
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+  TpRule rule;
+};
+
+struct TpLayout {
+  std::vector<TpTarget> targets;
+  std::map<const void*, TpSpec> specs;                          // how each split tensor is cut
+  std::vector<std::pair<std::string, AttentionHeads*>> heads;   // modules told their local heads
+};
+
+const TpRule* match_rule(const std::vector<TpRule>& plan, const std::string& name) {
+  for (const auto& r : plan) {
+    if (::fnmatch(r.pattern.c_str(), name.c_str(), 0) == 0) return &r;
+  }
+  return nullptr;
+}
+
+// What tensor parallelism splits in `model`, checked whole: every problem in one error.
+TpLayout plan_tensor_parallel(const ChainModel& model, const Layout& layout, const std::vector<TpRule>& tp_plan) {
+  const int64_t tp = layout.mesh.tp;
+  const std::string tps = std::to_string(tp);
+  TpLayout out;
+  std::vector<std::string> problems;
+  if (layout.sequence_parallel) {
+    problems.push_back("sequence parallelism is not built in the C++ frontend (plan with sequence_parallel off)");
+  }
+  if (tp_plan.empty()) {
+    problems.push_back("ParallelizeOptions::tp_plan is empty: name the layers to split (module name or glob -> "
+                       "colwise, rowwise, vocab_embedding or vocab_head)");
+  }
+  std::set<const TpRule*> used;
+  auto record = [&](const at::Tensor& t, TpSpec spec, const std::string& what) {
+    auto [it, inserted] = out.specs.emplace(id_of(t), spec);
+    if (!inserted && (it->second.dim != spec.dim || it->second.fused_parts != spec.fused_parts)) {
+      problems.push_back(what + " is shared with a layer split another way (dim " + std::to_string(it->second.dim) +
+                         " and dim " + std::to_string(spec.dim) + ")");
+    }
+  };
+  auto divides = [&](int64_t n, int64_t parts, const std::string& what, const std::string& dim) {
+    if (n % (tp * parts) != 0) {
+      problems.push_back(what + ": " + dim + " " + std::to_string(n) + " is not divisible by tp=" + tps +
+                         (parts > 1 ? " x " + std::to_string(parts) + " fused parts" : ""));
+    }
+  };
+  for (size_t i = 0; i < model.pieces.size(); ++i) {
+    const Piece& piece = model.pieces[i];
+    if (!piece.module) {
+      if (!piece.parameters.empty()) {
+        problems.push_back((piece.name.empty() ? piece.type : piece.name) +
+                           " is a TorchScript module: its layers cannot be split (script a model with tp=1, or "
+                           "build it from torch::nn with monarch::Linear)");
+      }
+      continue;
+    }
+    for (const auto& item : piece.module->named_modules("", /*include_self=*/true)) {
+      const std::string name = prefixed(piece.name, item.key());
+      if (auto* heads = dynamic_cast<AttentionHeads*>(item.value().get())) {
+        const int64_t h = heads->attention_heads(), kv = heads->attention_kv_heads();
+        if (h % tp != 0 || kv % tp != 0) {
+          problems.push_back(name + ": " + std::to_string(h) + " attention heads and " + std::to_string(kv) +
+                             " key/value heads; tp=" + tps + " must divide both");
+        }
+        out.heads.emplace_back(name, heads);
+      }
+      const TpRule* rule = match_rule(tp_plan, name);
+      if (rule == nullptr) continue;
+      used.insert(rule);
+      if (rule->style == TpStyle::replicate) continue;
+      const std::string as = " matches '" + rule->pattern + "' (" + to_string(rule->style) + ")";
+      if (rule->style == TpStyle::vocab_embedding) {
+        auto* embedding = dynamic_cast<EmbeddingImpl*>(item.value().get());
+        if (embedding == nullptr) {
+          problems.push_back(name + " (" + item.value()->name() + ")" + as + " but is not a monarch::Embedding");
+          continue;
+        }
+        divides(embedding->options.num_embeddings(), 1, name, "the vocabulary");
+        record(embedding->weight, {0, 1}, name + ".weight");
+      } else {
+        auto* linear = dynamic_cast<LinearImpl*>(item.value().get());
+        if (linear == nullptr) {
+          problems.push_back(name + " (" + item.value()->name() + ")" + as +
+                             " but is not a monarch::Linear (a torch::nn::Linear is called through its owner's "
+                             "member and cannot be redirected; declare it as monarch::Linear)");
+          continue;
+        }
+        if (rule->style == TpStyle::rowwise) {
+          if (rule->fused_parts != 1) problems.push_back(name + ": a row-split layer has no fused parts");
+          divides(linear->options.in_features(), 1, name, "in_features");
+          record(linear->weight, {1, 1}, name + ".weight");
+        } else {
+          divides(linear->options.out_features(), rule->fused_parts, name, "out_features");
+          record(linear->weight, {0, rule->fused_parts}, name + ".weight");
+          if (linear->bias.defined()) record(linear->bias, {0, rule->fused_parts}, name + ".bias");
+        }
+      }
+      out.targets.push_back({i, name, item.value(), *rule});
+    }
+  }
+  for (const auto& r : tp_plan) {
+    if (!used.count(&r)) problems.push_back("tp_plan rule '" + r.pattern + "' matches no module (a typo?)");
+  }
+  if (out.targets.empty() && problems.empty()) problems.push_back("tp_plan splits no layer");
+  if (!problems.empty()) {
+    throw std::invalid_argument("monarch::parallelize: tensor parallelism over tp=" + tps + ": " + join(problems));
+  }
+  return out;
+}
+
+}  // namespace
+
 // ---- the parallel module -----------------------------------------------------------------
 
 struct ParallelModule::Stage {
@@ -199,9 +321,6 @@ ParallelModule::Stage& ParallelModule::stage(int64_t s) {
 
 ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptions options)
     : model_(std::move(model)) {
-  TORCH_CHECK(layout.mesh.tp == 1, "monarch::parallelize: tp=", layout.mesh.tp,
-              ": the C++ frontend cannot swap the modules of a torch::nn or TorchScript model for "
-              "tensor-parallel ones; plan with tp=1 (pin tp=1), or parallelize from Python");
   recompute_ = layout.recompute == planner::Recompute::full;
   selective_ = layout.recompute == planner::Recompute::selective;
   std::vector<int64_t> blocks = options.blocks.empty() ? find_blocks(model_) : options.blocks;
@@ -231,14 +350,27 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   TORCH_CHECK(num_stages == 1 || !blocks.empty(), "monarch::parallelize: pp > 1 needs blocks to cut between (a "
               "Sequential with repeated children)");
 
-  // Whole-model state entries (shapes before anything is freed or sharded).
+  // Tensor parallelism: what it splits, checked before anything changes.
+  const int64_t tp = layout.mesh.tp;
+  TpLayout tp_layout;
+  if (tp > 1) tp_layout = plan_tensor_parallel(model_, layout, options.tp_plan);
+
+  // Whole-model state entries: each rank's shapes (after tp), taken before anything is
+  // freed or sharded.
   std::vector<StateEntry> entries;
   std::set<std::string> seen_names;
   for (size_t i = 0; i < pieces.size(); ++i) {
     auto add = [&](const std::vector<std::pair<std::string, at::Tensor>>& items) {
       for (const auto& [name, t] : items) {
         if (!seen_names.insert(name).second) continue;
-        entries.push_back({name, t.sizes().vec(), t.scalar_type(), piece_stage[i], std::nullopt});
+        std::vector<int64_t> shape = t.sizes().vec();
+        std::optional<TpSpec> spec;
+        auto it = tp_layout.specs.find(id_of(t));
+        if (it != tp_layout.specs.end()) {
+          spec = it->second;
+          shape[spec->dim] /= tp;
+        }
+        entries.push_back({name, shape, t.scalar_type(), piece_stage[i], spec});
       }
     };
     add(pieces[i].parameters);
@@ -272,6 +404,27 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   auto mesh = std::make_shared<DeviceMesh>(world, layout.mesh);
   const int pp_rank = mesh->coordinate("pp");
   const int64_t dp = layout.mesh.dp;
+
+  // Split the layers of this rank's stages in place (the tensors keep their identity: the
+  // pieces' lists and weights tied between layers stay valid); the other stages' are freed
+  // below. Attention modules learn their local head counts.
+  if (tp > 1) {
+    const auto mine = layout.stages_of(pp_rank);
+    const std::set<int64_t> my_stages(mine.begin(), mine.end());
+    Communicator& group = mesh->group("tp");
+    for (const auto& target : tp_layout.targets) {
+      if (!my_stages.count(piece_stage[target.piece])) continue;
+      if (target.rule.style == TpStyle::vocab_embedding) {
+        dynamic_cast<EmbeddingImpl&>(*target.module).parallelize(group, target.name);
+      } else {
+        dynamic_cast<LinearImpl&>(*target.module).parallelize(group, target.rule.style, target.rule.fused_parts,
+                                                               target.name);
+      }
+    }
+    for (const auto& [name, heads] : tp_layout.heads) {
+      heads->set_local_heads(heads->attention_heads() / tp, heads->attention_kv_heads() / tp);
+    }
+  }
 
   std::vector<LocalStage> local;
   std::set<const void*> local_ids;
@@ -538,10 +691,6 @@ std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Pla
   Layout layout = layout_from_plan(plan, static_cast<int64_t>(blocks.size()), world->size(), names, more);
   for (auto& p : more) {
     if (std::find(problems.begin(), problems.end(), p) == problems.end()) problems.push_back(p);
-  }
-  if (layout.mesh.tp > 1) {
-    problems.push_back("tp=" + std::to_string(layout.mesh.tp) + ": the C++ frontend cannot swap torch::nn or "
-                       "TorchScript modules for tensor-parallel ones (plan with tp=1, or parallelize from Python)");
   }
   if (!problems.empty()) {
     throw std::invalid_argument("monarch::parallelize: the plan (" + plan.summary() +

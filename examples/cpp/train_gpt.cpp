@@ -4,9 +4,10 @@
 //
 //   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt
 //   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt --pp 2 --zero 3
+//   torchrun --no-python --nproc-per-node 4 build/bin/train_gpt --tp 2 --pp 2
 //   build/bin/train_gpt --save-plan plan.json ...   then   --plan plan.json (edited or not)
 //
-// Flags (an unknown one is an error): --plan FILE (use a saved plan), --save-plan FILE, --tp 1, --pp N --dp N --zero S
+// Flags (an unknown one is an error): --plan FILE (use a saved plan), --save-plan FILE, --tp N, --pp N --dp N --zero S
 // --micro-batch N --schedule NAME --recompute none|selective|full (pins for the planner), --steps N, --layers N,
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
@@ -49,20 +50,24 @@ struct Config {
 };
 
 // Pre-norm decoder block with the parameters planner::build_transformer counts: q, k, v and
-// output projections and a 4h MLP without biases, two layer norms.
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t h, int64_t heads, double dropout) : heads(heads), dropout(dropout) {
+// output projections and a 4h MLP without biases, two layer norms. Its linears are
+// monarch::Linear (torch::nn::Linear until tensor parallelism splits them, kTpPlan), and it
+// reports its heads (monarch::AttentionHeads) so a split block computes its share of them.
+struct BlockImpl : torch::nn::Module, monarch::AttentionHeads {
+  BlockImpl(int64_t h, int64_t heads, double dropout) : heads(heads), head_dim(h / heads), dropout(dropout) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({h})));
-    q = register_module("q", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
-    k = register_module("k", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
-    v = register_module("v", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
-    o = register_module("o", torch::nn::Linear(torch::nn::LinearOptions(h, h).bias(false)));
+    q = register_module("q", monarch::Linear(h, h, /*bias=*/false));
+    k = register_module("k", monarch::Linear(h, h, false));
+    v = register_module("v", monarch::Linear(h, h, false));
+    o = register_module("o", monarch::Linear(h, h, false));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({h})));
-    up = register_module("up", torch::nn::Linear(torch::nn::LinearOptions(h, 4 * h).bias(false)));
-    down = register_module("down", torch::nn::Linear(torch::nn::LinearOptions(4 * h, h).bias(false)));
+    up = register_module("up", monarch::Linear(h, 4 * h, false));
+    down = register_module("down", monarch::Linear(4 * h, h, false));
   }
+  int64_t attention_heads() const override { return total_heads; }
+  void set_local_heads(int64_t local, int64_t) override { heads = local; }
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t b = x.size(0), s = x.size(1), h = x.size(2), d = h / heads;
+    const int64_t b = x.size(0), s = x.size(1), d = head_dim;
     auto y = ln1(x);
     auto split = [&](const torch::Tensor& t) { return t.view({b, s, heads, d}).transpose(1, 2); };
     auto qh = split(q(y)), kh = split(k(y)), vh = split(v(y));
@@ -71,29 +76,31 @@ struct BlockImpl : torch::nn::Module {
     core.causal = true;
     core.dropout = dropout;
     core.training = is_training();
-    auto attn = monarch::attention_core(qh, kh, vh, core).transpose(1, 2).reshape({b, s, h});
+    auto attn = monarch::attention_core(qh, kh, vh, core).transpose(1, 2).reshape({b, s, heads * d});
     auto x1 = x + o(attn);
     return x1 + down(torch::gelu(up(ln2(x1))));
   }
-  int64_t heads;
+  int64_t heads;  // this rank's (all of them until tensor parallelism splits the block)
+  const int64_t total_heads = heads, head_dim;
   double dropout;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, up{nullptr}, down{nullptr};
+  monarch::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, up{nullptr}, down{nullptr};
 };
 TORCH_MODULE(Block);
 
-// Output head tied to the token embedding (GPT-2 style).
-struct TiedHeadImpl : torch::nn::Module {
-  explicit TiedHeadImpl(const torch::Tensor& embedding) { weight = register_parameter("weight", embedding); }
-  torch::Tensor forward(const torch::Tensor& x) { return torch::linear(x, weight); }
-  torch::Tensor weight;
-};
-TORCH_MODULE(TiedHead);
+// Megatron's split of this model (Python: parallelize(tp_plan=...)): attention and MLP inputs
+// by column, their outputs by row, the vocabulary of the embedding and of the output head
+// tied to it.
+const std::vector<monarch::TpRule> kTpPlan = {
+    {"*.q", monarch::TpStyle::colwise},        {"*.k", monarch::TpStyle::colwise},
+    {"*.v", monarch::TpStyle::colwise},        {"*.o", monarch::TpStyle::rowwise},
+    {"*.up", monarch::TpStyle::colwise},       {"*.down", monarch::TpStyle::rowwise},
+    {"embedding", monarch::TpStyle::vocab_embedding}, {"lm_head", monarch::TpStyle::vocab_head}};
 
 torch::nn::Sequential make_gpt(const Config& c) {
   torch::manual_seed(1234);  // every rank and the reference build the same weights
   torch::nn::Sequential gpt;
-  torch::nn::Embedding embedding(c.vocab, c.hidden);
+  monarch::Embedding embedding(c.vocab, c.hidden);
   {
     torch::NoGradGuard no_grad;
     embedding->weight.normal_(0, 0.02);  // GPT-2's initialization: logits start near uniform
@@ -101,7 +108,7 @@ torch::nn::Sequential make_gpt(const Config& c) {
   gpt->push_back("embedding", embedding);
   for (int64_t i = 0; i < c.layers; ++i) gpt->push_back("block" + std::to_string(i), Block(c.hidden, c.heads, c.dropout));
   gpt->push_back("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
-  gpt->push_back("lm_head", TiedHead(embedding->weight));
+  gpt->push_back("lm_head", monarch::Linear(embedding->weight));  // tied to the embedding (GPT-2 style)
   return gpt;
 }
 
@@ -172,13 +179,7 @@ int main(int argc, char** argv) {
   try {
     c.steps = int_arg(args, "steps", "5");
     c.layers = int_arg(args, "layers", "4");
-    // Tensor parallelism needs the module tree rewritten, which this frontend does not do yet.
-    if (int_arg(args, "tp", "1") != 1) {
-      throw std::invalid_argument("train_gpt: --tp " + arg(args, "tp") +
-                                  ": the C++ frontend does not split modules for tensor parallelism yet; tp must "
-                                  "be 1 (Python's parallelize does tp)");
-    }
-    for (const char* key : {"pp", "dp", "zero", "micro-batch"}) {
+    for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch"}) {
       if (!arg(args, key).empty()) int_arg(args, key, "");
     }
   } catch (const std::invalid_argument& e) {
@@ -219,7 +220,8 @@ int main(int argc, char** argv) {
       training.compute_dtype = monarch::planner::DType::fp32;
       training.param_bytes = training.grad_bytes = training.activation_bytes = 4;
       training.optimizer_bytes = 8;  // Adam's two fp32 moments
-      training.allow_tensor_parallel = false;  // the C++ frontend does not swap modules
+      // A TorchScript model's layers cannot be split (parallelize refuses tp > 1 for it).
+      training.allow_tensor_parallel = torchscript.empty();
       // Selective re-runs the cores computed with monarch::attention_core, which this model's
       // blocks use; a TorchScript model's blocks compute theirs inline (selective is refused).
       training.recompute_modes = {monarch::planner::Recompute::none, monarch::planner::Recompute::full};
@@ -227,7 +229,7 @@ int main(int argc, char** argv) {
       training.allow_sequence_parallel = false;
       monarch::planner::SearchOptions options;
       auto& pins = options.pins;
-      pins.tp = 1;
+      if (!arg(args, "tp").empty()) pins.tp = int_arg(args, "tp", "");
       if (!arg(args, "pp").empty()) pins.pp = int_arg(args, "pp", "");
       if (!arg(args, "dp").empty()) pins.dp = int_arg(args, "dp", "");
       if (!arg(args, "zero").empty()) pins.zero_stage = int_arg(args, "zero", "");
@@ -242,6 +244,7 @@ int main(int argc, char** argv) {
 
     monarch::ParallelizeOptions popts;
     popts.world = world;
+    if (plan.mesh.tp > 1) popts.tp_plan = kTpPlan;
     auto model = monarch::parallelize(build(), plan, popts);
     auto opt = make_optimizer(model->named_parameters(), c.lr);
     std::vector<double> losses;

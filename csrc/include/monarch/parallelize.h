@@ -15,9 +15,12 @@
 // any other module is one piece (data parallelism and ZeRO, no pipeline cut). A
 // torch::nn::ModuleList has no forward of its own: put blocks in a Sequential to cut them.
 // The blocks (the units pipelines are cut between and ZeRO-3 gathers one at a time) are the
-// longest run of consecutive pieces of one type. Tensor parallelism needs modules swapped for
-// tensor-parallel ones, which a C++ module tree does not allow: plans with tp > 1 are refused
-// here (plan with tp=1; the Python frontend does tp). recompute=full re-runs each block in
+// longest run of consecutive pieces of one type. Tensor parallelism (tp > 1) splits the layers
+// ParallelizeOptions::tp_plan names, which must be monarch::Linear / monarch::Embedding
+// (monarch/nn.h: a LibTorch module calls its children through its own members, so a child
+// cannot be swapped from outside); modules implementing monarch::AttentionHeads are told
+// their local head counts. Sequence parallelism and TorchScript models are not split (refused
+// by name). recompute=full re-runs each block in
 // backward (monarch/runtime/recompute.h); selective re-runs the attention cores the blocks
 // compute with monarch::attention_core (monarch/runtime/attention.h), and refuses, at the
 // first training forward, a block that computed none (its attention written inline, or a
@@ -33,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "monarch/nn.h"
 #include "monarch/planner/plan.h"
 #include "monarch/runtime/composition.h"
 #include "monarch/runtime/data_parallel.h"
@@ -53,6 +57,8 @@ struct Piece {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<std::pair<std::string, at::Tensor>> parameters;  // full names in the model
   std::vector<std::pair<std::string, at::Tensor>> buffers;
+  // The module (torch::nn models): what tensor parallelism walks. Null for TorchScript.
+  std::shared_ptr<torch::nn::Module> module;
 };
 
 struct ChainModel {
@@ -78,8 +84,21 @@ std::vector<int64_t> find_blocks(const ChainModel& model);
 std::vector<std::string> plan_differences(const planner::Plan& plan, const ChainModel& model,
                                           const std::vector<int64_t>& blocks);
 
+// One rule of a tensor-parallel plan: modules whose full name (as in the state dict, e.g.
+// "block3.q") matches `pattern` (fnmatch: `*` matches any characters, dots included) are split
+// as `style`; `fused_parts` > 1 splits a fused weight part by part (q|k|v: 3). The first
+// matching rule wins (Python: parallelize(tp_plan={name or glob: style})).
+struct TpRule {
+  std::string pattern;
+  TpStyle style = TpStyle::replicate;
+  int64_t fused_parts = 1;
+};
+
 struct ParallelizeOptions {
   std::shared_ptr<World> world;       // default: World::init() (torchrun's environment)
+  // With tp > 1: which layers to split and how (required; a rule naming no monarch::Linear /
+  // Embedding, and a plan whose tp divides no head count, are refused by name).
+  std::vector<TpRule> tp_plan;
   std::vector<int64_t> blocks;        // default: find_blocks
   // Parameters of stages this rank does not run are freed (their storage emptied in the
   // model) once the layout is built.
