@@ -20,9 +20,11 @@ engines one after another, each round starting at a different engine, so both si
 same machine; a step's time is the slowest rank's (barrier before it, max over ranks after);
 per engine the best and the median over the rounds. Bytes sent per rank per step: ours from the
 runtime's counters, FSDP2's from its collectives (all-gather (n-1)/n of the output, reduce-scatter
-(n-1)/n of the input, all-reduce 2(n-1)/n: the ring volumes the planner uses). Peak memory: one
-launch per engine; the high-water mark (VmHWM) growth over three steps above the rank's memory
-after a warm-up step on a tiny model, worst rank. Parity: every engine's losses (the global mean,
+(n-1)/n of the input, all-reduce 2(n-1)/n: the ring volumes the planner uses). Peak memory:
+MEMORY_LAUNCHES launches per engine, each the high-water mark (VmHWM) growth over three steps
+above the rank's memory after a warm-up step on a tiny model, worst rank; the median of the
+launches is reported (one launch's VmHWM moves by 1-3 MiB between launches of the same engine:
+glibc's heap, not the layout). Parity: every engine's losses (the global mean,
 all rounds) and parameters after the last round against one process training the plain model on
 the global batches; tolerances in TOLERANCE.
 """
@@ -47,6 +49,7 @@ from procmem import vm, warm_up_torch  # noqa: E402
 
 SEQ, VOCAB, GLOBAL_BATCH, LR = 64, 1024, 16, 1e-3
 MEMORY_STEPS = 3
+MEMORY_LAUNCHES = 3
 WARMUP_ROUNDS = 2
 # fp32 on both sides; the sums of gradients over 4 ranks are added in another order than one
 # process adds them (per rank, then across), so parameters differ in the last bits after each
@@ -430,6 +433,16 @@ def read_json(folder, name):
         return json.load(f)
 
 
+def peak_memory(ranks, *args):
+    """MEMORY_LAUNCHES launches of a memory worker: (median, every launch's) worst-rank peak growth."""
+    runs = []
+    for _ in range(MEMORY_LAUNCHES):
+        out = launch(ranks, *args, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+        runs.append(max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(ranks)))
+        shutil.rmtree(out)
+    return statistics.median(runs), runs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -442,9 +455,7 @@ def main():
     rows = {(r["model"], r["engine"]): r for r in read_json(out, "time.json")}
     shutil.rmtree(out)
     for (model_name, engine), row in rows.items():
-        out = launch(args.ranks, "--memory-worker", model_name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-        row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
-        shutil.rmtree(out)
+        row["peak_bytes"], row["peak_bytes_launches"] = peak_memory(args.ranks, "--memory-worker", model_name, engine)
     # Tensor parallelism, alone and with ZeRO-3 (peers_tp.py), and pipelines (peers_pp.py):
     # each its own launch, same method.
     import peers_pp
@@ -455,9 +466,7 @@ def main():
         more = {(r["model"], r["engine"]): r for r in read_json(out, f"{kind.MODEL}_time.json")}
         shutil.rmtree(out)
         for (model_name, engine), row in more.items():
-            out = launch(args.ranks, "--memory-worker-of", name, engine, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-            row["peak_bytes"] = max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(args.ranks))
-            shutil.rmtree(out)
+            row["peak_bytes"], row["peak_bytes_launches"] = peak_memory(args.ranks, "--memory-worker-of", name, engine)
         rows.update(more)
     print(f"{args.ranks} ranks, Gloo, fp32 and bf16, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
           f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
@@ -487,7 +496,8 @@ def main():
           f"parameters; bf16 losses against autocast(bf16), not asserted: ours up to "
           f"{max(r['loss_rel_diff_to_autocast'] for r in rows.values() if is_bf16(r['engine'])):.1e}, FSDP2's up to "
           f"{max(r['loss_rel_diff_to_autocast'] for r in rows.values() if is_bf16(r['engine']) and 'FSDP2' in r['engine']):.1e})")
-    result = dict(ranks=args.ranks, rounds=args.rounds, torch=torch.__version__, global_batch=GLOBAL_BATCH, seq=SEQ,
+    result = dict(ranks=args.ranks, rounds=args.rounds, memory_launches=MEMORY_LAUNCHES, torch=torch.__version__,
+                  global_batch=GLOBAL_BATCH, seq=SEQ,
                   dtypes=["fp32", "bf16"], tolerance=TOLERANCE, tolerance_bf16=TOLERANCE_BF16, pairs=pairs,
                   seconds=time.time() - started)
     if args.out:

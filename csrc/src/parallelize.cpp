@@ -5,6 +5,7 @@
 
 #include <torch/csrc/jit/api/module.h>
 #include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/modulelist.h>
 
 #include <fnmatch.h>
 
@@ -63,7 +64,7 @@ void add_sequential(ChainModel& out, torch::nn::Sequential seq, const std::strin
     for (const auto& prm : item.value()->named_parameters(true)) p.parameters.emplace_back(prefixed(name, prm.key()), prm.value());
     for (const auto& buf : item.value()->named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.key()), buf.value());
     p.forward = [seq, i](const at::Tensor& x) mutable { return (seq->begin() + i)->forward<at::Tensor>(x); };
-    p.module = item.value();
+    p.modules = {{name, item.value()}};
     out.pieces.push_back(std::move(p));
   }
 }
@@ -115,8 +116,65 @@ ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::
   for (const auto& prm : model->named_parameters(true)) p.parameters.emplace_back(prm.key(), prm.value());
   for (const auto& buf : model->named_buffers(true)) p.buffers.emplace_back(buf.key(), buf.value());
   p.forward = std::move(forward);
-  p.module = model;
+  p.modules = {{"", model}};
   out.pieces.push_back(std::move(p));
+  out.set_training = [model](bool on) { model->train(on); };
+  return out;
+}
+
+ChainModel chain_of_blocks(std::shared_ptr<torch::nn::Module> model) {
+  auto* stack = dynamic_cast<BlockStack*>(model.get());
+  TORCH_CHECK(stack != nullptr, "monarch::chain_of_blocks: ", model->name(), " does not implement monarch::BlockStack");
+  TORCH_CHECK(model->named_parameters(/*recurse=*/false).is_empty(), "monarch::chain_of_blocks: ", model->name(),
+              " holds parameters of its own (", model->named_parameters(false).keys(),
+              "): a pipeline cannot tell which stage uses them; move them into a child module");
+  const std::string blocks_name = stack->blocks_name();
+  const auto children = model->named_children();
+  const auto* list_entry = children.find(blocks_name);
+  TORCH_CHECK(list_entry != nullptr, "monarch::chain_of_blocks: ", model->name(), " has no child '", blocks_name,
+              "' (its blocks_name)");
+  auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(*list_entry);
+  TORCH_CHECK(list != nullptr, "monarch::chain_of_blocks: ", blocks_name, " is a ", (*list_entry)->name(),
+              ", not a torch::nn::ModuleList");
+  std::set<std::string> before;
+  for (const auto& name : stack->before_names()) {
+    TORCH_CHECK(name != blocks_name && children.contains(name), "monarch::chain_of_blocks: before_names() lists '",
+                name, "', which is not a child of ", model->name(), " outside the blocks");
+    before.insert(name);
+  }
+  auto side = [&](const std::string& name, bool is_before, std::function<at::Tensor(const at::Tensor&)> forward) {
+    Piece p;
+    p.name = name;
+    p.type = name;
+    for (const auto& child : children) {
+      if (child.key() == blocks_name || static_cast<bool>(before.count(child.key())) != is_before) continue;
+      for (const auto& prm : child.value()->named_parameters(true)) {
+        p.parameters.emplace_back(prefixed(child.key(), prm.key()), prm.value());
+      }
+      for (const auto& buf : child.value()->named_buffers(true)) {
+        p.buffers.emplace_back(prefixed(child.key(), buf.key()), buf.value());
+      }
+      p.modules.emplace_back(child.key(), child.value());
+    }
+    p.forward = std::move(forward);
+    return p;
+  };
+  ChainModel out;
+  out.pieces.push_back(side("before", true, [model, stack](const at::Tensor& x) { return stack->forward_before(x); }));
+  for (size_t i = 0; i < list->size(); ++i) {
+    const std::string name = prefixed(blocks_name, std::to_string(i));
+    auto block = list->ptr(i);
+    Piece p;
+    p.name = name;
+    p.type = block->name();
+    for (const auto& prm : block->named_parameters(true)) p.parameters.emplace_back(prefixed(name, prm.key()), prm.value());
+    for (const auto& buf : block->named_buffers(true)) p.buffers.emplace_back(prefixed(name, buf.key()), buf.value());
+    p.modules = {{name, block}};
+    const auto index = static_cast<int64_t>(i);
+    p.forward = [model, stack, index](const at::Tensor& x) { return stack->forward_block(index, x); };
+    out.pieces.push_back(std::move(p));
+  }
+  out.pieces.push_back(side("after", false, [model, stack](const at::Tensor& x) { return stack->forward_after(x); }));
   out.set_training = [model](bool on) { model->train(on); };
   return out;
 }
@@ -232,7 +290,7 @@ TpLayout plan_tensor_parallel(const ChainModel& model, const Layout& layout, con
   };
   for (size_t i = 0; i < model.pieces.size(); ++i) {
     const Piece& piece = model.pieces[i];
-    if (!piece.module) {
+    if (piece.modules.empty()) {
       if (!piece.parameters.empty()) {
         problems.push_back((piece.name.empty() ? piece.type : piece.name) +
                            " is a TorchScript module: its layers cannot be split (script a model with tp=1, or "
@@ -240,48 +298,50 @@ TpLayout plan_tensor_parallel(const ChainModel& model, const Layout& layout, con
       }
       continue;
     }
-    for (const auto& item : piece.module->named_modules("", /*include_self=*/true)) {
-      const std::string name = prefixed(piece.name, item.key());
-      if (auto* heads = dynamic_cast<AttentionHeads*>(item.value().get())) {
-        const int64_t h = heads->attention_heads(), kv = heads->attention_kv_heads();
-        if (h % tp != 0 || kv % tp != 0) {
-          problems.push_back(name + ": " + std::to_string(h) + " attention heads and " + std::to_string(kv) +
-                             " key/value heads; tp=" + tps + " must divide both");
+    for (const auto& [prefix, root] : piece.modules) {
+      for (const auto& item : root->named_modules("", /*include_self=*/true)) {
+        const std::string name = prefixed(prefix, item.key());
+        if (auto* heads = dynamic_cast<AttentionHeads*>(item.value().get())) {
+          const int64_t h = heads->attention_heads(), kv = heads->attention_kv_heads();
+          if (h % tp != 0 || kv % tp != 0) {
+            problems.push_back(name + ": " + std::to_string(h) + " attention heads and " + std::to_string(kv) +
+                               " key/value heads; tp=" + tps + " must divide both");
+          }
+          out.heads.emplace_back(name, heads);
         }
-        out.heads.emplace_back(name, heads);
-      }
-      const TpRule* rule = match_rule(tp_plan, name);
-      if (rule == nullptr) continue;
-      used.insert(rule);
-      if (rule->style == TpStyle::replicate) continue;
-      const std::string as = " matches '" + rule->pattern + "' (" + to_string(rule->style) + ")";
-      if (rule->style == TpStyle::vocab_embedding) {
-        auto* embedding = dynamic_cast<EmbeddingImpl*>(item.value().get());
-        if (embedding == nullptr) {
-          problems.push_back(name + " (" + item.value()->name() + ")" + as + " but is not a monarch::Embedding");
-          continue;
-        }
-        divides(embedding->options.num_embeddings(), 1, name, "the vocabulary");
-        record(embedding->weight, {0, 1}, name + ".weight");
-      } else {
-        auto* linear = dynamic_cast<LinearImpl*>(item.value().get());
-        if (linear == nullptr) {
-          problems.push_back(name + " (" + item.value()->name() + ")" + as +
-                             " but is not a monarch::Linear (a torch::nn::Linear is called through its owner's "
-                             "member and cannot be redirected; declare it as monarch::Linear)");
-          continue;
-        }
-        if (rule->style == TpStyle::rowwise) {
-          if (rule->fused_parts != 1) problems.push_back(name + ": a row-split layer has no fused parts");
-          divides(linear->options.in_features(), 1, name, "in_features");
-          record(linear->weight, {1, 1}, name + ".weight");
+        const TpRule* rule = match_rule(tp_plan, name);
+        if (rule == nullptr) continue;
+        used.insert(rule);
+        if (rule->style == TpStyle::replicate) continue;
+        const std::string as = " matches '" + rule->pattern + "' (" + to_string(rule->style) + ")";
+        if (rule->style == TpStyle::vocab_embedding) {
+          auto* embedding = dynamic_cast<EmbeddingImpl*>(item.value().get());
+          if (embedding == nullptr) {
+            problems.push_back(name + " (" + item.value()->name() + ")" + as + " but is not a monarch::Embedding");
+            continue;
+          }
+          divides(embedding->options.num_embeddings(), 1, name, "the vocabulary");
+          record(embedding->weight, {0, 1}, name + ".weight");
         } else {
-          divides(linear->options.out_features(), rule->fused_parts, name, "out_features");
-          record(linear->weight, {0, rule->fused_parts}, name + ".weight");
-          if (linear->bias.defined()) record(linear->bias, {0, rule->fused_parts}, name + ".bias");
+          auto* linear = dynamic_cast<LinearImpl*>(item.value().get());
+          if (linear == nullptr) {
+            problems.push_back(name + " (" + item.value()->name() + ")" + as +
+                               " but is not a monarch::Linear (a torch::nn::Linear is called through its owner's "
+                               "member and cannot be redirected; declare it as monarch::Linear)");
+            continue;
+          }
+          if (rule->style == TpStyle::rowwise) {
+            if (rule->fused_parts != 1) problems.push_back(name + ": a row-split layer has no fused parts");
+            divides(linear->options.in_features(), 1, name, "in_features");
+            record(linear->weight, {1, 1}, name + ".weight");
+          } else {
+            divides(linear->options.out_features(), rule->fused_parts, name, "out_features");
+            record(linear->weight, {0, rule->fused_parts}, name + ".weight");
+            if (linear->bias.defined()) record(linear->bias, {0, rule->fused_parts}, name + ".bias");
+          }
         }
+        out.targets.push_back({i, name, item.value(), *rule});
       }
-      out.targets.push_back({i, name, item.value(), *rule});
     }
   }
   for (const auto& r : tp_plan) {

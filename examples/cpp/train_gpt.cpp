@@ -11,7 +11,8 @@
 // --micro-batch N --schedule NAME --recompute none|selective|full (pins for the planner), --steps N, --layers N,
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
-// parity is then checked against the same file trained in one process).
+// parity is then checked against the same file trained in one process), --module-list 1 (the
+// same GPT with its blocks in a torch::nn::ModuleList driven by its own forward: BlockStack).
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -112,6 +113,41 @@ torch::nn::Sequential make_gpt(const Config& c) {
   return gpt;
 }
 
+// The same GPT written the other common way: its blocks in a torch::nn::ModuleList that its own
+// forward loops over. It declares that loop (monarch::BlockStack) so pipelines can cut it; the
+// weights and their initialization are make_gpt's, under the names embedding.*, blocks.<i>.*,
+// final_norm.*, lm_head.*.
+struct GptStackImpl : torch::nn::Module, monarch::BlockStack {
+  explicit GptStackImpl(const Config& c) {
+    torch::manual_seed(1234);
+    embedding = register_module("embedding", monarch::Embedding(c.vocab, c.hidden));
+    {
+      torch::NoGradGuard no_grad;
+      embedding->weight.normal_(0, 0.02);
+    }
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c.hidden, c.heads, c.dropout));
+    final_norm = register_module("final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
+    lm_head = register_module("lm_head", monarch::Linear(embedding->weight));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    auto h = forward_before(tokens);
+    for (size_t i = 0; i < blocks->size(); ++i) h = forward_block(static_cast<int64_t>(i), h);
+    return forward_after(h);
+  }
+  std::string blocks_name() const override { return "blocks"; }
+  std::vector<std::string> before_names() const override { return {"embedding"}; }
+  torch::Tensor forward_before(const torch::Tensor& tokens) override { return embedding(tokens); }
+  torch::Tensor forward_block(int64_t i, const torch::Tensor& h) override { return blocks[i]->as<Block>()->forward(h); }
+  torch::Tensor forward_after(const torch::Tensor& h) override { return lm_head(final_norm(h)); }
+
+  monarch::Embedding embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm final_norm{nullptr};
+  monarch::Linear lm_head{nullptr};
+};
+TORCH_MODULE(GptStack);
+
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
 }
@@ -148,7 +184,7 @@ int64_t int_arg(std::map<std::string, std::string>& args, const std::string& key
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
 const std::set<std::string> kFlags = {"plan", "save-plan", "tp", "pp", "dp", "zero", "micro-batch", "schedule",
-                                      "recompute", "steps", "layers", "trace", "torchscript"};
+                                      "recompute", "steps", "layers", "trace", "torchscript", "module-list"};
 
 }  // namespace
 
@@ -187,11 +223,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string torchscript = arg(args, "torchscript");
+  const bool module_list = arg(args, "module-list", "0") == "1";
 
   try {
     auto world = monarch::World::init();
     const bool lead = world->rank() == 0;
     auto build = [&]() -> monarch::ChainModel {
+      if (module_list) return monarch::chain_of_blocks(GptStack(c).ptr());
       if (torchscript.empty()) return monarch::chain_of(make_gpt(c));
       auto m = torch::jit::load(torchscript);
       m.train();

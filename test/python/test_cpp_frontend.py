@@ -62,6 +62,8 @@ LAYOUTS = [
     # (q, k, v, up by column; o, down by row; the vocabulary of the tied embedding and head).
     (4, ["--tp", "2", "--pp", "2", "--schedule", "1f1b"], "pp=2 dp=1 tp=2"),
     (4, ["--tp", "2", "--pp", "1", "--zero", "3"], "pp=1 dp=2 tp=2 zero=3"),
+    # The same GPT with its blocks in a ModuleList its forward loops over (BlockStack).
+    (4, ["--module-list", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b"], "pp=2 dp=1 tp=2"),
 ]
 
 

@@ -12,8 +12,9 @@
 // What a C++ model offers the frontend is a chain of pieces run one after the other: the
 // children of a torch::nn::Sequential, or of a TorchScript module saved from an
 // nn.Sequential (a child that is itself a Sequential, such as a body of blocks, is opened);
-// any other module is one piece (data parallelism and ZeRO, no pipeline cut). A
-// torch::nn::ModuleList has no forward of its own: put blocks in a Sequential to cut them.
+// any other module is one piece (data parallelism and ZeRO, no pipeline cut). A model whose
+// blocks sit in a torch::nn::ModuleList (which has no forward of its own) declares the loop
+// its forward runs (monarch::BlockStack, chain_of_blocks) and is cut between those blocks.
 // The blocks (the units pipelines are cut between and ZeRO-3 gathers one at a time) are the
 // longest run of consecutive pieces of one type. Tensor parallelism (tp > 1) splits the layers
 // ParallelizeOptions::tp_plan names, which must be monarch::Linear / monarch::Embedding
@@ -57,8 +58,9 @@ struct Piece {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<std::pair<std::string, at::Tensor>> parameters;  // full names in the model
   std::vector<std::pair<std::string, at::Tensor>> buffers;
-  // The module (torch::nn models): what tensor parallelism walks. Null for TorchScript.
-  std::shared_ptr<torch::nn::Module> module;
+  // The torch::nn modules it runs, under their names in the model: what tensor parallelism
+  // walks. Empty for TorchScript.
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules;
 };
 
 struct ChainModel {
@@ -73,6 +75,28 @@ ChainModel chain_of(const torch::nn::Sequential& model);
 ChainModel chain_of(const torch::jit::Module& model);
 // Any module with its own forward: one piece.
 ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::Tensor(const at::Tensor&)> forward);
+
+// A model whose blocks sit in a torch::nn::ModuleList that its own forward drives (a
+// ModuleList has no forward, so the model says how it runs): pipelines cut between the
+// blocks, ZeRO-3 gathers one at a time, tensor parallelism splits as in a chain. The model's
+// forward must be forward_before, then forward_block for each block in order, then
+// forward_after, each one tensor in and out.
+class BlockStack {
+ public:
+  virtual ~BlockStack() = default;
+  // The ModuleList child holding the blocks (its name in the model).
+  virtual std::string blocks_name() const = 0;
+  // The children forward_before uses (their parameters run on the first stage); every other
+  // child outside the blocks belongs to forward_after (the last stage). A weight shared by
+  // both sides (an output head tied to the embedding) is tied between the two stages.
+  virtual std::vector<std::string> before_names() const = 0;
+  virtual at::Tensor forward_before(const at::Tensor& input) = 0;
+  virtual at::Tensor forward_block(int64_t index, const at::Tensor& hidden) = 0;
+  virtual at::Tensor forward_after(const at::Tensor& hidden) = 0;
+};
+// Pieces "before", each block ("<blocks_name>.<i>"), "after". Throws naming what does not fit
+// (no such ModuleList, a before name that is no child, a parameter of the model itself).
+ChainModel chain_of_blocks(std::shared_ptr<torch::nn::Module> model);
 
 // Indices (into pieces) of the blocks: the longest run of consecutive pieces of one type
 // holding parameters (at least two); none when there is no such run.
