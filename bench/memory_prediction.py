@@ -51,7 +51,11 @@ def predicted(layout, dtype):
     model = make_model()
     info, graph = model_graph(model, torch.randn(1, WIDTH), dtype=dtype, tp_plan=tp_plan() if tp > 1 else None)
     training = runtime_training(info, BATCH * dp, dtype, {"tp": tp, "pp": pp}, param_dtype=torch.float32)
-    plan = planner.evaluate(graph, planner.cluster("cpu", RANKS), training, tp=tp, pp=pp, dp=dp, zero=zero,
+    # This machine's cores shared by RANKS ranks, as cluster.detect() says (the overlap
+    # contention decides the plan's zero_overlap, which the runtime then runs).
+    from torch_monarch.cluster import _cores, cpu_overlap_contention
+    cluster = planner.cluster("cpu", RANKS, overlap_contention=cpu_overlap_contention(RANKS, float(_cores())))
+    plan = planner.evaluate(graph, cluster, training, tp=tp, pp=pp, dp=dp, zero=zero,
                             micro_batch=BATCH // m, schedule="1f1b" if pp > 1 else "none", recompute="none",
                             allow_over_memory=True)
     mem = plan.prediction.memory

@@ -2,6 +2,7 @@
 #include "monarch/nn.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional/embedding.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -125,13 +126,17 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& tokens) {
   int64_t pad = -1;
   if (auto p = options.padding_idx()) pad = *p < 0 ? *p + options.num_embeddings() : *p;
   if (group_ != nullptr) return tp::vocab_parallel_embedding(tokens, weight, vocab_start_, *group_, -1, pad);
-  return at::embedding(weight, tokens, pad);
+  // Unsplit: torch::nn::Embedding's forward, every option honoured.
+  return torch::nn::functional::detail::embedding(tokens, weight, options.padding_idx(), options.max_norm(),
+                                                  options.norm_type(), options.scale_grad_by_freq(),
+                                                  options.sparse());
 }
 
 void EmbeddingImpl::parallelize(Communicator& group, const std::string& what) {
   TORCH_CHECK(group_ == nullptr, "monarch::parallelize: ", what, " is already split");
-  TORCH_CHECK(!options.max_norm().has_value(), "monarch::parallelize: ", what,
-              " has max_norm, which renormalizes rows in place: not split by tensor parallelism");
+  TORCH_CHECK(!options.max_norm().has_value() && !options.scale_grad_by_freq() && !options.sparse(),
+              "monarch::parallelize: ", what, " uses max_norm, scale_grad_by_freq or sparse gradients, which the "
+              "vocabulary-split lookup does not: not split by tensor parallelism");
   if (group.size() == 1) return;
   cut_in_place(weight, options.num_embeddings(), 0, group, 1, what);
   vocab_start_ = group.group_rank() * weight.size(0);

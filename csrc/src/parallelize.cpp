@@ -321,6 +321,10 @@ TpLayout plan_tensor_parallel(const ChainModel& model, const Layout& layout, con
             continue;
           }
           divides(embedding->options.num_embeddings(), 1, name, "the vocabulary");
+          if (embedding->options.max_norm() || embedding->options.scale_grad_by_freq() || embedding->options.sparse()) {
+            problems.push_back(name + " uses max_norm, scale_grad_by_freq or sparse gradients, which the "
+                               "vocabulary-split lookup does not");
+          }
           record(embedding->weight, {0, 1}, name + ".weight");
         } else {
           auto* linear = dynamic_cast<LinearImpl*>(item.value().get());
@@ -346,6 +350,25 @@ TpLayout plan_tensor_parallel(const ChainModel& model, const Layout& layout, con
   }
   for (const auto& r : tp_plan) {
     if (!used.count(&r)) problems.push_back("tp_plan rule '" + r.pattern + "' matches no module (a typo?)");
+  }
+  // A split tensor must be split wherever it is used: a module that reads it whole (an
+  // embedding left whole beside its tied, vocab-split head) would compute with the slice.
+  std::set<const torch::nn::Module*> split_modules;
+  for (const auto& t : out.targets) split_modules.insert(t.module.get());
+  std::set<std::string> reported;
+  for (const auto& piece : model.pieces) {
+    for (const auto& [prefix, root] : piece.modules) {
+      for (const auto& item : root->named_modules("", /*include_self=*/true)) {
+        if (split_modules.count(item.value().get())) continue;
+        for (const auto& prm : item.value()->named_parameters(/*recurse=*/false)) {
+          const std::string name = prefixed(prefixed(prefix, item.key()), prm.key());
+          if (out.specs.count(id_of(prm.value())) && reported.insert(name).second) {
+            problems.push_back(name + " is a tensor another layer splits, but " + prefixed(prefix, item.key()) +
+                               " uses it whole: split it too (the same style), or neither");
+          }
+        }
+      }
+    }
   }
   if (out.targets.empty() && problems.empty()) problems.push_back("tp_plan splits no layer");
   if (!problems.empty()) {
