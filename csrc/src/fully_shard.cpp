@@ -500,7 +500,11 @@ void FullyShardEngine::finish_unit(int64_t k) {
   u.reduce = Handle();
   u.reduce_launched = false;
   u.pending = u.params.size();
-  u.backward_ready = false;
+  // backward_ready stays set until the unit's next forward (after_forward clears it): a hook
+  // on another of its outputs may still fire later in this backward (Hugging Face T5's
+  // cross-attention position bias is a leaf made inside the first decoder block, whose
+  // gradient is complete only after the blocks that read it), and must not gather the unit
+  // again: nothing would free it, and the next forward would run on pre-step parameters.
   if (sharded_parameters() && k != 0) free_parameters(k);
 }
 
