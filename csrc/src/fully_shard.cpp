@@ -412,7 +412,11 @@ void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>
 
 void FullyShardEngine::before_backward(int64_t unit) {
   Unit& u = units_[unit];
-  if (u.backward_ready) return;
+  // A hook on another of its outputs may fire after this backward already reduced the unit
+  // (Hugging Face T5's cross-attention position bias is a leaf made inside the first decoder
+  // block, its gradient complete only after the blocks that read it): gathering it again
+  // would leave it gathered (nothing frees it) and the next forward on pre-step parameters.
+  if (u.backward_ready || unit_grads_ready_[unit]) return;
   u.backward_ready = true;
   Communicator::Phase phase(group_, "fully_shard backward (re-gather)");
   finish_gather(unit);
@@ -500,11 +504,7 @@ void FullyShardEngine::finish_unit(int64_t k) {
   u.reduce = Handle();
   u.reduce_launched = false;
   u.pending = u.params.size();
-  // backward_ready stays set until the unit's next forward (after_forward clears it): a hook
-  // on another of its outputs may still fire later in this backward (Hugging Face T5's
-  // cross-attention position bias is a leaf made inside the first decoder block, whose
-  // gradient is complete only after the blocks that read it), and must not gather the unit
-  // again: nothing would free it, and the next forward would run on pre-step parameters.
+  u.backward_ready = false;  // the next backward (another micro-batch's) gathers it again
   if (sharded_parameters() && k != 0) free_parameters(k);
 }
 
