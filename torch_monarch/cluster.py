@@ -119,7 +119,9 @@ def zero_overlap_pays_here():
     below 1); CPU ranks only with a core to spare per rank (cpu_overlap_contention)."""
     if torch.cuda.is_available():
         return True
-    return cpu_overlap_contention(_env_int("LOCAL_WORLD_SIZE", 1), float(_cores())) < 1.0
+    c = _planner.cluster_preset("cpu", 1)
+    c.overlap_contention = cpu_overlap_contention(_env_int("LOCAL_WORLD_SIZE", 1), float(_cores()))
+    return _planner.zero_overlap_pays(c)
 
 
 def detect(world_size=None, ranks_per_node=None, measure=True):

@@ -347,8 +347,9 @@ void FullyShardEngine::sync_parameters() {
   if (sharded_parameters()) return;
   at::NoGradGuard no_grad;
   Communicator::Phase phase(group_, "fully_shard parameter refresh (after a step or a load)");
-  // Unit by unit with one gather in flight behind the one being unpacked: the padded
-  // outputs of two units exist at a time, not a second copy of the whole model.
+  // Unit by unit with one gather in flight behind the one being unpacked (with overlap off,
+  // each waited for as issued): the padded outputs of at most two units exist at a time, not
+  // a second copy of the whole model.
   struct InFlight {
     int64_t unit;
     at::Tensor padded;
