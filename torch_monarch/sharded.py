@@ -21,6 +21,9 @@ def _default_units(module: nn.Module):
     the blocks the pipeline cuts between, ZeRO shards by and the model reader plans as block
     layers. By parameters, not by length: a block may hold a longer list of its own (a T5
     block's sub-layers, a mixture's experts), which must not win over the list of blocks.
+    Without a ModuleList: the longest run (two or more) of consecutive children of one type
+    holding parameters in an nn.Sequential (a GPT written as Sequential(embedding, block0,
+    block1, ..., norm, head), as the C++ frontend's find_blocks reads a Sequential).
     Empty if there is none."""
     best, best_key = None, None
     for sub in module.modules():
@@ -29,7 +32,27 @@ def _default_units(module: nn.Module):
         key = (sum(p.numel() for p in {id(p): p for p in sub.parameters()}.values()), len(sub))
         if best is None or key > best_key:
             best, best_key = sub, key
-    return list(best) if best is not None else []
+    if best is not None:
+        return list(best)
+    return _sequential_run(module)
+
+
+def _sequential_run(module: nn.Module):
+    """The longest run of consecutive same-type children with parameters of any nn.Sequential
+    in `module` (the first on a tie), or []."""
+    best = []
+    for sub in module.modules():
+        if not isinstance(sub, nn.Sequential):
+            continue
+        run = []
+        for child in list(sub.children()) + [None]:
+            if child is not None and any(True for _ in child.parameters()) and run and type(child) is type(run[0]):
+                run.append(child)
+                continue
+            if len(run) >= 2 and len(run) > len(best):
+                best = run
+            run = [child] if child is not None and any(True for _ in child.parameters()) else []
+    return best
 
 
 class FullyShardedModule(nn.Module):

@@ -559,6 +559,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
   // wraps each local stage.
   for (auto& st : stages_) local.push_back({st->id, st->all, nullptr});
   mesh_ = mesh;
+  for (const auto& e : entries) entries_[e.name] = e;
   composition_ = std::make_unique<Composition>(layout, mesh, std::move(local), std::move(entries), tied_ordered);
   for (auto& st : stages_) {
     if (dp > 1 && layout.zero_stage == 0) {
@@ -619,6 +620,7 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
       if (!given.insert(id_of(t)).second) continue;
       optimizer_parameters_.push_back(t);
       optimizer_names_.push_back(st->zero ? st->zero_names.at(i) : first_name.at(id_of(t)));
+      if (st->zero) zero_shards_.insert(id_of(t));
     }
   }
   for (const auto& t : tied_ordered) {
@@ -711,6 +713,35 @@ std::map<std::string, at::Tensor> ParallelModule::local_state() {
   return out;
 }
 
+std::vector<ParallelModule::HeldTensor> ParallelModule::held_tensors() const {
+  std::vector<HeldTensor> out;
+  for (size_t i = 0; i < optimizer_parameters_.size(); ++i) {
+    const auto& entry = entries_.at(optimizer_names_[i]);
+    const at::Tensor& t = optimizer_parameters_[i];
+    out.push_back({optimizer_names_[i], t, entry.shape, entry.tp, zero_shards_.count(id_of(t)) > 0, false});
+  }
+  std::set<const void*> seen;
+  for (const auto& st : stages_) {
+    for (size_t i : st->pieces) {
+      for (const auto& [name, b] : model_.pieces[i].buffers) {
+        if (!seen.insert(id_of(b)).second) continue;
+        const auto& entry = entries_.at(name);
+        out.push_back({name, b, entry.shape, entry.tp, false, true});
+      }
+    }
+  }
+  return out;
+}
+
+Communicator& ParallelModule::world_group() {
+  if (!world_mesh_) {
+    planner::Mesh flat;
+    flat.dp = mesh().size();
+    world_mesh_ = std::make_unique<DeviceMesh>(mesh().world(), flat);
+  }
+  return world_mesh_->group("dp");
+}
+
 std::vector<std::pair<std::string, at::Tensor>> ParallelModule::state_dict() {
   composition_->expect_all("state_dict()");
   return composition_->full_state_dict(local_state());
@@ -779,7 +810,9 @@ std::unique_ptr<ParallelModule> parallelize(ChainModel model, const planner::Pla
     throw std::invalid_argument("monarch::parallelize: the plan (" + plan.summary() +
                                 ") does not match this model or job: " + join(problems));
   }
-  return std::make_unique<ParallelModule>(std::move(model), std::move(layout), options);
+  auto out = std::make_unique<ParallelModule>(std::move(model), std::move(layout), options);
+  out->set_plan(plan);
+  return out;
 }
 
 std::unique_ptr<ParallelModule> parallelize(ChainModel model, const LayoutPins& pins, ParallelizeOptions options) {

@@ -12,7 +12,10 @@
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
 // parity is then checked against the same file trained in one process), --module-list 1 (the
-// same GPT with its blocks in a torch::nn::ModuleList driven by its own forward: BlockStack).
+// same GPT with its blocks in a torch::nn::ModuleList driven by its own forward: BlockStack),
+// --save DIR --save-at N (a checkpoint after N steps, monarch/checkpoint.h, in the format Python's
+// torch_monarch.checkpoint reads), --resume DIR (load one, from C++ or Python, saved in any layout,
+// and go on from its step; parity is then checked on the steps this run trained).
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -23,6 +26,7 @@
 #include <set>
 #include <string>
 
+#include "monarch/checkpoint.h"
 #include "monarch/parallelize.h"
 #include "monarch/runtime/attention.h"
 #include "monarch/planner/search.h"
@@ -184,7 +188,8 @@ int64_t int_arg(std::map<std::string, std::string>& args, const std::string& key
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
 const std::set<std::string> kFlags = {"plan", "save-plan", "tp", "pp", "dp", "zero", "micro-batch", "schedule",
-                                      "recompute", "steps", "layers", "trace", "torchscript", "module-list"};
+                                      "recompute", "steps", "layers", "trace", "torchscript", "module-list",
+                                      "save", "save-at", "resume"};
 
 }  // namespace
 
@@ -215,7 +220,7 @@ int main(int argc, char** argv) {
   try {
     c.steps = int_arg(args, "steps", "5");
     c.layers = int_arg(args, "layers", "4");
-    for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch"}) {
+    for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch", "save-at"}) {
       if (!arg(args, key).empty()) int_arg(args, key, "");
     }
   } catch (const std::invalid_argument& e) {
@@ -285,17 +290,37 @@ int main(int argc, char** argv) {
     if (plan.mesh.tp > 1) popts.tp_plan = kTpPlan;
     auto model = monarch::parallelize(build(), plan, popts);
     auto opt = make_optimizer(model->named_parameters(), c.lr);
+    // Resuming: parameters, AdamW's moments and step counts, learning rates, from a checkpoint
+    // any layout wrote (C++ or Python); training goes on from the step it saved.
+    int64_t first = 0;
+    if (!arg(args, "resume").empty()) {
+      auto info = monarch::checkpoint::load(*model, &opt, arg(args, "resume"));
+      first = info.step;
+      if (lead) {
+        std::printf("resumed from %s at step %lld (saved by %lld ranks)\n", info.path.c_str(),
+                    static_cast<long long>(first), static_cast<long long>(info.world_size));
+      }
+    }
+    const std::string save_dir = arg(args, "save");
+    const int64_t save_at = save_dir.empty() ? -1 : int_arg(args, "save-at", std::to_string(c.steps));
     std::vector<double> losses;
-    for (int64_t step = 0; step < c.steps; ++step) {
+    for (int64_t step = first; step < c.steps; ++step) {
       auto [x, y] = batch(c, step);
       opt.zero_grad();
       const double loss = model->train_step(model->local_batch(x), model->local_batch(y), lm_loss);
       opt.step();
       losses.push_back(loss);
       if (lead) std::printf("step %lld  loss %.6f\n", static_cast<long long>(step), loss);
+      if (step + 1 == save_at) {
+        monarch::checkpoint::SaveOptions so;
+        so.step = step + 1;
+        monarch::checkpoint::save(*model, &opt, save_dir, so);  // collective
+        if (lead) std::printf("saved %s at step %lld\n", save_dir.c_str(), static_cast<long long>(step + 1));
+      }
     }
     // Bytes this rank sent along dp per step (gradient reduction, ZeRO gathers).
-    const double dp_bytes = model->mesh().group("dp").counters().total() / static_cast<double>(c.steps);
+    const double dp_bytes =
+        model->mesh().group("dp").counters().total() / static_cast<double>(std::max<int64_t>(1, c.steps - first));
     if (lead) std::printf("dp bytes per step: %.0f\n", dp_bytes);
     if (!arg(args, "trace").empty()) model->trace(arg(args, "trace"));  // collective: rank 0 writes it
     auto trained = model->state_dict();  // collective: the whole model on every rank
@@ -321,7 +346,7 @@ int main(int argc, char** argv) {
         auto loss = lm_loss(out, y);
         loss.backward();
         ref_opt.step();
-        worst_loss = std::max(worst_loss, rel(losses[step], loss.item<double>()));
+        if (step >= first) worst_loss = std::max(worst_loss, rel(losses[step - first], loss.item<double>()));
       }
       std::map<std::string, at::Tensor> expected;
       for (auto& p : reference.pieces) {
@@ -339,7 +364,7 @@ int main(int argc, char** argv) {
       const bool ok = worst_loss < 1e-4 && worst_param < 1e-3 && trained.size() >= expected.size();
       std::printf("parity with 1 process (%s, %lld steps): %s, worst relative difference %.2e (losses), "
                   "%.2e (parameters)\n",
-                  model->layout().summary().c_str(), static_cast<long long>(c.steps), ok ? "ok" : "FAILED",
+                  model->layout().summary().c_str(), static_cast<long long>(c.steps - first), ok ? "ok" : "FAILED",
                   worst_loss, worst_param);
       status = ok ? 0 : 1;
     }

@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -167,6 +168,24 @@ class ParallelModule {
   // it under the plan's prediction). Collective.
   void trace(const std::string& path) { trace::save(path, mesh()); }
 
+  // What this rank holds of every parameter (as its optimizer steps on it: a ZeRO shard, a
+  // tp shard, a whole tensor) and of every buffer of its stages, each once, for checkpoints
+  // (monarch/checkpoint.h).
+  struct HeldTensor {
+    std::string name;
+    at::Tensor tensor;
+    std::vector<int64_t> shape;  // the tp-local whole tensor's
+    std::optional<TpSpec> tp;    // how tensor parallelism split it
+    bool zero_shard = false;     // rows of dim 0 over dp, as FullyShardEngine cuts them
+    bool buffer = false;
+  };
+  std::vector<HeldTensor> held_tensors() const;
+  // A group of every rank, created the first time (collective), for the checkpoints' exchanges.
+  Communicator& world_group();
+  // The plan the model was laid out from (none for hand pins).
+  const std::optional<planner::Plan>& plan() const { return plan_; }
+  void set_plan(planner::Plan plan) { plan_ = std::move(plan); }
+
   const Layout& layout() const { return composition_->layout(); }
   DeviceMesh& mesh() { return composition_->mesh(); }
   Composition& composition() { return *composition_; }
@@ -186,6 +205,10 @@ class ParallelModule {
   bool recompute_ = false;  // blocks keep only their input and re-run in backward (recompute=full)
   bool selective_ = false;  // blocks' attention cores keep q, k, v and re-run in backward (selective)
   std::vector<std::string> optimizer_names_;
+  std::map<std::string, StateEntry> entries_;  // by name: tp-local shapes and splits
+  std::set<const void*> zero_shards_;          // optimizer parameters that are ZeRO shards
+  std::unique_ptr<DeviceMesh> world_mesh_;     // world_group()
+  std::optional<planner::Plan> plan_;
 };
 
 // The plan's layout (checked against the model and the world: every difference in one
