@@ -607,7 +607,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     from the runtime inside a block.
 
     ``units``: the blocks a pipeline is cut between (default: the ModuleList holding the most parameters, else a
-    run of same-type children of an nn.Sequential);
+    run of same-type children when the model is an nn.Sequential);
     ``unit_stage``: stage of each block; ``tp_plan``: see ``tensor_parallel``;
     ``zero_stage``: 0 = DDP-style replicas along dp, 1-3 = ZeRO / FSDP.
     A model holding an ``EmbeddingBagCollection`` (recommendation models) has its tables

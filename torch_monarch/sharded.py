@@ -21,9 +21,10 @@ def _default_units(module: nn.Module):
     the blocks the pipeline cuts between, ZeRO shards by and the model reader plans as block
     layers. By parameters, not by length: a block may hold a longer list of its own (a T5
     block's sub-layers, a mixture's experts), which must not win over the list of blocks.
-    Without a ModuleList: the longest run (two or more) of consecutive children of one type
-    holding parameters in an nn.Sequential (a GPT written as Sequential(embedding, block0,
-    block1, ..., norm, head), as the C++ frontend's find_blocks reads a Sequential).
+    Without a ModuleList, for a model that is itself an nn.Sequential: the longest run (two or
+    more) of its consecutive children of one type holding parameters (a GPT written as
+    Sequential(embedding, block0, block1, ..., norm, head), as the C++ frontend's find_blocks
+    reads a Sequential). Sequentials inside another model (a ResNet's stages) are not read.
     Empty if there is none."""
     best, best_key = None, None
     for sub in module.modules():
@@ -38,20 +39,19 @@ def _default_units(module: nn.Module):
 
 
 def _sequential_run(module: nn.Module):
-    """The longest run of consecutive same-type children with parameters of any nn.Sequential
-    in `module` (the first on a tie), or []."""
-    best = []
-    for sub in module.modules():
-        if not isinstance(sub, nn.Sequential):
+    """The longest run of consecutive same-type children with parameters of `module` when it
+    is an nn.Sequential (the first on a tie), or []."""
+    if not isinstance(module, nn.Sequential):
+        return []
+    best, run = [], []
+    for child in list(module.children()) + [None]:
+        holds = child is not None and any(True for _ in child.parameters())
+        if holds and run and type(child) is type(run[0]):
+            run.append(child)
             continue
-        run = []
-        for child in list(sub.children()) + [None]:
-            if child is not None and any(True for _ in child.parameters()) and run and type(child) is type(run[0]):
-                run.append(child)
-                continue
-            if len(run) >= 2 and len(run) > len(best):
-                best = run
-            run = [child] if child is not None and any(True for _ in child.parameters()) else []
+        if len(run) >= 2 and len(run) > len(best):
+            best = run
+        run = [child] if holds else []
     return best
 
 

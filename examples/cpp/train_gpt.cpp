@@ -9,6 +9,8 @@
 //
 // Flags (an unknown one is an error): --plan FILE (use a saved plan), --save-plan FILE, --tp N, --pp N --dp N --zero S
 // --micro-batch N --schedule NAME --recompute none|selective|full (pins for the planner), --steps N, --layers N,
+// --hidden N, --heads N, --batch N (the global batch; a wider model on a small batch is where the planner
+// picks tensor parallelism by itself: --hidden 256 --batch 4 on 4 ranks),
 // --trace FILE (every rank's measured timeline as a Chrome trace: monarch-plan report --trace),
 // --torchscript FILE (train a TorchScript nn.Sequential instead of the torch::nn model;
 // parity is then checked against the same file trained in one process), --module-list 1 (the
@@ -36,13 +38,17 @@ namespace {
 
 // AdamW with parameter groups as GPT training scripts make them: weight decay on matrices
 // only, none on 1-D tensors (biases, norm weights). By name and shape, so it works the same
-// on the plain model and on parallelize's parameters (ZeRO shards keep both).
+// on the plain model and on parallelize's parameters (ZeRO shards keep both). eps 1e-6, not
+// 1e-8: Adam's first steps move an element by about lr * g / (|g| + eps), so with 1e-8 an
+// element whose gradient is below fp32 summation noise (a unit GELU has switched off) moves by
+// a noise-decided fraction of lr, and parity of the parameters would measure that noise
+// (measured at --hidden 256, tp 2: 1.9e-3 with 1e-8, 1.3e-4 with 1e-6; losses 2e-7 either way).
 torch::optim::AdamW make_optimizer(const std::vector<std::pair<std::string, at::Tensor>>& named, double lr) {
   std::vector<at::Tensor> decay, flat;
   for (const auto& [name, t] : named) (t.dim() < 2 || name.find("bias") != std::string::npos ? flat : decay).push_back(t);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.05)));
-  if (!flat.empty()) groups.emplace_back(flat, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.0)));
+  if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.05).eps(1e-6)));
+  if (!flat.empty()) groups.emplace_back(flat, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.0).eps(1e-6)));
   return torch::optim::AdamW(groups, torch::optim::AdamWOptions(lr));
 }
 
@@ -188,7 +194,8 @@ int64_t int_arg(std::map<std::string, std::string>& args, const std::string& key
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
 const std::set<std::string> kFlags = {"plan", "save-plan", "tp", "pp", "dp", "zero", "micro-batch", "schedule",
-                                      "recompute", "steps", "layers", "trace", "torchscript", "module-list",
+                                      "recompute", "steps", "layers", "hidden", "heads", "batch", "trace",
+                                      "torchscript", "module-list",
                                       "save", "save-at", "resume"};
 
 }  // namespace
@@ -220,6 +227,16 @@ int main(int argc, char** argv) {
   try {
     c.steps = int_arg(args, "steps", "5");
     c.layers = int_arg(args, "layers", "4");
+    c.hidden = int_arg(args, "hidden", std::to_string(c.hidden));
+    c.heads = int_arg(args, "heads", std::to_string(c.heads));
+    c.global_batch = int_arg(args, "batch", std::to_string(c.global_batch));
+    // Adam's step is about lr per element whatever the width; a wider model takes a smaller one
+    // (lr ~ 1 / width, as muP prescribes for hidden matrices) or its loss jumps around.
+    c.lr *= std::min(1.0, 32.0 / static_cast<double>(c.hidden));
+    if (c.hidden <= 0 || c.heads <= 0 || c.hidden % c.heads != 0 || c.global_batch <= 0 || c.layers <= 0) {
+      throw std::invalid_argument("train_gpt: --hidden must be a positive multiple of --heads, --batch and --layers "
+                                  "positive");
+    }
     for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch", "save-at"}) {
       if (!arg(args, key).empty()) int_arg(args, key, "");
     }
@@ -338,6 +355,7 @@ int main(int argc, char** argv) {
       }
       auto ref_opt = make_optimizer(params, c.lr);
       double worst_loss = 0, worst_param = 0;
+      std::string worst_name;
       for (int64_t step = 0; step < c.steps; ++step) {
         auto [x, y] = batch(c, step);
         ref_opt.zero_grad();
@@ -357,15 +375,18 @@ int main(int argc, char** argv) {
         if (it == expected.end()) continue;  // buffers
         const double diff = (t - it->second).abs().max().item<double>();
         const double scale = it->second.abs().max().item<double>();
-        worst_param = std::max(worst_param, diff / std::max(scale, 1e-12));
+        if (diff / std::max(scale, 1e-12) > worst_param) {
+          worst_param = diff / std::max(scale, 1e-12);
+          worst_name = name;
+        }
       }
       // fp32 sums in another order (micro-batches, all-reduce): agreement to ~1e-6 relative;
       // Adam amplifies tiny gradient differences a little over the steps.
       const bool ok = worst_loss < 1e-4 && worst_param < 1e-3 && trained.size() >= expected.size();
       std::printf("parity with 1 process (%s, %lld steps): %s, worst relative difference %.2e (losses), "
-                  "%.2e (parameters)\n",
+                  "%.2e (parameters, %s)\n",
                   model->layout().summary().c_str(), static_cast<long long>(c.steps - first), ok ? "ok" : "FAILED",
-                  worst_loss, worst_param);
+                  worst_loss, worst_param, worst_name.c_str());
       status = ok ? 0 : 1;
     }
     return status;

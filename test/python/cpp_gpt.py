@@ -80,7 +80,7 @@ def make_optimizer(named_parameters):
     for name, p in named_parameters:
         (flat if p.dim() < 2 or "bias" in name else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": 0.05}, {"params": flat, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=LR)
+    return torch.optim.AdamW(groups, lr=LR, eps=1e-6)
 
 
 def main():

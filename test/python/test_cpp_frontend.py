@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.environ.get("MONARCH_BUILD_DIR", os.path.join(ROOT, "build"))
 BINARY = os.path.join(BUILD, "bin", "train_gpt")
 PARITY = re.compile(r"parity with 1 process \((.*?), (\d+) steps\): (ok|FAILED), worst relative difference "
-                    r"(\S+) \(losses\), (\S+) \(parameters\)")
+                    r"(\S+) \(losses\), (\S+) \(parameters(?:, \S+)?\)")
 
 
 def launch(nproc, *args, binary=BINARY, timeout=240):
@@ -64,6 +64,9 @@ LAYOUTS = [
     (4, ["--tp", "2", "--pp", "1", "--zero", "3"], "pp=1 dp=2 tp=2 zero=3"),
     # The same GPT with its blocks in a ModuleList its forward loops over (BlockStack).
     (4, ["--module-list", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b"], "pp=2 dp=1 tp=2"),
+    # The planner's own pick with tensor parallelism: a wider model on a small batch, where
+    # splitting the layers costs less than reducing every gradient over 4 replicas.
+    (4, ["--hidden", "256", "--batch", "4"], "pp=1 dp=2 tp=2"),
 ]
 
 
@@ -275,3 +278,44 @@ def test_a_corrupt_checkpoint_is_one_error_on_every_rank(tmp_path):
     errors = re.findall(r"train_gpt: (checkpoint: load failed.*)", p.stdout)
     assert len(errors) == 2 and errors[0] == errors[1], p.stdout[-3000:]
     assert "rank00001.safetensors: tensor" in errors[0] and "fails its checksum" in errors[0], errors[0]
+
+
+DLRM = os.path.join(BUILD, "bin", "train_dlrm")
+DLRM_PARITY = re.compile(r"parity with 1 process \((\d+) ranks, (\d+) steps\): (ok|FAILED), worst relative difference "
+                         r"(\S+) \(losses\), (\S+) \(tables\), (\S+) \(dense\)")
+
+
+# (ranks, flags, the tables' shardings that must show; None: the planner's choice).
+DLRM_RUNS = [
+    (4, [], None),
+    (2, ["--batch", "64", "--steps", "4"], None),
+    (4, ["--pins", "user=row_wise,item=column_wise,category=data_parallel"],
+     {"user": "row_wise", "item": "column_wise", "category": "data_parallel"}),
+    (4, ["--pins", "user=table_row_wise,item=row_wise", "--optimizer", "sgd"], {"user": "table_row_wise", "item": "row_wise"}),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,expect", DLRM_RUNS, ids=[" ".join(["np%d" % n] + f) for n, f, _ in DLRM_RUNS])
+def test_the_cpp_dlrm_trains_with_planned_table_sharding_like_one_process(nproc, flags, expect):
+    """examples/cpp/train_dlrm: monarch::EmbeddingBagCollection planned and sharded by
+    monarch::shard_embeddings, the dense part data-parallel, against the same model in one
+    process (row-wise Adagrad or SGD on the tables, AdamW on the dense part)."""
+    p = launch(nproc, *flags, binary=DLRM)
+    assert p.returncode == 0, p.stdout[-3000:]
+    shardings = dict(re.findall(r"(\w+)=(\w+)", re.search(r"^tables:(.*)$", p.stdout, re.M).group(1)))
+    assert set(shardings) == {"user", "item", "category"}, p.stdout[-2000:]
+    for table, sharding in (expect or {}).items():
+        assert shardings[table] == sharding, shardings
+    m = DLRM_PARITY.search(p.stdout)
+    assert m, p.stdout[-3000:]
+    ranks, steps, verdict, loss_diff, table_diff, dense_diff = m.groups()
+    assert int(ranks) == nproc and verdict == "ok"
+    assert float(loss_diff) < 1e-5 and float(table_diff) < 1e-4 and float(dense_diff) < 1e-3
+    trace = losses(p)
+    assert len(trace) == int(steps)
+
+
+def test_the_cpp_dlrm_refuses_a_bad_pin_on_every_rank():
+    p = launch(2, "--pins", "user=diagonal", binary=DLRM)
+    assert p.returncode != 0
+    assert p.stdout.count("train_dlrm: sharding: unknown sharding 'diagonal'") == 2, p.stdout[-2000:]

@@ -357,3 +357,28 @@ def test_a_batchnorm_model_is_read_and_planned_from_one_sample_without_touching_
     assert plan.mesh.world_size() == 4
     for k, v in model.named_buffers():
         assert torch.equal(v, buffers[k]), f"reading changed {k}"
+
+
+def test_a_sequential_model_s_run_of_blocks_is_its_units_and_a_resnet_s_stages_are_not():
+    """A model that is itself an nn.Sequential (embedding, block0..blockN, norm, head: how the C++
+    frontend's GPT is written) has the longest run of same-type children with parameters as its
+    blocks; Sequentials inside another model (a ResNet's stages, above) are not read."""
+    from torch_monarch.sharded import _default_units
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    blocks = [Block() for _ in range(3)]
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), *blocks, torch.nn.ReLU(), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 10))
+    assert _default_units(model) == blocks
+    # A run broken by a parameter-free child: two runs of one, no blocks (a ReLU between
+    # two Linears is an MLP, not a stack of blocks).
+    assert _default_units(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))) == []
+    info = read_model(model, torch.zeros(2, 5, dtype=torch.long))
+    assert info.blocks == ["1", "2", "3"]
