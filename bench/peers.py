@@ -420,12 +420,22 @@ def free_port():
 
 
 def launch(ranks, *args, env=None):
-    out = tempfile.mkdtemp(prefix="monarch-peers-")
+    """Runs a worker on `ranks` ranks; its output folder. A launch that fails is run once more
+    (the peer's processes have no guard against torch's Gloo abort at interpreter exit,
+    pytorch/pytorch#190489, which kills a finished worker with SIGABRT now and then); a
+    second failure raises."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(free_port()), __file__, *args, out]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-    return out
+    for attempt in (1, 2):
+        out = tempfile.mkdtemp(prefix="monarch-peers-")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+               str(free_port()), __file__, *args, out]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+        if done.returncode == 0:
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+        if attempt == 2:
+            raise subprocess.CalledProcessError(done.returncode, cmd)
+        print(f"peers: {' '.join(args[:3])} exited with {done.returncode}; launching it again", file=sys.stderr)
 
 
 def read_json(folder, name):

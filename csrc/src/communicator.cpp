@@ -141,6 +141,7 @@ Communicator::Communicator(compat::BackendPtr group, std::vector<int> ranks, int
   }
   TORCH_INTERNAL_ASSERT(group_rank_ >= 0, "rank ", rank, " not in group ", name_);
   flight::set_rank(rank);
+  call_group_ = std::make_shared<const flight::CallGroup>(flight::CallGroup{name_, key_, ranks_});
   if (store_ && size() > 1) {
     auto info = std::make_shared<flight::GroupInfo>();
     info->name = name_;
@@ -221,18 +222,16 @@ void Communicator::agree(Op op, const at::Tensor& t, int64_t root, bool cuda) {
   if (size() == 1) return;
   {
     flight::Call call;
-    call.group = name_;
-    call.key = key_;
-    call.ranks = ranks_;
+    call.group = call_group_;
     call.seq = issued_++;
     call.op = op_name(static_cast<int64_t>(op));
     call.numel = t.defined() ? t.numel() : 0;
-    call.dtype = t.defined() ? std::string(c10::toString(t.scalar_type())) : "";
-    call.phase = phase_;
+    call.dtype = t.defined() ? c10::toString(t.scalar_type()) : "";
+    call.phase = phase_;  // a static string (Phase's argument)
     call.step = step_;
     call.time_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch()).count();
-    flight::record(std::move(call));
+    flight::record(call);
   }
   if (announced_ && info_) {
     // An entry check that gave up left its note for the peers; this rank went on (it caught

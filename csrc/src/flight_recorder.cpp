@@ -74,13 +74,14 @@ void set_rank(int rank) {
   ring().rank = rank;
 }
 
-void record(Call call) {
+void record(const Call& call) {
   Ring& r = ring();
   std::lock_guard<std::mutex> lock(r.mutex);
   if (r.calls.size() < r.capacity) {
-    r.calls.push_back(std::move(call));
+    if (r.calls.capacity() < r.capacity) r.calls.reserve(r.capacity);  // once: no regrowth later
+    r.calls.push_back(call);
   } else {
-    r.calls[r.next] = std::move(call);
+    r.calls[r.next] = call;
     r.next = (r.next + 1) % r.capacity;
     ++r.dropped;
   }
@@ -133,9 +134,11 @@ std::string write_dump(const std::string& why) {
       << ", \"calls\": [";
   for (size_t i = 0; i < calls.size(); ++i) {
     const Call& c = calls[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"group\": " << json_string(c.group) << ", \"key\": " << json_string(c.key)
+    static const CallGroup none;
+    const CallGroup& g = c.group ? *c.group : none;
+    out << (i ? ",\n  " : "\n  ") << "{\"group\": " << json_string(g.name) << ", \"key\": " << json_string(g.key)
         << ", \"ranks\": [";
-    for (size_t j = 0; j < c.ranks.size(); ++j) out << (j ? ", " : "") << c.ranks[j];
+    for (size_t j = 0; j < g.ranks.size(); ++j) out << (j ? ", " : "") << g.ranks[j];
     out << "], \"seq\": " << c.seq << ", \"op\": " << json_string(c.op) << ", \"numel\": " << c.numel
         << ", \"dtype\": " << json_string(c.dtype) << ", \"phase\": " << json_string(c.phase)
         << ", \"step\": " << c.step << ", \"time_ns\": " << c.time_ns << "}";
@@ -246,7 +249,7 @@ void report_termination() {
   const auto calls = snapshot();
   if (!calls.empty()) {
     const Call& c = calls.back();
-    msg << "; its last collective: " << c.op << " of " << c.numel << " " << c.dtype << " on group '" << c.group
+    msg << "; its last collective: " << c.op << " of " << c.numel << " " << c.dtype << " on group '" << (c.group ? c.group->name : std::string())
         << "' (call #" << c.seq << ") in " << c.phase << ", step " << c.step;
   }
   // What needs no store first (the store may be slow or gone): the line and the dump.

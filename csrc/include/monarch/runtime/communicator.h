@@ -45,6 +45,7 @@ class ByteCounters {
 class NcclBackend;  // nccl_backend.h (MONARCH_WITH_NCCL builds)
 namespace flight {
 struct GroupInfo;  // flight_recorder.h
+struct CallGroup;
 }
 
 // A collective in flight. Contract: until wait() returns, the input and output buffers
@@ -231,7 +232,8 @@ class Communicator {
   bool check_ = true;
   int64_t checked_ = 0;
   int64_t step_ = 0;
-  const char* phase_ = "a direct call";
+  const char* phase_ = "a direct call";  // static strings only: the flight recorder keeps the pointer
+  std::shared_ptr<const flight::CallGroup> call_group_;  // what the flight recorder's records share
   std::map<std::string, int64_t> expected_;  // expect_all calls per `what`
   int64_t issued_ = 0;                        // collectives issued (the flight recorder's numbers)
   bool announced_ = false;                    // a failed entry check's note is still in the store
