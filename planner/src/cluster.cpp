@@ -1,11 +1,15 @@
-// Cluster presets. Peak FLOP/s and memory bandwidth are the vendors' datasheet numbers
-// (NVIDIA A100 datasheet 2021, H100 and H200 SXM datasheets, dense, no sparsity). Link
-// bandwidths are *achieved* all-reduce bus bandwidths of the kind nccl-tests reports, not
-// line rates: NVLink3 (600 GB/s bidirectional) ~230 GB/s per GPU, NVLink4 (900 GB/s) ~360;
-// inter-node one HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100/H200) NIC per GPU, i.e. 25 or
-// 50 GB/s line rate, ~90% of it achieved.
+// Cluster presets: devices (a100-40gb ... mi300x-192gb) and the instance types people rent
+// (AWS p4d ... p6-b200, Azure ND v4/v5, GCP A2/A3/A4, NVIDIA DGX and GB200 NVL72), every
+// number from the provider's or vendor's page (docs/clusters.md lists each with its source and
+// the phrase that states it). Peak FLOP/s are dense (vendors' sparse figures halved) and
+// memory bandwidths the datasheets'. Link bandwidths are *achieved* all-reduce bus bandwidths
+// of the kind nccl-tests reports, not line rates: NVLink3 (600 GB/s bidirectional) ~230 GB/s
+// per GPU, NVLink4 (900 GB/s) ~360, i.e. 0.4 of the bidirectional figure, which NVLink5
+// (1.8 TB/s) and AMD's Infinity Fabric are assumed to share; a node's GPU network is its
+// NICs' line rate shared by its GPUs, ~90% of it achieved.
 #include "monarch/planner/cluster.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -61,6 +65,85 @@ Cluster hopper(double memory_bytes, double hbm_bytes_per_s) {
   return c;
 }
 
+// Blackwell: B200 (HGX/DGX B200, 180 GB, 7.7 TB/s) and the GB200 superchip's GPU (186 GB,
+// 8 TB/s, a little faster clocks). NVIDIA's Blackwell spec table: FP16/BF16 4.5 / 5 PFLOPS
+// and FP8 9 / 10 PFLOPS with sparsity (halved here), FP32 75 / 80 TFLOPS. SM count: not on
+// a vendor page; 148 is the widely reported B200 figure (unconfirmed, docs/clusters.md).
+Cluster blackwell(double memory_bytes, double hbm_bytes_per_s, double bf16_dense, double fp32) {
+  Cluster c;
+  c.devices_per_node = 8;
+  c.device_memory_bytes = memory_bytes;
+  c.memory_reserved_bytes = 2 * kGiB;
+  c.peak_flops_fp32 = fp32;
+  c.peak_flops_tf32 = bf16_dense / 2;
+  c.peak_flops_bf16 = bf16_dense;
+  c.peak_flops_fp8 = 2 * bf16_dense;
+  c.matmul_efficiency = 0.65;  // Hopper's: no published Blackwell GEMM efficiency calibrated here
+  c.sm_count = 148;
+  c.hbm_bytes_per_s = hbm_bytes_per_s;
+  c.intra_node_bytes_per_s = 0.4 * 1800e9;  // NVLink5, 1.8 TB/s bidirectional per GPU
+  c.intra_node_latency_s = 5e-6;
+  c.inter_node_bytes_per_s = 45e9;  // one 400 Gb/s NIC per GPU (DGX B200: 8 x ConnectX-7)
+  c.inter_node_latency_s = 1e-5;
+  c.overlap_contention = kGpuOverlapContention;
+  return c;
+}
+
+// AMD Instinct MI300X (ROCm's MI300 page: matrix BF16 1307.4 TFLOPS, FP8 2614.9, FP32 163.4
+// dense; 192 GB HBM3 at 5.3 TB/s; 304 CUs), 8 per node fully connected by 7 Infinity Fabric
+// links each (128 GB/s bidirectional per link, 896 GB/s per GPU: AMD's datasheet,
+// unconfirmed here). The node's network is assumed to be one 400 Gb/s NIC per GPU, as the
+// NVIDIA nodes above.
+Cluster mi300x() {
+  Cluster c;
+  c.devices_per_node = 8;
+  c.device_memory_bytes = 192e9;
+  c.memory_reserved_bytes = 2 * kGiB;
+  c.peak_flops_fp32 = 163.4e12;
+  c.peak_flops_tf32 = 653.7e12;
+  c.peak_flops_bf16 = 1307.4e12;
+  c.peak_flops_fp8 = 2614.9e12;
+  c.matmul_efficiency = 0.55;  // below Hopper's: published MI300X GEMM studies reach less of peak (uncalibrated)
+  c.sm_count = 304;            // compute units, the SMs' counterpart for the wave model
+  c.hbm_bytes_per_s = 5.3e12;
+  c.intra_node_bytes_per_s = 0.4 * 896e9;
+  c.intra_node_latency_s = 5e-6;
+  c.inter_node_bytes_per_s = 45e9;
+  c.inter_node_latency_s = 1e-5;
+  c.overlap_contention = kGpuOverlapContention;
+  return c;
+}
+
+// An instance type: its device, how many share a node (or an NVLink domain: GB200 NVL72's
+// 72), their NVLink's bidirectional bandwidth per GPU and the node's GPU network (line rate).
+struct Instance {
+  std::function<Cluster()> device;
+  int64_t devices_per_node;
+  double nvlink_bidirectional_bytes_per_s;
+  double network_bits_per_s;  // per node, the NICs serving GPU traffic (not front-end Ethernet)
+  PresetInfo info;
+};
+
+// Achieved all-reduce bus bandwidth of a GPU's links: nccl-tests' ~230 GB/s on NVLink3 and
+// ~360 on NVLink4; 0.4 of the bidirectional figure for the others.
+double achieved_link(double bidirectional) {
+  if (bidirectional == 600e9) return 230e9;
+  return 0.4 * bidirectional;
+}
+
+Cluster instance_cluster(const Instance& i) {
+  Cluster c = i.device();
+  c.devices_per_node = i.devices_per_node;
+  c.intra_node_bytes_per_s = achieved_link(i.nvlink_bidirectional_bytes_per_s);
+  c.inter_node_bytes_per_s = 0.9 * i.network_bits_per_s / 8 / static_cast<double>(i.devices_per_node);
+  return c;
+}
+
+PresetInfo info(const char* kind, const char* gpu, int64_t per_node, double memory_gb, double nvlink_gb_s,
+                double network_gbps, const char* network, const char* source) {
+  return {"", kind, gpu, per_node, memory_gb, nvlink_gb_s, network_gbps, network, source};
+}
+
 // Ranks of a CPU job (Gloo over loopback): one "node", modest numbers so plans for small
 // test models come out sensible.
 Cluster cpu() {
@@ -81,13 +164,47 @@ Cluster cpu() {
   return c;
 }
 
-const std::map<std::string, std::function<Cluster()>>& presets() {
-  static const std::map<std::string, std::function<Cluster()>> table = {
-      {"a100-40gb", [] { return a100(40 * kGiB, 1.555e12); }},
-      {"a100-80gb", [] { return a100(80 * kGiB, 2.039e12); }},
-      {"h100-80gb", [] { return hopper(80 * kGiB, 3.35e12); }},
-      {"h200-141gb", [] { return hopper(141e9, 4.8e12); }},
-      {"cpu", [] { return cpu(); }},
+const std::map<std::string, Instance>& instances() {
+  const auto a100_40 = [] { return a100(40 * kGiB, 1.555e12); };
+  const auto a100_80 = [] { return a100(80 * kGiB, 2.039e12); };
+  const auto h100 = [] { return hopper(80 * kGiB, 3.35e12); };
+  const auto h200 = [] { return hopper(141e9, 4.8e12); };
+  const auto b200 = [] { return blackwell(180e9, 7.7e12, 2.25e15, 75e12); };
+  const auto gb200 = [] { return blackwell(186e9, 8e12, 2.5e15, 80e12); };
+  static const std::map<std::string, Instance> table = {
+      // AWS (docs.aws.amazon.com/ec2/latest/instancetypes/ac.html; EFA generations: .../efa.html)
+      {"p4d.24xlarge", {a100_40, 8, 600e9, 400e9, info("AWS", "A100 40GB", 8, 40, 600, 400, "EFA v1 (4 x 100 Gb/s)", "aws-ac")}},
+      {"p4de.24xlarge", {a100_80, 8, 600e9, 400e9, info("AWS", "A100 80GB", 8, 80, 600, 400, "EFA v1 (4 x 100 Gb/s)", "aws-ac")}},
+      {"p5.48xlarge", {h100, 8, 900e9, 3200e9, info("AWS", "H100 80GB", 8, 80, 900, 3200, "EFA v2 (32 cards)", "aws-ac")}},
+      {"p5e.48xlarge", {h200, 8, 900e9, 3200e9, info("AWS", "H200 141GB", 8, 141, 900, 3200, "EFA v2 (32 cards)", "aws-ac")}},
+      {"p5en.48xlarge", {h200, 8, 900e9, 3200e9, info("AWS", "H200 141GB", 8, 141, 900, 3200, "EFA v3 (16 cards)", "aws-ac")}},
+      {"p6-b200.48xlarge", {b200, 8, 1800e9, 3200e9, info("AWS", "B200 180GB", 8, 180, 1800, 3200, "EFA v4 (8 x 400 Gb/s)", "aws-p6")}},
+      // Azure (learn.microsoft.com/azure/virtual-machines/sizes/gpu-accelerated/...)
+      {"nd96asr-a100-v4", {a100_40, 8, 600e9, 1600e9, info("Azure", "A100 40GB", 8, 40, 600, 1600, "8 x 200 Gb/s HDR InfiniBand", "az-a100")}},
+      {"nd96amsr-a100-v4", {a100_80, 8, 600e9, 1600e9, info("Azure", "A100 80GB", 8, 80, 600, 1600, "8 x 200 Gb/s HDR InfiniBand", "az-a100m")}},
+      {"nd96isr-h100-v5", {h100, 8, 900e9, 3200e9, info("Azure", "H100 80GB", 8, 80, 900, 3200, "8 x 400 Gb/s NDR InfiniBand", "az-h100")}},
+      {"nd96isr-h200-v5", {h200, 8, 900e9, 3200e9, info("Azure", "H200 141GB", 8, 141, 900, 3200, "8 x 400 Gb/s NDR InfiniBand", "az-h200")}},
+      // GCP (cloud.google.com/compute/docs/gpus/gpu-network-bandwidth): the GPU NICs, not the
+      // front-end gVNIC. A3 High's 1,000 Gb/s total is taken as 4 x 200 for the GPUs, A3 Mega's
+      // as 8 x 200 (the split is not on the page: docs/clusters.md).
+      {"a2-ultragpu-8g", {a100_80, 8, 600e9, 100e9, info("GCP", "A100 80GB", 8, 80, 600, 100, "100 Gb/s (no GPUDirect)", "gcp-net")}},
+      {"a3-highgpu-8g", {h100, 8, 900e9, 800e9, info("GCP", "H100 80GB", 8, 80, 900, 800, "GPUDirect-TCPX (4 x 200 Gb/s)", "gcp-net")}},
+      {"a3-megagpu-8g", {h100, 8, 900e9, 1600e9, info("GCP", "H100 80GB", 8, 80, 900, 1600, "GPUDirect-TCPXO (8 x 200 Gb/s)", "gcp-net")}},
+      {"a3-ultragpu-8g", {h200, 8, 900e9, 3200e9, info("GCP", "H200 141GB", 8, 141, 900, 3200, "8 x 400 Gb/s CX-7 RDMA (RoCE)", "gcp-net")}},
+      {"a4-highgpu-8g", {b200, 8, 1800e9, 3200e9, info("GCP", "B200 180GB", 8, 180, 1800, 3200, "8 x 400 Gb/s CX-7 RDMA (RoCE)", "gcp-net")}},
+      // NVIDIA systems (docs.nvidia.com: DGX BasePOD, DGX B200 and DGX GB200 user guides). An
+      // NVL72 rack is one NVLink domain of 72 GPUs: a "node" here, so tp may span it.
+      {"dgx-h100", {h100, 8, 900e9, 3200e9, info("NVIDIA", "H100 80GB", 8, 80, 900, 3200, "8 x 400 Gb/s ConnectX-7", "nv-basepod")}},
+      {"dgx-b200", {b200, 8, 1800e9, 3200e9, info("NVIDIA", "B200 180GB", 8, 180, 1800, 3200, "8 x 400 Gb/s ConnectX-7", "nv-dgxb200")}},
+      {"gb200-nvl72", {gb200, 72, 1800e9, 72 * 400e9, info("NVIDIA", "GB200 186GB", 72, 186, 1800, 72 * 400, "400 Gb/s ConnectX-7 per GPU", "nv-dgxgb200")}},
+      // Devices on their own: a node of 8 with the network of their usual systems.
+      {"a100-40gb", {a100_40, 8, 600e9, 1600e9, info("device", "A100 40GB", 8, 40, 600, 1600, "one 200 Gb/s HDR NIC per GPU", "nv-a100")}},
+      {"a100-80gb", {a100_80, 8, 600e9, 1600e9, info("device", "A100 80GB", 8, 80, 600, 1600, "one 200 Gb/s HDR NIC per GPU", "nv-a100")}},
+      {"h100-80gb", {h100, 8, 900e9, 3200e9, info("device", "H100 80GB", 8, 80, 900, 3200, "one 400 Gb/s NDR NIC per GPU", "nv-h100")}},
+      {"h200-141gb", {h200, 8, 900e9, 3200e9, info("device", "H200 141GB", 8, 141, 900, 3200, "one 400 Gb/s NDR NIC per GPU", "az-h200")}},
+      {"b200-180gb", {b200, 8, 1800e9, 3200e9, info("device", "B200 180GB", 8, 180, 1800, 3200, "one 400 Gb/s NIC per GPU", "nv-dgxb200")}},
+      {"gb200-186gb", {gb200, 8, 1800e9, 3200e9, info("device", "GB200 186GB", 8, 186, 1800, 3200, "one 400 Gb/s NIC per GPU", "nv-blackwell")}},
+      {"mi300x-192gb", {mi300x, 8, 896e9, 3200e9, info("device", "MI300X 192GB", 8, 192, 896, 3200, "one 400 Gb/s NIC per GPU (assumed)", "amd-mi300")}},
   };
   return table;
 }
@@ -111,13 +228,25 @@ double Cluster::peak_flops(DType dtype) const {
 
 std::vector<std::string> cluster_preset_names() {
   std::vector<std::string> names;
-  for (const auto& [name, _] : presets()) names.push_back(name);
+  for (const auto& [name, _] : instances()) names.push_back(name);
+  names.push_back("cpu");
+  std::sort(names.begin(), names.end());
   return names;
 }
 
+std::vector<PresetInfo> cluster_preset_infos() {
+  std::vector<PresetInfo> out;
+  for (const auto& [name, instance] : instances()) {
+    PresetInfo i = instance.info;
+    i.name = name;
+    out.push_back(i);
+  }
+  return out;
+}
+
 Cluster cluster_preset(const std::string& name, int64_t devices) {
-  const auto it = presets().find(name);
-  if (it == presets().end()) {
+  const auto it = instances().find(name);
+  if (it == instances().end() && name != "cpu") {
     std::string known;
     for (const auto& n : cluster_preset_names()) known += (known.empty() ? "" : ", ") + n;
     throw ValidationError("cluster", "unknown preset '" + name + "' (known: " + known + ")");
@@ -126,7 +255,7 @@ Cluster cluster_preset(const std::string& name, int64_t devices) {
     throw ValidationError("cluster.devices", "must be in [1, " + std::to_string(kMaxWorldSize) +
                                                  "], got " + std::to_string(devices));
   }
-  Cluster c = it->second();
+  Cluster c = name == "cpu" ? cpu() : instance_cluster(it->second);
   c.name = name;
   if (name == "cpu") {
     c.devices_per_node = devices;  // all ranks of a CPU job share one machine

@@ -2,6 +2,7 @@
 // Every error is one line on stderr and a non-zero exit status.
 #include <cstdlib>
 #include <fstream>
+#include <cstdio>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -350,7 +351,19 @@ int run(int argc, char** argv) {
   if (cmd == "schedule") return cmd_schedule(argc, argv);
   if (cmd == "embeddings") return cmd_embeddings(argc, argv);
   if (cmd == "presets") {
-    for (const auto& n : mp::cluster_preset_names()) std::cout << n << "\n";
+    // One line per preset: who rents it, its GPUs, per-GPU memory, NVLink (bidirectional, per
+    // GPU) and the node's GPU network (docs/clusters.md: every number's source).
+    char line[256];
+    std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5s %8s %12s %10s  %s\n", "preset", "kind", "gpu", "gpus",
+                  "mem GB", "NVLink GB/s", "net Gb/s", "network");
+    std::cout << line;
+    for (const auto& i : mp::cluster_preset_infos()) {
+      std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5lld %8.0f %12.0f %10.0f  %s\n", i.name.c_str(),
+                    i.kind.c_str(), i.gpu.c_str(), static_cast<long long>(i.devices_per_node), i.memory_gb,
+                    i.nvlink_gb_per_s, i.network_gbit_per_s, i.network.c_str());
+      std::cout << line;
+    }
+    std::cout << "cpu                (this machine's ranks over loopback: Gloo)\n";
     return 0;
   }
   throw UsageError("unknown command '" + cmd + "'");

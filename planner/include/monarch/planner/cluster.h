@@ -51,11 +51,31 @@ struct Cluster {
   bool operator==(const Cluster& o) const;
 };
 
-// Known presets: a100-40gb, a100-80gb, h100-80gb, h200-141gb, cpu. `devices` is the total
-// device count; nodes = ceil(devices / devices_per_node) and devices must fill whole nodes
-// unless it is smaller than one node. Throws ValidationError("cluster", ...) if unknown.
+// Known presets: devices (a100-40gb, a100-80gb, h100-80gb, h200-141gb, b200-180gb,
+// gb200-186gb, mi300x-192gb: nodes of 8 with their usual network), instance types (AWS
+// p4d.24xlarge, p4de.24xlarge, p5.48xlarge, p5e.48xlarge, p5en.48xlarge, p6-b200.48xlarge;
+// Azure nd96asr-a100-v4, nd96amsr-a100-v4, nd96isr-h100-v5, nd96isr-h200-v5; GCP
+// a2-ultragpu-8g, a3-highgpu-8g, a3-megagpu-8g, a3-ultragpu-8g, a4-highgpu-8g; NVIDIA
+// dgx-h100, dgx-b200, gb200-nvl72: a "node" is its NVLink domain of 72 GPUs) and cpu.
+// docs/clusters.md gives every number's source. `devices` is the total device count; nodes
+// = devices / devices_per_node and devices must fill whole nodes unless it is smaller than
+// one node. Throws ValidationError("cluster", ...) if unknown.
 Cluster cluster_preset(const std::string& name, int64_t devices);
 std::vector<std::string> cluster_preset_names();
+
+// What `monarch-plan presets` lists: the hardware behind each preset (cpu aside).
+struct PresetInfo {
+  std::string name;
+  std::string kind;     // AWS, Azure, GCP, NVIDIA, device
+  std::string gpu;
+  int64_t devices_per_node = 0;
+  double memory_gb = 0;            // per GPU, as the provider states it
+  double nvlink_gb_per_s = 0;      // per GPU, bidirectional
+  double network_gbit_per_s = 0;   // per node, the GPU network's line rate
+  std::string network;
+  std::string source;              // key into docs/clusters.md's sources
+};
+std::vector<PresetInfo> cluster_preset_infos();
 
 // Largest world size the planner handles: schedules and plans store ranks as 32-bit
 // integers, and the search enumerates divisors of the world size.
