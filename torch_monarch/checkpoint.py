@@ -919,8 +919,13 @@ def _stage_optimizer(reader, optimizer, entries, index):
             prefix = f"optimizer.{name}."
             keys = [k[len(prefix):] for k in index["tensors"] if k.startswith(prefix)]
             if not keys:
-                raise CheckpointError(f"checkpoint: {reader.directory} has no optimizer state for '{name}' (saved "
-                                      "without an optimizer, or before its first step)")
+                if not index.get("optimizer"):
+                    raise CheckpointError(f"checkpoint: {reader.directory} has no optimizer state for '{name}' (saved "
+                                          "without an optimizer)")
+                # Saved with an optimizer that kept no state for it (SGD without momentum, a
+                # parameter that never had a gradient): none after the load either.
+                staged.append((lambda v, p=p: optimizer.state.pop(p, None), None))
+                continue
             state = {}
             for key in keys:
                 meta = index["tensors"][prefix + key]
@@ -948,8 +953,10 @@ def _typed_state(optimizer, group, p, values):
             out[key] = type(now)(value.item())
         elif value.dim() == 0 and not on_device:
             out[key] = value
-        else:
+        elif value.dim() == 0:
             out[key] = value.to(p.device)
+        else:  # moments in the parameter's dtype, as torch.optim's load_state_dict casts them
+            out[key] = value.to(p.device, p.dtype)
     return out
 
 

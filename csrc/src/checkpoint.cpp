@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "checkpoint_optimizer.h"
+#include "monarch/embeddings.h"
 #include "monarch/parallelize.h"
 #include "monarch/planner/plan.h"
 #include "monarch/runtime/checksum.h"
@@ -123,7 +124,9 @@ struct Job {
   // Every rank's `value`, in rank order.
   std::vector<json> all_gather(const json& value) const {
     if (group == nullptr) return {value};
-    const std::string data = value.dump();
+    // Invalid UTF-8 (a path or strerror text in another encoding) is replaced, not thrown
+    // about: a throw here on one rank would leave the others in the collective below.
+    const std::string data = value.dump(-1, ' ', false, json::error_handler_t::replace);
     auto lengths = at::zeros({size}, at::kLong);
     lengths[rank] = static_cast<int64_t>(data.size());
     group->all_reduce(lengths).wait();
@@ -151,6 +154,8 @@ auto agree(const Job& job, const std::string& what, Fn&& fn) -> decltype(fn()) {
   } catch (const std::exception& e) {
     error = e.what();
     if (error.empty()) error = "an error without a message";
+  } catch (...) {
+    error = "an exception that is not a std::exception";
   }
   std::vector<std::pair<std::string, std::vector<int>>> by_error;
   const auto all = job.all_gather(error);
@@ -629,6 +634,14 @@ LoadResult load_entries(const Job& job, const std::vector<Entry>& model, torch::
       if (!tensors.contains(e.name) && !options.strict) continue;
       copies.emplace_back(e.tensor, reader.fill(e.name, e.tensor.sizes().vec(), e.tensor.scalar_type(), e.placement));
     }
+    const json rng = index.contains("rng") && index["rng"].is_object() ? index["rng"].value("cpu", json()) : json();
+    if (options.restore_rng && rng.is_array() && index.value("world_size", int64_t{0}) == job.size &&
+        static_cast<int>(rng.size()) > job.rank && rng[job.rank].is_array() &&
+        rng[job.rank].size() != rng_state().size()) {
+      throw std::runtime_error(directory + ": rank " + std::to_string(job.rank) + "'s RNG state has " +
+                               std::to_string(rng[job.rank].size()) + " bytes, this build's generator " +
+                               std::to_string(rng_state().size()));
+    }
     if (optimizer == nullptr) return Unit{};
     const auto by_id = params_by_id(model);
     const json saved_groups = index.contains("optimizer") && index["optimizer"].is_object()
@@ -642,6 +655,7 @@ LoadResult load_entries(const Job& job, const std::vector<Entry>& model, torch::
         for (const auto& n : saved.value("params", json::array())) has.insert(n.get<std::string>());
         if (!std::includes(has.begin(), has.end(), names.begin(), names.end())) continue;
         auto* options_ptr = &group.options();
+        set_group_hyperparameters(*group.options().clone(), saved);  // a bad value throws here, before anything changes
         actions.push_back([options_ptr, saved] { set_group_hyperparameters(*options_ptr, saved); });
         break;
       }
@@ -656,15 +670,22 @@ LoadResult load_entries(const Job& job, const std::vector<Entry>& model, torch::
               meta.value("like_param", false) ? reader.fill(name, p.sizes().vec(), dtype, param.placement)
                                               : reader.fill(name, {}, dtype, Placement::whole({}));
         }
+        void* key = p.unsafeGetTensorImpl();
         if (values.empty()) {
-          throw std::runtime_error(directory + " has no optimizer state for '" + param.name + "' (saved without an "
-                                   "optimizer, or before its first step)");
+          // Saved with an optimizer that kept no state for it (SGD without momentum, a
+          // parameter that never had a gradient): it has none after the load either.
+          if (!index.contains("optimizer") || !index["optimizer"].is_object()) {
+            throw std::runtime_error(directory + " has no optimizer state for '" + param.name + "' (saved without an "
+                                     "optimizer)");
+          }
+          actions.push_back([optimizer, key] { optimizer->state().erase(key); });
+          continue;
         }
-        for (auto& [key, v] : values) {
-          if (v.dim() > 0) v = v.to(p.device());
+        for (auto& [name, v] : values) {
+          // Moments in the parameter's dtype and device, as torch.optim's load_state_dict casts them.
+          if (v.dim() > 0) v = v.to(p.device(), p.scalar_type());
         }
         std::shared_ptr<torch::optim::OptimizerParamState> state = make_optimizer_state(*optimizer, values, param.name);
-        void* key = p.unsafeGetTensorImpl();
         actions.push_back([optimizer, key, state] { optimizer->state()[key] = state->clone(); });
       }
     }
@@ -676,17 +697,32 @@ LoadResult load_entries(const Job& job, const std::vector<Entry>& model, torch::
   }
   for (auto& action : actions) action();
   const json rng = index.contains("rng") && index["rng"].is_object() ? index["rng"].value("cpu", json()) : json();
-  if (options.restore_rng && rng.is_array() && index.value("world_size", 0) == job.size &&
+  if (options.restore_rng && rng.is_array() && index.value("world_size", int64_t{0}) == job.size &&
       static_cast<int>(rng.size()) > job.rank && rng[job.rank].is_array()) {
     set_rng_state(rng[job.rank].get<std::vector<uint8_t>>());
   }
   LoadResult out;
-  out.step = index.value("step", 0);
+  out.step = index.value("step", int64_t{0});
   out.extra_json = index.value("extra", json()).dump();
-  out.world_size = index.value("world_size", 0);
+  out.world_size = index.value("world_size", int64_t{0});
   out.plan_json = index.value("plan", json()).dump();
   out.path = directory;
   return out;
+}
+
+// The one-process overloads see a module's parameters and buffers only: sharded embedding
+// tables (not parameters, and spread over the ranks) would be left out without a word.
+void refuse_distributed_parts(torch::nn::Module& model) {
+  auto refuse = [](const std::string& name) {
+    throw CheckpointError("checkpoint: '" + name + "' is a ShardedEmbeddingBagCollection: its tables are spread over "
+                          "the ranks and are not parameters, which this one-process save and load cannot hold (not "
+                          "built in C++ yet; Python's torch_monarch.checkpoint saves sharded tables)");
+  };
+  // The model itself by address (it may live on the stack: named_modules cannot include it).
+  if (dynamic_cast<ShardedEmbeddingBagCollectionImpl*>(&model) != nullptr) refuse("the model");
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (dynamic_cast<ShardedEmbeddingBagCollectionImpl*>(item.value().get()) != nullptr) refuse(item.key());
+  }
 }
 
 Job job_of(ParallelModule& model) {
@@ -717,11 +753,13 @@ LoadResult load(ParallelModule& model, torch::optim::Optimizer* optimizer, const
 
 std::string save(torch::nn::Module& model, torch::optim::Optimizer* optimizer, const std::string& path,
                  const SaveOptions& options) {
+  refuse_distributed_parts(model);
   return save_entries(Job{}, module_entries(model), optimizer, path, options, "null");
 }
 
 LoadResult load(torch::nn::Module& model, torch::optim::Optimizer* optimizer, const std::string& path,
                 const LoadOptions& options) {
+  refuse_distributed_parts(model);
   return load_entries(Job{}, module_entries(model), optimizer, path, options);
 }
 
@@ -738,7 +776,8 @@ std::string latest(const std::string& root) {
     auto ends_with = [&](const std::string& suffix) {
       return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
     };
-    if (ends_with(".partial") || ends_with(".old") || !fs::exists(d / kIndex)) continue;
+    std::error_code missing;
+    if (ends_with(".partial") || ends_with(".old") || !fs::exists(d / kIndex, missing)) continue;
     try {
       const auto [dir, index] = read_index(d.string());
       const int64_t step = index.value("step", int64_t{0});

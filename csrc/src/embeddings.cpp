@@ -75,7 +75,7 @@ JaggedBatch samples(const JaggedBatch& batch, int64_t begin, int64_t end) {
   }
   const at::Tensor lengths = batch.lengths.to(at::kLong).view({keys, B});
   const at::Tensor before = lengths.narrow(1, 0, begin).sum(1), inside = lengths.narrow(1, begin, end - begin).sum(1);
-  const at::Tensor key_start = at::cat({at::zeros({1}, at::kLong), lengths.sum(1).cumsum(0).narrow(0, 0, keys - 1)});
+  const at::Tensor key_start = at::cat({at::zeros({1}, at::kLong), lengths.sum(1).cumsum(0)}).narrow(0, 0, keys);
   std::vector<at::Tensor> values, weights;
   for (int64_t k = 0; k < keys; ++k) {
     const int64_t start = key_start[k].item<int64_t>() + before[k].item<int64_t>(), count = inside[k].item<int64_t>();
@@ -154,7 +154,7 @@ at::Tensor EmbeddingBagCollectionImpl::forward(const JaggedBatch& batch) {
         }
       }
       const at::Tensor lens = lengths.narrow(0, k * B, B);
-      const at::Tensor offsets = at::cat({at::zeros({1}, at::kLong), lens.cumsum(0).narrow(0, 0, B - 1)});
+      const at::Tensor offsets = at::cat({at::zeros({1}, at::kLong), lens.cumsum(0)}).narrow(0, 0, B);
       at::Tensor weights = batch.weights.defined() ? batch.weights.narrow(0, start, count) : at::Tensor();
       outs.push_back(bag->forward(ids, offsets, weights));
     }
@@ -179,11 +179,11 @@ at::Tensor ShardedEmbeddingBagCollectionImpl::forward(const JaggedBatch& batch) 
 void ShardedEmbeddingBagCollectionImpl::broadcast_from_first(at::Tensor& t) { mesh_->group("dp").broadcast(t, 0).wait(); }
 
 ShardedEmbeddingBagCollection shard_embeddings(EmbeddingBagCollection& tables, ShardOptions options) {
-  auto world = options.world ? options.world : World::init();
-  if (options.batch_per_rank <= 0) {
+  if (options.batch_per_rank <= 0) {  // the same on every rank: refused before any collective
     throw std::invalid_argument("shard_embeddings: ShardOptions::batch_per_rank (the samples each rank brings to a "
                                 "step) must be set");
   }
+  auto world = options.world ? options.world : World::init();
   planner::EmbeddingPlan plan;
   if (options.plan) {
     plan = *options.plan;
@@ -198,10 +198,13 @@ ShardedEmbeddingBagCollection shard_embeddings(EmbeddingBagCollection& tables, S
     plan = planner::plan_embeddings(tables->planner_tables(), cluster, eo);
   }
   // The ranks must shard alike (the same plan text everywhere).
-  const std::string text = planner::embeddings_to_json(plan, -1);
+  char settings[96];
+  std::snprintf(settings, sizeof(settings), " lr=%.17g eps=%.17g betas=%.17g,%.17g", options.optimizer.lr,
+                options.optimizer.eps, options.optimizer.beta1, options.optimizer.beta2);
+  const std::string text = planner::embeddings_to_json(plan, -1) + settings;
   char digest[16];
   std::snprintf(digest, sizeof(digest), "%08x", crc32c(text.data(), text.size()));
-  world->agree("the embedding plan (CRC-32C of its JSON)", digest);
+  world->agree("the embedding plan and optimizer settings (CRC-32C of their text)", digest);
   if (plan.optimizer != options.optimizer.kind) {
     throw std::invalid_argument("shard_embeddings: the plan was made for the " + planner::to_string(plan.optimizer) +
                                 " optimizer, ShardOptions::optimizer is " + planner::to_string(options.optimizer.kind));

@@ -107,7 +107,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   auto fail = [&](const std::string& why) {
     if (map_ != nullptr) ::munmap(map_, size_);
     ::close(fd_);
-    return std::runtime_error(path + " " + why);
+    return std::runtime_error(path + (why.rfind(":", 0) == 0 ? "" : " ") + why);
   };
   if (size_ < 8) throw fail("is truncated (" + std::to_string(size_) + " bytes, no header)");
   map_ = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
@@ -124,15 +124,29 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     throw fail(std::string(": the header is not JSON (") + e.what() + ")");
   }
   start_ = 8 + n;
-  size_t end = 0;
-  for (const auto& [key, v] : header_.items()) {
-    if (key == "__metadata__") continue;
-    end = std::max(end, v.at("data_offsets").at(1).get<size_t>());
+  // Every entry's offsets checked here (a malformed or crafted header is an error, never a
+  // read outside the mapping).
+  std::string problem;
+  try {
+    if (!header_.is_object()) problem = ": the header is not a JSON object";
+    for (const auto& [key, v] : header_.items()) {
+      if (!problem.empty()) break;
+      if (key == "__metadata__") continue;
+      const auto& offsets = v.at("data_offsets");
+      const int64_t begin = offsets.at(0).get<int64_t>(), end = offsets.at(1).get<int64_t>();
+      if (begin < 0 || end < begin) {
+        problem = ": tensor '" + key + "' has data offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+      } else if (start_ + static_cast<size_t>(end) > size_) {
+        problem = "is truncated: its tensors need " + std::to_string(start_ + static_cast<size_t>(end)) +
+                  " bytes, the file has " + std::to_string(size_);
+      }
+      v.at("dtype").get<std::string>();
+      v.at("shape").get<std::vector<int64_t>>();
+    }
+  } catch (const nlohmann::json::exception& e) {
+    problem = std::string(": a header entry is malformed (") + e.what() + ")";
   }
-  if (start_ + end > size_) {
-    throw fail("is truncated: its tensors need " + std::to_string(start_ + end) + " bytes, the file has " +
-               std::to_string(size_));
-  }
+  if (!problem.empty()) throw fail(problem);
 }
 
 SafetensorsFile::~SafetensorsFile() {

@@ -94,6 +94,8 @@ TEST_CASE("checkpoint: every torch::optim optimizer resumes bit for bit", "[runt
   round_trip<torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).weight_decay(0.1), "adamw");
   round_trip<torch::optim::Adam>(torch::optim::AdamOptions(1e-2).amsgrad(true), "adam");
   round_trip<torch::optim::SGD>(torch::optim::SGDOptions(1e-2).momentum(0.9).nesterov(true), "sgd");
+  // No momentum: SGD keeps no state; the checkpoint has none for any parameter, and loads.
+  round_trip<torch::optim::SGD>(torch::optim::SGDOptions(1e-2), "sgd-plain");
   round_trip<torch::optim::Adagrad>(torch::optim::AdagradOptions(1e-2), "adagrad");
   round_trip<torch::optim::RMSprop>(torch::optim::RMSpropOptions(1e-2).momentum(0.5).centered(true), "rmsprop");
 }
@@ -201,6 +203,23 @@ TEST_CASE("checkpoint: a corrupt slice, another model, another optimizer: one er
   }
   CHECK(max_diff(b, untouched) == 0.0);
   CHECK(adam.state().empty());
+
+  // A crafted header (offsets outside the file): refused, never read.
+  {
+    const std::string header = R"({"fc1.weight@0,0":{"dtype":"F32","shape":[8,6],"data_offsets":[4096,4288]}})";
+    std::ofstream f(dir + "/sgd/rank00000.safetensors", std::ios::binary | std::ios::trunc);
+    const uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f.write(header.data(), static_cast<std::streamsize>(n));
+  }
+  torch::optim::SGD sgd_b(b->parameters(), torch::optim::SGDOptions(1e-2).momentum(0.9));
+  try {
+    ckpt::load(*b, &sgd_b, dir + "/sgd");
+    FAIL("a crafted header loaded");
+  } catch (const ckpt::CheckpointError& e) {
+    CHECK(std::string(e.what()).find("rank00000.safetensors is truncated: its tensors need") != std::string::npos);
+  }
+  CHECK(max_diff(b, untouched) == 0.0);
 
   try {
     ckpt::load(*b, nullptr, dir + "/none");

@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "monarch/checkpoint.h"
 #include "monarch/embeddings.h"
 
 namespace mp = monarch::planner;
@@ -93,6 +94,15 @@ TEST_CASE("shard_embeddings on one rank: the unsharded outputs; a plan for other
   CHECK(sharded->output_keys() == ebc->output_keys());
   CHECK(torch::allclose(sharded->forward(batch(false)), ebc->forward(batch(false))));
   CHECK(torch::equal(sharded->full_table("item"), ebc->weight("item")));
+
+  // The one-process checkpoint overloads refuse a model holding sharded tables (they are
+  // not parameters: they would be left out).
+  struct Holder : torch::nn::Module {
+    explicit Holder(monarch::ShardedEmbeddingBagCollection t) { tables = register_module("tables", t); }
+    monarch::ShardedEmbeddingBagCollection tables{nullptr};
+  } holder(sharded);
+  CHECK_THROWS_WITH(monarch::checkpoint::save(holder, nullptr, "/tmp/monarch_never_written"),
+                    Catch::Contains("'tables' is a ShardedEmbeddingBagCollection"));
 
   auto plan = sharded->plan();
   plan.world_size = 2;
