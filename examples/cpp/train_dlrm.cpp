@@ -275,7 +275,8 @@ int main(int argc, char** argv) {
     }
     return status;
   } catch (const std::exception& e) {
-    std::cerr << "train_dlrm: " << e.what() << "\n";
+    // One write per line: the ranks share the launcher's stderr, and pieces written apart interleave.
+    std::cerr << (std::string("train_dlrm: ") + e.what() + "\n") << std::flush;
     return 1;
   }
 }

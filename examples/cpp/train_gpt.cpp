@@ -391,7 +391,8 @@ int main(int argc, char** argv) {
     }
     return status;
   } catch (const std::exception& e) {
-    std::cerr << "train_gpt: " << e.what() << "\n";
+    // One write per line: the ranks share the launcher's stderr, and pieces written apart interleave.
+    std::cerr << (std::string("train_gpt: ") + e.what() + "\n") << std::flush;
     return 1;
   }
 }
