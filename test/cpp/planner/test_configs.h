@@ -20,6 +20,20 @@ inline TransformerConfig transformer_config(int64_t layers, int64_t hidden, int6
   return c;
 }
 
+// GPT-3 175B (Brown et al. 2020; Narayanan et al. 2021 Table 1): 96 layers, hidden 12288, 96
+// heads, 2048 tokens, vocabulary 51200.
+inline ModelGraph gpt3_175b() {
+  TransformerConfig c = transformer_config(96, 12288, 96, 2048, 51200);
+  c.name = "gpt3-175b";
+  return build_transformer(c);
+}
+
+inline TrainingConfig global_batch(int64_t b) {
+  TrainingConfig t;
+  t.global_batch = b;
+  return t;
+}
+
 // Pins for one fully given layout (what evaluate_layout scores).
 inline Pins layout_pins(int64_t tp, int64_t pp, int64_t dp, int64_t zero, int64_t micro_batch, ScheduleKind schedule) {
   Pins pins;

@@ -8,29 +8,10 @@
 #include "monarch/planner/cluster.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/search.h"
+#include "test_configs.h"
 
 using namespace monarch::planner;
 
-namespace {
-
-ModelGraph gpt3_175b() {
-  TransformerConfig c;
-  c.name = "gpt3-175b";
-  c.layers = 96;
-  c.hidden = 12288;
-  c.heads = 96;
-  c.seq = 2048;
-  c.vocab = 51200;
-  return build_transformer(c);
-}
-
-TrainingConfig batch(int64_t b) {
-  TrainingConfig t;
-  t.global_batch = b;
-  return t;
-}
-
-}  // namespace
 
 TEST_CASE("presets: 15+ instance types, each listed with its hardware", "[cluster][presets]") {
   const auto infos = cluster_preset_infos();
@@ -107,7 +88,7 @@ TEST_CASE("presets: what the planner derives from the providers' numbers", "[clu
 TEST_CASE("presets: GPT-3 175B on 128 x p5.48xlarge and on 16 GB200 NVL72 racks", "[cluster][presets][search]") {
   const ModelGraph g = gpt3_175b();
   const Cluster p5 = cluster_preset("p5.48xlarge", 1024);
-  const Plan on_p5 = search(g, p5, batch(1536));
+  const Plan on_p5 = search(g, p5, global_batch(1536));
   INFO("p5: " << on_p5.summary() << ", " << on_p5.prediction.tflops_per_device << " TFLOP/s per GPU, step "
               << on_p5.prediction.step_time_s << " s, " << on_p5.prediction.memory_bytes_per_device / 1e9 << " GB");
   CHECK(on_p5.mesh.world_size() == 1024);
@@ -120,7 +101,7 @@ TEST_CASE("presets: GPT-3 175B on 128 x p5.48xlarge and on 16 GB200 NVL72 racks"
   CHECK(on_p5.prediction.tflops_per_device < 0.70 * 989);
 
   const Cluster nvl = cluster_preset("gb200-nvl72", 1152);
-  const Plan on_nvl = search(g, nvl, batch(1536));
+  const Plan on_nvl = search(g, nvl, global_batch(1536));
   INFO("nvl72: " << on_nvl.summary() << ", " << on_nvl.prediction.tflops_per_device << " TFLOP/s per GPU, step "
                  << on_nvl.prediction.step_time_s << " s, " << on_nvl.prediction.memory_bytes_per_device / 1e9 << " GB");
   CHECK(on_nvl.mesh.world_size() == 1152);

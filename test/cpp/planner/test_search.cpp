@@ -17,22 +17,9 @@ using namespace monarch::planner;
 
 namespace {
 
-ModelGraph gpt3() {
-  TransformerConfig c;
-  c.name = "gpt3-175b";
-  c.layers = 96;
-  c.hidden = 12288;
-  c.heads = 96;
-  c.seq = 2048;
-  c.vocab = 51200;
-  return build_transformer(c);
-}
+ModelGraph gpt3() { return gpt3_175b(); }
 
-TrainingConfig batch(int64_t b) {
-  TrainingConfig t;
-  t.global_batch = b;
-  return t;
-}
+TrainingConfig batch(int64_t b) { return global_batch(b); }
 
 // Narayanan et al. 2021, Table 2 (PTD-P row): GPT-3 175B, batch 1536, 384 A100s, t=8, p=12,
 // 1F1B with activation recomputation: 153 TFLOP/s per GPU.
