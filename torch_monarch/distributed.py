@@ -34,17 +34,20 @@ def init(timeout: float = 300.0):
     return _world
 
 
-def device_mesh(pp: int = 1, dp: int = None, tp: int = 1, world=None):
-    """A mesh with named axes ``pp``, ``dp``, ``tp`` (rank order pp, dp, tp: tp innermost).
-    ``dp`` defaults to whatever the world leaves. Every rank must call it."""
+def device_mesh(pp: int = 1, dp: int = None, tp: int = 1, cp: int = 1, ep: int = 1, world=None):
+    """A mesh with named axes ``pp``, ``dp``, ``cp``, ``tp`` (rank order pp, dp, cp, tp: tp
+    innermost; cp only when > 1). ``ep`` splits a MoE layer's experts over ep of the dp x cp
+    ranks (groups ``ep`` and ``edp``, see monarch/runtime/device_mesh.h). ``dp`` defaults to
+    whatever the world leaves. Every rank must call it."""
     world = world or init()
     if dp is None:
-        if world.size % (pp * tp) != 0:
-            raise ValueError(f"mesh: pp*tp = {pp * tp} does not divide the world size {world.size}")
-        dp = world.size // (pp * tp)
-    return _runtime.DeviceMesh(world, pp=pp, dp=dp, tp=tp)
+        if world.size % (pp * cp * tp) != 0:
+            raise ValueError(f"mesh: pp*cp*tp = {pp * cp * tp} does not divide the world size {world.size}")
+        dp = world.size // (pp * cp * tp)
+    return _runtime.DeviceMesh(world, pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
 
 
 def mesh_from_plan(plan, world=None):
     """The mesh a Plan (torch_monarch.planner.Plan) asks for."""
-    return device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, world=world)
+    return device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, cp=plan.mesh.cp, ep=plan.mesh.ep,
+                       world=world)

@@ -408,18 +408,25 @@ void bind_cluster_training(py::module_& m) {
 void bind_plan(py::module_& m) {
   m.attr("PLAN_FORMAT_VERSION") = kPlanFormatVersion;
 
-  py::class_<Mesh> mesh(m, "Mesh", "Device mesh: pp x dp x tp, axis order outermost first.");
+  py::class_<Mesh> mesh(m, "Mesh",
+                        "Device mesh: pp x dp x cp x tp, axis order outermost first; ep (experts) divides dp x cp.");
   add_kwargs_init<Mesh>(mesh);
   add_copy<Mesh>(mesh);
   mesh.def_readwrite("pp", &Mesh::pp)
       .def_readwrite("dp", &Mesh::dp)
       .def_readwrite("tp", &Mesh::tp)
+      .def_readwrite("cp", &Mesh::cp)
+      .def_readwrite("ep", &Mesh::ep)
       .def_readwrite("order", &Mesh::order)
       .def("world_size", &Mesh::world_size)
+      .def("expert_data_parallel", &Mesh::expert_data_parallel)
       .def(py::self == py::self)
       .def("__repr__", [](const Mesh& x) {
-        return "Mesh(pp=" + std::to_string(x.pp) + ", dp=" + std::to_string(x.dp) +
-               ", tp=" + std::to_string(x.tp) + ")";
+        std::string s = "Mesh(pp=" + std::to_string(x.pp) + ", dp=" + std::to_string(x.dp);
+        if (x.cp != 1) s += ", cp=" + std::to_string(x.cp);
+        s += ", tp=" + std::to_string(x.tp);
+        if (x.ep != 1) s += ", ep=" + std::to_string(x.ep);
+        return s + ")";
       });
 
   py::class_<LayerPlacement> lp(m, "LayerPlacement", "Where one layer goes: stage, tp split, sharding unit.");

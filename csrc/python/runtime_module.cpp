@@ -448,15 +448,21 @@ PYBIND11_MODULE(_runtime, m) {
            py::call_guard<py::gil_scoped_release>());
 
   py::class_<DeviceMesh, std::shared_ptr<DeviceMesh>>(m, "DeviceMesh")
-      .def(py::init([](std::shared_ptr<World> world, int64_t pp, int64_t dp, int64_t tp) {
+      .def(py::init([](std::shared_ptr<World> world, int64_t pp, int64_t dp, int64_t tp, int64_t cp, int64_t ep) {
              planner::Mesh shape;
              shape.pp = pp;
              shape.dp = dp;
              shape.tp = tp;
+             shape.cp = cp;
+             shape.ep = ep;
+             if (cp > 1) shape.order = {"pp", "dp", "cp", "tp"};
              py::gil_scoped_release release;
              return std::shared_ptr<DeviceMesh>(new DeviceMesh(std::move(world), shape), destroy_without_gil);
            }),
-           py::arg("world"), py::arg("pp") = 1, py::arg("dp") = 1, py::arg("tp") = 1)
+           py::arg("world"), py::arg("pp") = 1, py::arg("dp") = 1, py::arg("tp") = 1, py::arg("cp") = 1,
+           py::arg("ep") = 1)
+      .def_property_readonly("shape", [](const DeviceMesh& d) { return d.shape(); })
+      .def("has_axis", &DeviceMesh::has_axis)
       .def_property_readonly("rank", [](const DeviceMesh& d) { return d.rank(); })
       .def_property_readonly("size", [](const DeviceMesh& d) { return d.size(); })
       .def("axis_size", py::overload_cast<const std::string&>(&DeviceMesh::size, py::const_))

@@ -16,7 +16,8 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   // Every rank must ask for the same mesh before any group connects: ranks asking for
   // different ones would otherwise wait out the timeout connecting groups that never pair.
   std::ostringstream request;
-  request << "pp=" << mesh.pp << " dp=" << mesh.dp << " tp=" << mesh.tp << " order=";
+  request << "pp=" << mesh.pp << " dp=" << mesh.dp << " cp=" << mesh.cp << " tp=" << mesh.tp << " ep=" << mesh.ep
+          << " order=";
   for (size_t i = 0; i < mesh.order.size(); ++i) request << (i ? "," : "") << mesh.order[i];
   // Collective agreement must be on everywhere or nowhere (a fingerprint exchange would
   // otherwise pair with a real collective).
@@ -33,14 +34,19 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   world_->agree("mesh", request.str());
   std::vector<std::string> sorted = mesh.order;
   std::sort(sorted.begin(), sorted.end());
-  TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}),
-              "monarch: mesh.order must be a permutation of pp, dp, tp");
-  TORCH_CHECK(mesh.pp >= 1 && mesh.dp >= 1 && mesh.tp >= 1, "monarch: mesh sizes must be >= 1");
-  TORCH_CHECK(mesh.world_size() == world_->size(), "monarch: the plan's mesh pp*dp*tp = ",
-              mesh.pp, "*", mesh.dp, "*", mesh.tp, " = ", mesh.world_size(),
-              " does not match the world size ", world_->size(), " (WORLD_SIZE)");
+  const bool cp_axis = std::find(sorted.begin(), sorted.end(), "cp") != sorted.end();
+  TORCH_CHECK(sorted == std::vector<std::string>({"dp", "pp", "tp"}) ||
+                  sorted == std::vector<std::string>({"cp", "dp", "pp", "tp"}),
+              "monarch: mesh.order must be a permutation of pp, dp, tp (and cp)");
+  TORCH_CHECK(cp_axis || mesh.cp == 1, "monarch: mesh cp=", mesh.cp, " needs cp in mesh.order");
+  TORCH_CHECK(mesh.pp >= 1 && mesh.dp >= 1 && mesh.tp >= 1 && mesh.cp >= 1 && mesh.ep >= 1,
+              "monarch: mesh sizes must be >= 1");
+  TORCH_CHECK(mesh.world_size() == world_->size(), "monarch: the plan's mesh ", planner::mesh_summary(mesh),
+              " = ", mesh.world_size(), " ranks does not match the world size ", world_->size(), " (WORLD_SIZE)");
+  TORCH_CHECK(mesh.token_parallel() % mesh.ep == 0, "monarch: mesh ep=", mesh.ep, " does not divide dp*cp = ",
+              mesh.dp, "*", mesh.cp, " (experts are split over ranks that hold different tokens)");
   for (const auto& axis : mesh.order) {
-    sizes_.push_back(static_cast<int>(axis == "pp" ? mesh.pp : axis == "dp" ? mesh.dp : mesh.tp));
+    sizes_.push_back(static_cast<int>(axis == "pp" ? mesh.pp : axis == "dp" ? mesh.dp : axis == "cp" ? mesh.cp : mesh.tp));
   }
   // Coordinates: row-major over `order` (last axis fastest).
   coords_.assign(sizes_.size(), 0);
@@ -62,10 +68,35 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
     name << mesh.order[a] << "[";
     for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
     name << "]";
-    auto group = world_->new_group(ranks, name.str());
-    groups_[mesh.order[a]] = std::make_unique<Communicator>(
-        group, ranks, world_->rank(), mesh.order[a], world_->store(),
-        "monarch/group/" + std::to_string(world_->groups_created()) + "/" + name.str());
+    add_group(mesh.order[a], ranks);
+  }
+  // Groups that are not one axis: the replicas of non-expert parameters under context
+  // parallelism (dp x cp), and the expert groups (planner::expert_groups: one definition for
+  // planner and runtime). Every rank belongs to exactly one of each kind, so every rank
+  // creates them in the same order.
+  if (mesh.cp > 1) {
+    std::vector<int> ranks;
+    std::vector<int> c = coords_;
+    const int dp_axis = axis_index("dp"), cp_axis_index = axis_index("cp");
+    for (int d = 0; d < sizes_[dp_axis]; ++d) {
+      for (int k = 0; k < sizes_[cp_axis_index]; ++k) {
+        c[dp_axis] = d;
+        c[cp_axis_index] = k;
+        ranks.push_back(rank_at(c));
+      }
+    }
+    add_group("dp_cp", ranks);
+  }
+  if (mesh.ep > 1) {
+    const planner::ExpertGroups expert = planner::expert_groups(mesh);
+    const auto mine = [this](const std::vector<std::vector<int64_t>>& all) {
+      for (const auto& g : all) {
+        if (std::find(g.begin(), g.end(), world_->rank()) != g.end()) return std::vector<int>(g.begin(), g.end());
+      }
+      TORCH_INTERNAL_ASSERT(false, "rank ", world_->rank(), " is in no expert group");
+    };
+    add_group("ep", mine(expert.ep));
+    add_group("edp", mine(expert.edp));
   }
   // Every rank takes part in the id bookkeeping of the ends group, members or not.
   if (mesh.pp > 2) {
@@ -86,8 +117,20 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       world_->skip_group();
     }
   }
-  log::info("mesh", "mesh pp=", mesh.pp, " dp=", mesh.dp, " tp=", mesh.tp, ": groups connected; this rank at pp ",
-            coordinate("pp"), ", dp ", coordinate("dp"), ", tp ", coordinate("tp"));
+  log::info("mesh", "mesh ", planner::mesh_summary(mesh), ": groups connected; this rank at pp ", coordinate("pp"),
+            ", dp ", coordinate("dp"), cp_axis ? ", cp " + std::to_string(coordinate("cp")) : std::string(), ", tp ",
+            coordinate("tp"));
+}
+
+void DeviceMesh::add_group(const std::string& key, const std::vector<int>& ranks) {
+  std::ostringstream name;
+  name << key << "[";
+  for (size_t i = 0; i < ranks.size(); ++i) name << (i ? "," : "") << ranks[i];
+  name << "]";
+  auto group = world_->new_group(ranks, name.str());
+  groups_[key] = std::make_unique<Communicator>(group, ranks, world_->rank(), key, world_->store(),
+                                                "monarch/group/" + std::to_string(world_->groups_created()) + "/" +
+                                                    name.str());
 }
 
 bool DeviceMesh::has_pipeline_ends_group() const {
@@ -105,11 +148,26 @@ int DeviceMesh::axis_index(const std::string& axis) const {
   for (size_t i = 0; i < mesh_.order.size(); ++i) {
     if (mesh_.order[i] == axis) return static_cast<int>(i);
   }
-  TORCH_CHECK(false, "monarch: unknown mesh axis '", axis, "' (axes: pp, dp, tp)");
+  std::string axes;
+  for (const auto& a : mesh_.order) axes += (axes.empty() ? "" : ", ") + a;
+  TORCH_CHECK(false, "monarch: unknown mesh axis '", axis, "' (axes: ", axes, ")");
 }
 
-int DeviceMesh::size(const std::string& axis) const { return sizes_[axis_index(axis)]; }
-int DeviceMesh::coordinate(const std::string& axis) const { return coords_[axis_index(axis)]; }
+int DeviceMesh::size(const std::string& axis) const {
+  // cp is 1 on a mesh without the axis; the groups that are not axes have their own sizes.
+  if (axis == "cp" && !has_axis("cp")) return 1;
+  if (axis == "ep") return static_cast<int>(mesh_.ep);
+  if (axis == "edp") return static_cast<int>(mesh_.expert_data_parallel());
+  if (axis == "dp_cp") return static_cast<int>(mesh_.token_parallel());
+  return sizes_[axis_index(axis)];
+}
+int DeviceMesh::coordinate(const std::string& axis) const {
+  if (axis == "cp" && !has_axis("cp")) return 0;
+  return coords_[axis_index(axis)];
+}
+bool DeviceMesh::has_axis(const std::string& axis) const {
+  return std::find(mesh_.order.begin(), mesh_.order.end(), axis) != mesh_.order.end();
+}
 
 int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {
   TORCH_CHECK(coordinates.size() == sizes_.size(), "monarch: need one coordinate per mesh axis");
@@ -169,7 +227,13 @@ NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
 }
 
 Communicator& DeviceMesh::group(const std::string& axis) {
-  axis_index(axis);
+  auto found = groups_.find(axis);
+  if (found != groups_.end()) return *found->second;
+  // A size-1 ep / dp_cp group is not created: dp_cp without cp is dp, ep 1 means no split.
+  if (axis == "dp_cp") return group("dp");
+  if (axis == "edp" && mesh_.ep == 1) return group(has_axis("cp") && mesh_.cp > 1 ? "dp_cp" : "dp");
+  TORCH_CHECK(axis != "ep", "monarch: the mesh has no ep group (ep=1); ", planner::mesh_summary(mesh_));
+  axis_index(axis);  // names the axes
   return *groups_.at(axis);
 }
 

@@ -5,6 +5,30 @@
 
 namespace monarch::planner {
 
+ExpertGroups expert_groups(const Mesh& mesh) {
+  ExpertGroups out;
+  const int64_t tokens = mesh.token_parallel();
+  if (mesh.ep < 1 || tokens % mesh.ep != 0) return out;  // validate() says why
+  const int64_t edp = tokens / mesh.ep;
+  for (int64_t pp = 0; pp < mesh.pp; ++pp) {
+    for (int64_t tp = 0; tp < mesh.tp; ++tp) {
+      // rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i = (pp_i * dp * cp + f) * tp + tp_i
+      const auto rank = [&](int64_t f) { return (pp * tokens + f) * mesh.tp + tp; };
+      for (int64_t g = 0; g < edp; ++g) {
+        std::vector<int64_t> ranks;
+        for (int64_t e = 0; e < mesh.ep; ++e) ranks.push_back(rank(g * mesh.ep + e));
+        out.ep.push_back(std::move(ranks));
+      }
+      for (int64_t e = 0; e < mesh.ep; ++e) {
+        std::vector<int64_t> ranks;
+        for (int64_t g = 0; g < edp; ++g) ranks.push_back(rank(g * mesh.ep + e));
+        out.edp.push_back(std::move(ranks));
+      }
+    }
+  }
+  return out;
+}
+
 bool TransformerConfig::operator==(const TransformerConfig& o) const {
   return name == o.name && layers == o.layers && hidden == o.hidden && heads == o.heads &&
          kv_heads == o.kv_heads && ffn == o.ffn && gated_mlp == o.gated_mlp && seq == o.seq &&
@@ -96,9 +120,16 @@ bool Plan::operator==(const Plan& o) const {
 }
 
 // "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"
+std::string mesh_summary(const Mesh& m) {
+  std::string s = "pp=" + std::to_string(m.pp) + " dp=" + std::to_string(m.dp);
+  if (m.cp != 1) s += " cp=" + std::to_string(m.cp);
+  s += " tp=" + std::to_string(m.tp);
+  if (m.ep != 1) s += " ep=" + std::to_string(m.ep);
+  return s;
+}
+
 std::string Plan::summary() const {
-  std::string s = "pp=" + std::to_string(mesh.pp) + " dp=" + std::to_string(mesh.dp) +
-                  " tp=" + std::to_string(mesh.tp) + " zero=" + std::to_string(zero_stage) +
+  std::string s = mesh_summary(mesh) + " zero=" + std::to_string(zero_stage) +
                   " mbs=" + std::to_string(micro_batch_size) +
                   " m=" + std::to_string(num_micro_batches) + " " + to_string(schedule);
   if (schedule == ScheduleKind::interleaved_1f1b || virtual_stages != 1) {

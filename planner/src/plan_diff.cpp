@@ -73,8 +73,7 @@ std::string diff_plans(const Plan& a, const Plan& b) {
 
   o << "layout\n";
   const auto layout_mark = o.tellp();
-  field("mesh", "pp=" + std::to_string(a.mesh.pp) + " dp=" + std::to_string(a.mesh.dp) + " tp=" + std::to_string(a.mesh.tp),
-        "pp=" + std::to_string(b.mesh.pp) + " dp=" + std::to_string(b.mesh.dp) + " tp=" + std::to_string(b.mesh.tp));
+  field("mesh", mesh_summary(a.mesh), mesh_summary(b.mesh));
   integer("zero_stage", a.zero_stage, b.zero_stage);
   integer("micro_batch_size", a.micro_batch_size, b.micro_batch_size);
   integer("num_micro_batches", a.num_micro_batches, b.num_micro_batches);

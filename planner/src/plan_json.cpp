@@ -116,6 +116,10 @@ Json mesh_to_json(const Mesh& m) {
   j["pp"] = m.pp;
   j["dp"] = m.dp;
   j["tp"] = m.tp;
+  // Written only when used, so plans without them read as before (and older builds that
+  // do not know them refuse a plan that needs them).
+  if (m.cp != 1) j["cp"] = m.cp;
+  if (m.ep != 1) j["ep"] = m.ep;
   j["order"] = m.order;
   return j;
 }
@@ -340,6 +344,8 @@ Mesh mesh_from_json(const Fields& f) {
   m.pp = f.integer("pp");
   m.dp = f.integer("dp");
   m.tp = f.integer("tp");
+  if (f.has("cp")) m.cp = f.integer("cp");
+  if (f.has("ep")) m.ep = f.integer("ep");
   const Json& order = f.array("order");
   m.order.clear();
   for (size_t i = 0; i < order.size(); ++i) {
@@ -534,7 +540,7 @@ Plan plan_from_value(const Json& root) {
                    "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",
                    "dp_bucket_bytes", "allow_hierarchical_dp", "inter_node_compression"}));
-  p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "order"}));
+  p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "cp", "ep", "order"}));
   p.zero_stage = f.integer("zero_stage");
   p.micro_batch_size = f.integer("micro_batch_size");
   p.num_micro_batches = f.integer("num_micro_batches");

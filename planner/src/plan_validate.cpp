@@ -37,21 +37,30 @@ void check_mesh(const Plan& p) {
   require_at_least(m.pp, 1, "mesh.pp");
   require_at_least(m.dp, 1, "mesh.dp");
   require_at_least(m.tp, 1, "mesh.tp");
+  require_at_least(m.cp, 1, "mesh.cp");
+  require_at_least(m.ep, 1, "mesh.ep");
   // The cost model (which link each axis uses) and the runtime's rank layout both assume
-  // tp innermost and pp outermost; another order would run a layout nobody costed.
-  if (m.order != std::vector<std::string>{"pp", "dp", "tp"}) {
+  // tp innermost, then cp, and pp outermost; another order would run a layout nobody costed.
+  const std::vector<std::string> plain{"pp", "dp", "tp"}, with_cp{"pp", "dp", "cp", "tp"};
+  if (m.order != with_cp && !(m.order == plain && m.cp == 1)) {
     std::string got;
     for (const auto& a : m.order) got += (got.empty() ? "" : ", ") + a;
-    throw ValidationError("mesh.order", "only [pp, dp, tp] is supported, got [" + got + "]");
+    throw ValidationError("mesh.order", std::string(m.cp > 1 ? "cp=" + str(m.cp) + " needs [pp, dp, cp, tp]"
+                                                             : "only [pp, dp, tp] or [pp, dp, cp, tp] is supported") +
+                                            ", got [" + got + "]");
   }
-  const int64_t world = checked_mul(checked_mul(m.pp, m.dp), m.tp);
+  const int64_t world = checked_mul(checked_mul(checked_mul(m.pp, m.dp), m.cp), m.tp);
   if (world != p.cluster.world_size()) {
     const std::string product = world < 0 ? "overflows" : "= " + str(world);
-    throw ValidationError("mesh", "pp*dp*tp " + product +
+    throw ValidationError("mesh", std::string(m.cp > 1 ? "pp*dp*cp*tp " : "pp*dp*tp ") + product +
                                       " does not equal the cluster's world size " +
                                       str(p.cluster.world_size()) + " (" + str(p.cluster.nodes) +
                                       " nodes x " + str(p.cluster.devices_per_node) +
                                       " devices)");
+  }
+  if (m.ep > 1 && (m.dp * m.cp) % m.ep != 0) {
+    throw ValidationError("mesh.ep", "ep=" + str(m.ep) + " must divide dp*cp = " + str(m.dp) + "*" + str(m.cp) +
+                                         " (experts are split over ranks that hold different tokens)");
   }
 }
 

@@ -64,8 +64,7 @@ std::string format_report(const Plan& plan) {
       << " per micro-batch x " << plan.num_micro_batches << " micro-batches x dp " << plan.mesh.dp
       << "\n\n";
   out << "plan      " << plan.summary() << "\n";
-  out << "mesh      pp=" << plan.mesh.pp << " dp=" << plan.mesh.dp << " tp=" << plan.mesh.tp
-      << "  (rank order";
+  out << "mesh      " << mesh_summary(plan.mesh) << "  (rank order";
   for (const auto& a : plan.mesh.order) out << " " << a;
   out << ", tp innermost)\n";
 

@@ -148,6 +148,23 @@ TEST_CASE("plan JSON round-trips exactly", "[plan_json]") {
   CHECK(to_json(back) == text);
 }
 
+TEST_CASE("plan JSON writes cp and ep only when used, and reads them back", "[plan_json]") {
+  Plan p = make_plan();
+  CHECK_FALSE(to_value(p)["mesh"].contains("cp"));
+  CHECK_FALSE(to_value(p)["mesh"].contains("ep"));
+  p.mesh.dp = 1;  // 8 devices: pp 2 x dp 1 x cp 2 x tp 2
+  p.mesh.cp = 2;
+  p.mesh.ep = 2;
+  p.mesh.order = {"pp", "dp", "cp", "tp"};
+  p.training.global_batch /= 2;
+  const std::string text = to_json(p);
+  CHECK(to_value(p)["mesh"]["cp"] == 2);
+  CHECK(to_value(p)["mesh"]["ep"] == 2);
+  const Plan back = plan_from_json(text);
+  CHECK(back.mesh == p.mesh);
+  CHECK(to_json(back) == text);
+}
+
 TEST_CASE("plan JSON round-trips without the optional transformer", "[plan_json]") {
   Plan p = make_plan();
   p.transformer.reset();

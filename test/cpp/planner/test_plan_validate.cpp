@@ -127,7 +127,7 @@ TEST_CASE("validate: mesh.order is pp, dp, tp", "[plan_validate]") {
   // order would run a layout nobody costed, so even permutations are refused.
   Plan p = valid_plan();
   p.mesh.order = {"tp", "pp", "dp"};
-  REQUIRE_THROWS_WITH(validate(p), "mesh.order: only [pp, dp, tp] is supported, got [tp, pp, dp]");
+  REQUIRE_THROWS_WITH(validate(p), "mesh.order: only [pp, dp, tp] or [pp, dp, cp, tp] is supported, got [tp, pp, dp]");
   p.mesh.order = {"pp", "tp"};
   CHECK(failing_field(p) == "mesh.order");
   p.mesh.order = {"pp", "pp", "tp"};
@@ -137,7 +137,46 @@ TEST_CASE("validate: mesh.order is pp, dp, tp", "[plan_validate]") {
   p.mesh.order = {"pp", "dp", "tp", "ep"};
   CHECK(failing_field(p) == "mesh.order");
   p.mesh.order = {};
-  REQUIRE_THROWS_WITH(validate(p), "mesh.order: only [pp, dp, tp] is supported, got []");
+  REQUIRE_THROWS_WITH(validate(p), "mesh.order: only [pp, dp, tp] or [pp, dp, cp, tp] is supported, got []");
+}
+
+TEST_CASE("validate: cp is an axis between dp and tp, ep divides dp x cp", "[plan_validate]") {
+  Plan p = valid_plan();  // pp=2 dp=2 tp=2 on 8 devices
+  p.mesh.dp = 1;
+  p.mesh.cp = 2;
+  // cp > 1 must be in the order, where the cost model puts it.
+  REQUIRE_THROWS_WITH(validate(p), "mesh.order: cp=2 needs [pp, dp, cp, tp], got [pp, dp, tp]");
+  p.mesh.order = {"pp", "cp", "dp", "tp"};
+  CHECK(failing_field(p) == "mesh.order");
+  p.mesh.order = {"pp", "dp", "cp", "tp"};
+  p.training.global_batch = 8;  // 2 x 4 x dp 1: cp ranks share samples
+  CHECK_NOTHROW(validate(p));
+  p.mesh.cp = 4;
+  REQUIRE_THROWS_WITH(validate(p), "mesh: pp*dp*cp*tp = 16 does not equal the cluster's world size 8 "
+                                   "(2 nodes x 4 devices)");
+  p.mesh.cp = 2;
+  p.mesh.ep = 3;
+  REQUIRE_THROWS_WITH(validate(p), "mesh.ep: ep=3 must divide dp*cp = 1*2 (experts are split over ranks "
+                                   "that hold different tokens)");
+  p.mesh.ep = 0;
+  CHECK(failing_field(p) == "mesh.ep");
+  p.mesh.ep = 2;
+  CHECK_NOTHROW(validate(p));
+}
+
+TEST_CASE("expert_groups: ep takes the innermost of dp x cp, edp the rest", "[plan_validate]") {
+  Mesh m{1, 2, 1, {"pp", "dp", "cp", "tp"}};
+  m.cp = 2;
+  m.tp = 2;
+  m.ep = 2;  // 8 ranks: rank = (dp_i * 2 + cp_i) * 2 + tp_i
+  const ExpertGroups g = expert_groups(m);
+  // tp 0: f = 0..3 are ranks 0, 2, 4, 6; ep groups {0,2} {4,6}; edp {0,4} {2,6}. Same for tp 1.
+  CHECK(g.ep == std::vector<std::vector<int64_t>>{{0, 2}, {4, 6}, {1, 3}, {5, 7}});
+  CHECK(g.edp == std::vector<std::vector<int64_t>>{{0, 4}, {2, 6}, {1, 5}, {3, 7}});
+  m.ep = 4;
+  CHECK(expert_groups(m).ep == std::vector<std::vector<int64_t>>{{0, 2, 4, 6}, {1, 3, 5, 7}});
+  CHECK(expert_groups(m).edp.size() == 8);
+  CHECK(mesh_summary(m) == "pp=1 dp=2 cp=2 tp=2 ep=4");
 }
 
 TEST_CASE("validate: pp*dp*tp equals the world size", "[plan_validate]") {

@@ -1,6 +1,8 @@
 #pragma once
-// The ranks laid out as the Plan's mesh says: named axes (pp, dp, tp), one process group per
-// axis slice, and this rank's coordinates.
+// The ranks laid out as the Plan's mesh says: named axes (pp, dp, cp, tp), one process group
+// per axis slice, and this rank's coordinates. Besides the axes: "dp_cp" (dp x cp, the
+// replicas of parameters under context parallelism), "ep" (a MoE layer's experts split over
+// them) and "edp" (the replicas of one expert: dp x cp / ep), as planner::expert_groups says.
 #include <map>
 #include <memory>
 #include <string>
@@ -23,11 +25,15 @@ class DeviceMesh {
   const planner::Mesh& shape() const { return mesh_; }
   int rank() const { return world_->rank(); }
   int size() const { return world_->size(); }
+  // Sizes and coordinates of axes (cp is size 1, coordinate 0 on a mesh without it); size()
+  // also answers for "dp_cp", "ep" and "edp".
   int size(const std::string& axis) const;
   int coordinate(const std::string& axis) const;
+  bool has_axis(const std::string& axis) const;
   // The global rank at the given coordinates (one per axis, in `shape().order`).
   int rank_at(const std::vector<int>& coordinates) const;
-  // This rank's group along `axis` (the ranks that differ from it only in that coordinate).
+  // This rank's group along `axis` (the ranks that differ from it only in that coordinate),
+  // or "dp_cp", "ep", "edp" (see above; dp_cp is dp when cp == 1, edp is dp_cp when ep == 1).
   Communicator& group(const std::string& axis);
   // Pipeline ends: this rank and its peer at the other end of the `pp` axis (first and
   // last stage, same dp / tp coordinates), for weights tied between the embedding and the
@@ -46,6 +52,7 @@ class DeviceMesh {
 
  private:
   int axis_index(const std::string& axis) const;
+  void add_group(const std::string& key, const std::vector<int>& ranks);
   std::shared_ptr<World> world_;
   planner::Mesh mesh_;
   std::vector<int> sizes_;   // in mesh_.order

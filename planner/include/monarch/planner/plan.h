@@ -18,13 +18,43 @@ inline constexpr int64_t kPlanFormatVersion = 1;
 
 struct Mesh {
   int64_t pp = 1, dp = 1, tp = 1;
-  // Axis names from outermost to innermost: rank = ((pp_i * dp) + dp_i) * tp + tp_i (tp
-  // innermost so tp groups stay inside a node). Written out so a plan is explicit about it;
-  // validate() accepts only this order, the one the cost model assumes.
+  // Axis names from outermost to innermost: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+  // (tp innermost so tp groups stay inside a node, then cp). Written out so a plan is explicit
+  // about it; validate() accepts only [pp, dp, tp], or [pp, dp, cp, tp] (needed when cp > 1),
+  // the orders the cost model assumes.
   std::vector<std::string> order = {"pp", "dp", "tp"};
-  int64_t world_size() const { return pp * dp * tp; }
-  bool operator==(const Mesh& o) const { return pp == o.pp && dp == o.dp && tp == o.tp && order == o.order; }
+  // (After `order`, so Mesh{pp, dp, tp, order} still reads as it did.)
+  // Context parallelism: the sequence split over cp ranks inside attention (ring exchange of
+  // keys and values). A real axis between dp and tp; its ranks hold the same samples and the
+  // same (replicated) parameters, so gradients are averaged over dp x cp.
+  int64_t cp = 1;
+  // Expert parallelism: a MoE layer's experts split over ep ranks. Not an axis of its own:
+  // it divides dp x cp (the ranks that hold different tokens), taking the innermost ep of
+  // them (see expert_groups below); each expert's weights are replicated (or ZeRO-sharded)
+  // over the dp x cp / ep ranks left ("expert data parallel").
+  int64_t ep = 1;
+  int64_t world_size() const { return pp * dp * cp * tp; }
+  // Ranks holding different tokens of one pipeline stage and tp coordinate: dp x cp.
+  int64_t token_parallel() const { return dp * cp; }
+  // Ranks each expert's weights are replicated over: dp x cp / ep.
+  int64_t expert_data_parallel() const { return ep > 0 ? dp * cp / ep : 0; }
+  bool operator==(const Mesh& o) const {
+    return pp == o.pp && dp == o.dp && tp == o.tp && cp == o.cp && ep == o.ep && order == o.order;
+  }
 };
+
+// The expert groups of a mesh, as global ranks: for each (pp, tp) coordinate, the dp x cp
+// ranks flattened as f = dp_i * cp + cp_i; an ep group is the ranks with equal f / ep (ep
+// consecutive f), an expert-data-parallel group the ranks with equal f % ep. Both the planner
+// (which link an ep all-to-all crosses) and the runtime (DeviceMesh's "ep" and "edp" groups)
+// use this one definition.
+struct ExpertGroups {
+  std::vector<std::vector<int64_t>> ep;   // each of size mesh.ep
+  std::vector<std::vector<int64_t>> edp;  // each of size mesh.expert_data_parallel()
+};
+ExpertGroups expert_groups(const Mesh& mesh);
+// "pp=2 dp=4 tp=8", with cp and ep when they are not 1.
+std::string mesh_summary(const Mesh& mesh);
 
 // One layer's placement.
 struct LayerPlacement {
