@@ -22,6 +22,12 @@
 namespace py = pybind11;
 using namespace monarch;
 
+// In their own files (one per runtime concern).
+namespace monarch::python {
+void bind_experts(py::module_& m);
+void bind_context_parallel(py::module_& m);
+}  // namespace monarch::python
+
 namespace {
 
 InitOptions options_with_timeout(double timeout_s) {
@@ -616,4 +622,6 @@ PYBIND11_MODULE(_runtime, m) {
   bind_pipeline(m);
   bind_composition(m);
   bind_embeddings(m);
+  monarch::python::bind_experts(m);
+  monarch::python::bind_context_parallel(m);
 }

@@ -1,0 +1,3 @@
+#include "monarch/runtime/context_parallel.h"
+
+namespace monarch::cp {}  // namespace monarch::cp

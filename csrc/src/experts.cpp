@@ -1,0 +1,3 @@
+#include "monarch/runtime/experts.h"
+
+namespace monarch::experts {}  // namespace monarch::experts
