@@ -8,8 +8,10 @@
 #include <set>
 
 #include "monarch/planner/collectives.h"
+#include "monarch/planner/context_parallel_cost.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/estimator.h"
+#include "monarch/planner/moe_cost.h"
 
 namespace monarch::planner {
 
@@ -46,9 +48,23 @@ double korthikanti_layer_activation_bytes(double s, double b, double h, double a
 
 double shared_core_speedup(const Cluster& cluster, const Layout& layout) {
   const double devices = static_cast<double>(cluster.devices_per_node);
-  const bool one_node = layout.pp * layout.dp * layout.tp <= cluster.devices_per_node;
+  const bool one_node = layout.pp * layout.dp * layout.cp * layout.tp <= cluster.devices_per_node;
   if (!(cluster.cores_per_node > 0 && cluster.cores_per_node < devices) || !one_node) return 1.0;
   return std::min(devices / cluster.cores_per_node, static_cast<double>(layout.pp));
+}
+
+ModelStateBytes layout_model_state_bytes(double params, double expert_params, const Layout& layout,
+                                         const TrainingConfig& training, double grad_bytes) {
+  ModelStateBytes m = zero_model_state_bytes(params - expert_params, layout.replicas(), layout.zero_stage,
+                                             training.param_bytes, grad_bytes, training.optimizer_bytes);
+  if (expert_params > 0) {
+    const ModelStateBytes e = zero_model_state_bytes(expert_params, layout.expert_replicas(), layout.zero_stage,
+                                                     training.param_bytes, grad_bytes, training.optimizer_bytes);
+    m.params += e.params;
+    m.grads += e.grads;
+    m.optimizer += e.optimizer;
+  }
+  return m;
 }
 
 bool zero_overlap_pays(const Cluster& cluster) { return cluster.overlap_contention < 1.0; }
@@ -136,6 +152,7 @@ double tp_layer_bytes_per_micro_batch(const Layer& layer, const TrainingConfig& 
   if (layout.tp <= 1 || !is_split(layer)) return 0.0;
   const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
   auto [fwd, bwd] = tp_all_reduces(layer);
+  const double cp = static_cast<double>(layout.cp);  // each cp rank holds s/cp of the tokens
   // Sequence parallelism turns each all-reduce into a reduce-scatter plus an all-gather (the
   // same volume), and the embedding's backward needs an all-gather of its output's gradient
   // (every vocabulary shard sees every token): half an all-reduce more (Korthikanti et al.
@@ -143,7 +160,7 @@ double tp_layer_bytes_per_micro_batch(const Layer& layer, const TrainingConfig& 
   const double sp_extra = layout.sequence_parallel && layer.tp == TpPattern::vocab &&
                                   layer.kind == LayerKind::embedding ? 0.5 : 0.0;
   const double again = (layout.recompute == Recompute::full && layer.recomputable) ? fwd : 0;
-  const double message = act_scale * tp_message_bytes(layer, layout.micro_batch_size);
+  const double message = act_scale * tp_message_bytes(layer, layout.micro_batch_size) / cp;
   return (fwd + bwd + again + sp_extra) * ring_bytes_per_rank(Collective::all_reduce, message, layout.tp);
 }
 
@@ -173,6 +190,13 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
   const double flops_per_s = cluster.peak_flops(training.compute_dtype) * cluster.matmul_efficiency;
   const Link tp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::tp);
   const int64_t b = layout.micro_batch_size;
+  // Context parallelism: every layer sees s/cp of each sample's tokens, load-balanced so each
+  // rank does 1/cp of the causal attention too (context_parallel_cost.h): FLOPs, kept
+  // activations and activation messages divide by cp.
+  const double cp = static_cast<double>(layout.cp);
+  // cp's ring runs between neighbours of the cp group (ranks tp apart, cp of them).
+  Link cp_link = axis_link(cluster, layout.pp, layout.cp, layout.tp, Axis::dp);
+  cp_link.ranks = 2;
   // Layers built for one activation width; a config that stores wider activations scales.
   std::vector<LayerCost> costs;
   costs.reserve(graph.layers.size());
@@ -183,15 +207,27 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     // softmax, dropout, activations functions) is memory-bound: the bytes it keeps are
     // written once and read once.
     const double stored = act_scale *
-        layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none);
+        layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none) / cp;
     // The layer's GEMMs at their shape's utilization, the rest of its FLOPs at the
     // large-GEMM rate. `effective` = the FLOPs one tp rank runs, each divided by its
     // utilization.
-    double effective = layer.forward_flops_per_sample * b / t;
+    double effective = layer.forward_flops_per_sample * b / t / cp;
     for (const Gemm& g : layer.gemms) {
-      const double m = g.m_per_sample * b;
+      const double m = g.m_per_sample * b / cp;
       const double n = g.split == GemmSplit::n && t > 1 ? g.n / t : g.n;
       const double k = g.split == GemmSplit::k && t > 1 ? g.k / t : g.k;
+      if (g.experts > 0) {
+        // Routed experts (moe_cost.h): the ep group's rows for this rank's experts / ep
+        // experts, each getting (rows x ep / experts) x the load factor (imbalance, or the
+        // padded capacity), as one grouped GEMM; the balanced FLOPs are in the layer's total.
+        const double experts = static_cast<double>(g.experts);
+        const double groups = experts / static_cast<double>(layout.ep);
+        const double rows = m * static_cast<double>(layout.ep) / experts * layer.moe.load_factor();
+        const double run = 2.0 * rows * n * k * groups;
+        effective += run / grouped_gemm_utilization(rows, n, k, groups, cluster.sm_count) -
+                     run / layer.moe.load_factor();
+        continue;
+      }
       const double flops = 2.0 * m * n * k;
       effective += flops / gemm_utilization(m, n, k, cluster.sm_count) - flops;
     }
@@ -204,32 +240,64 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
       recompute = forward_compute;
     } else if (layer.recomputable && layout.recompute == Recompute::selective &&
                layer.activations.attention_scores > 0) {  // nothing to rebuild without kept scores
-      const double scores = act_scale * layer.activations.attention_scores * b / t;
-      recompute = layer.attention_flops_per_sample * b / t / flops_per_s +
+      const double scores = act_scale * layer.activations.attention_scores * b / t / cp;
+      recompute = layer.attention_flops_per_sample * b / t / cp / flops_per_s +
                   2.0 * scores / cluster.hbm_bytes_per_s;
     }
     const auto [fwd_ar, bwd_ar] = tp_all_reduces(layer);
     const double ar = collective_seconds(Collective::all_reduce,
-                                         act_scale * tp_message_bytes(layer, b), tp_link);
+                                         act_scale * tp_message_bytes(layer, b) / cp, tp_link);
     const double fwd_tp = is_split(layer) ? fwd_ar * ar : 0.0;
     const double bwd_tp = is_split(layer) ? bwd_ar * ar : 0.0;
     const double recompute_tp = (recompute > 0 && layout.recompute == Recompute::full) ? fwd_tp : 0.0;
+    const bool full_recompute = recompute > 0 && layout.recompute == Recompute::full;
+    // Expert parallelism: dispatch and combine all-to-alls over the ep group (moe_cost.h), on
+    // the critical path (not overlapped: DeepSeek-V3's DualPipe overlap is not modelled).
+    double fwd_ep = 0, bwd_ep = 0;
+    if (layer.moe.experts > 0 && layout.ep > 1) {
+      const double a2a = all_to_all_seconds(moe_all_to_all_bytes(layer, training, layout), layout.ep,
+                                            layout.tp, cluster);
+      const MoeAllToAlls n = moe_all_to_alls(layout.recompute);
+      fwd_ep = n.forward * a2a;
+      bwd_ep = n.backward * a2a + (full_recompute ? n.recompute * a2a : 0.0);
+    }
+    // Context parallelism: the ring's cp - 1 steps each send the local k and v (the backward
+    // k, v, dk, dv) while the block that arrived before is computed (context_parallel_cost.h).
+    double fwd_cp = 0, bwd_cp = 0;
+    if (layout.cp > 1 && layer.kv_elements_per_token > 0) {
+      const double step_bytes = cp_ring_step_bytes(layer, training, layout, graph.seq_len());
+      const double step_compute = layer.attention_flops_per_sample * b / t / cp / cp / flops_per_s;
+      const double fwd_step = collective_seconds(Collective::send_recv, step_bytes, cp_link);
+      const double bwd_step = collective_seconds(Collective::send_recv, 2.0 * step_bytes, cp_link);
+      fwd_cp = ring_exposed_seconds(layout.cp - 1, fwd_step, step_compute);
+      bwd_cp = ring_exposed_seconds(layout.cp - 1, bwd_step, cluster.backward_forward_ratio * step_compute) +
+               (full_recompute ? fwd_cp : 0.0);
+    }
 
     LayerCost c;
-    c.forward_s = forward_compute + fwd_tp;
+    c.forward_s = forward_compute + fwd_tp + fwd_ep + fwd_cp;
     c.recompute_s = recompute;
-    c.backward_s = backward_compute + recompute + bwd_tp + recompute_tp;
+    c.backward_s = backward_compute + recompute + bwd_tp + recompute_tp + bwd_ep + bwd_cp;
     c.backward_compute_s = backward_compute;
     c.tp_comm_s = fwd_tp + bwd_tp + recompute_tp;
     c.forward_tp_s = fwd_tp;
+    c.ep_comm_s = fwd_ep + bwd_ep;
+    c.cp_comm_s = fwd_cp + bwd_cp;
     c.params = layer_params_per_tp_rank(layer, layout.tp);
+    if (layer.moe.experts > 0) {
+      // Routed experts are split over ep (each rank holds experts / ep of them) and over tp
+      // (expert tensor parallelism = tp, Megatron-Core's default).
+      const double experts = static_cast<double>(layer.moe.expert_params) / split_divisor(layer, layout.tp);
+      c.expert_params = experts / static_cast<double>(layout.ep);
+      c.params -= experts - c.expert_params;
+    }
     c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
-                                                            layout.sequence_parallel, layout.recompute);
+                                                            layout.sequence_parallel, layout.recompute) / cp;
     // What backward rebuilds for one layer at a time: all its activations (full), or its
     // attention core (selective).
     c.workspace_bytes = !layer.recomputable                          ? 0.0
                         : layout.recompute == Recompute::full        ? stored
-                        : layout.recompute == Recompute::selective   ? act_scale * layer.activations.attention_scores * b / t
+                        : layout.recompute == Recompute::selective   ? act_scale * layer.activations.attention_scores * b / t / cp
                                                                      : 0.0;
     costs.push_back(c);
   }
@@ -271,7 +339,7 @@ double stage_p2p_bytes(const ModelGraph& graph, const TrainingConfig& training,
   const Layer& layer = graph.layers[last];
   const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
   return act_scale * layer.output_bytes_per_sample * static_cast<double>(layout.micro_batch_size) /
-         static_cast<double>(layout.sequence_parallel ? layout.tp : 1);
+         static_cast<double>(layout.sequence_parallel ? layout.tp : 1) / static_cast<double>(layout.cp);
 }
 
 StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,
@@ -279,9 +347,12 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
                              const Layout& layout, int64_t first, int64_t last) {
   StageEstimate e;
   double forward = 0, backward = 0, tp_comm = 0, recompute = 0, largest_layer = 0;
-  double backward_compute = 0;
+  double backward_compute = 0, ep_comm = 0, cp_comm = 0;
   for (int64_t i = first; i <= last; ++i) {
     const auto& c = costs[i];
+    ep_comm += c.ep_comm_s;
+    cp_comm += c.cp_comm_s;
+    e.expert_params += c.expert_params;
     forward += c.forward_s;
     backward += c.backward_s;
     tp_comm += c.tp_comm_s;
@@ -296,14 +367,15 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   // Without ZeRO: the master weights' gradients (TrainingConfig::master_grad_bytes).
   const double grad_bytes =
       layout.zero_stage >= 1 ? training.zero_gradient_bytes() : training.replica_gradient_bytes();
-  e.state = zero_model_state_bytes(e.params, layout.dp, layout.zero_stage, training.param_bytes,
-                                   grad_bytes, training.optimizer_bytes);
+  e.state = layout_model_state_bytes(e.params, e.expert_params, layout, training, grad_bytes);
   // ZeRO-2 under gradient accumulation reduces once per step (as the runtime does), so the
   // micro-batches before the last accumulate into whole gradients.
   if (layout.zero_stage == 2 && layout.num_micro_batches > 1) e.state.grads = e.params * grad_bytes;
-  e.compute_s = forward + backward - tp_comm;
+  e.compute_s = forward + backward - tp_comm - ep_comm - cp_comm;
   e.recompute_s = recompute;
   e.tp_comm_s = tp_comm;
+  e.ep_comm_s = ep_comm;
+  e.cp_comm_s = cp_comm;
 
   // ZeRO-3 all-gathers each unit's parameters before its forward and again before its
   // backward, and reduce-scatters its gradients after the backward (FSDP with
@@ -315,36 +387,44 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   // turns. ZeRO-1/2 reduce once per step (predict).
   // A hierarchical dp reduction (DpGroup) runs partly on the intra-node link: it then takes
   // turns with tp's collectives there too.
-  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.dp, layout.tp, layout.dp_reduction,
+  // The dp x cp ranks (Layout::replicas) reduce the non-expert parameters; the routed experts'
+  // gradients go over their own group, dp x cp / ep ranks ep x tp apart (expert_groups).
+  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.replicas(), layout.tp, layout.dp_reduction,
                                    layout.inter_node_compression);
+  const DpGroup edp_comm = dp_group(cluster, layout.pp, layout.expert_replicas(), layout.ep * layout.tp);
   const Link tp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::tp);
   const bool tp_shares_link =
       layout.tp > 1 && (tp_link.inter_node == dp_comm.flat.inter_node || dp_comm.hierarchical());
   double exposed_forward = 0, exposed_backward_input = 0, exposed_backward_weight = 0;
-  if (layout.dp > 1 && layout.zero_stage >= 3) {
-    auto gather = [&](double params) {
-      return dp_comm.seconds(Collective::all_gather, params * training.param_bytes, training.param_bytes);
+  if (layout.replicas() > 1 && layout.zero_stage >= 3) {
+    auto gather = [&](const LayerCost& c) {
+      return dp_comm.seconds(Collective::all_gather, (c.params - c.expert_params) * training.param_bytes,
+                             training.param_bytes) +
+             edp_comm.seconds(Collective::all_gather, c.expert_params * training.param_bytes, training.param_bytes);
     };
     // ZeRO++'s hierarchical partitioning (Wang et al. 2023, hpZ): the forward gather's
     // first hop leaves each rank 1/L of the unit, so the backward's gather stays in the node.
-    auto regather = [&](double params) {
-      return dp_comm.node_gather_seconds(params * training.param_bytes, training.param_bytes);
+    auto regather = [&](const LayerCost& c) {
+      return dp_comm.node_gather_seconds((c.params - c.expert_params) * training.param_bytes, training.param_bytes) +
+             edp_comm.node_gather_seconds(c.expert_params * training.param_bytes, training.param_bytes);
     };
-    auto reduce = [&](double params) {
-      return dp_comm.seconds(Collective::reduce_scatter, params * training.grad_bytes, training.grad_bytes);
+    auto reduce = [&](const LayerCost& c) {
+      return dp_comm.seconds(Collective::reduce_scatter, (c.params - c.expert_params) * training.grad_bytes,
+                             training.grad_bytes) +
+             edp_comm.seconds(Collective::reduce_scatter, c.expert_params * training.grad_bytes, training.grad_bytes);
     };
     double ag = 0, ag_back = 0, rs = 0, forward_tp = 0;
     for (int64_t i = first; i <= last; ++i) {
-      ag += gather(costs[i].params);
-      ag_back += regather(costs[i].params);
-      rs += reduce(costs[i].params);
+      ag += gather(costs[i]);
+      ag_back += regather(costs[i]);
+      rs += reduce(costs[i]);
       forward_tp += costs[i].forward_tp_s;
     }
     // Forward runs first to last; backward gathers the last layer first and reduces the
     // first layer last.
-    const double first_ag = gather(costs[first].params);
-    const double backward_first_ag = regather(costs[last].params);
-    const double last_rs = reduce(costs[first].params);
+    const double first_ag = gather(costs[first]);
+    const double backward_first_ag = regather(costs[last]);
+    const double last_rs = reduce(costs[first]);
     const double kappa = cluster.overlap_contention;
     const double forward_hiding = forward - (tp_shares_link ? forward_tp : 0.0);
     const double backward_hiding = backward - (tp_shares_link ? tp_comm - forward_tp : 0.0);
@@ -372,7 +452,7 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   const double exposed_backward = exposed_backward_input + exposed_backward_weight;
   e.zero_comm_exposed_s = exposed_forward + exposed_backward;
 
-  Link p2p = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
+  Link p2p = axis_link(cluster, layout.pp, layout.replicas(), layout.tp, Axis::pp);
   p2p.ranks = 2;
   e.costs.p2p_s = layout.pp > 1
                       ? collective_seconds(Collective::send_recv,
@@ -461,6 +541,8 @@ Layout layout_of(const Plan& plan) {
   l.dp_reduction = plan.dp_reduction;
   l.inter_node_compression = plan.inter_node_compression;
   l.zero_overlap = plan.zero_overlap;
+  l.cp = plan.mesh.cp;
+  l.ep = plan.mesh.ep;
   return l;
 }
 
@@ -470,6 +552,8 @@ namespace {
 struct RankLoad {
   ModelStateBytes state;
   double params = 0;
+  double expert_params = 0;                // routed experts' part of params (ZeRO over dp x cp / ep)
+  double ep_comm_s = 0, cp_comm_s = 0;     // one micro-batch
   double activations_per_micro_batch = 0;  // summed over the rank's chunks
   double workspace = 0;
   double largest_gathered = 0;             // ZeRO-3: largest sharding unit
@@ -501,7 +585,7 @@ struct RankLoad {
 // breakdown is that of the larger moment.
 MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
                                    const TrainingConfig& training, const Layout& layout) {
-  const double dp = static_cast<double>(layout.dp), g = training.zero_gradient_bytes();
+  const double g = training.zero_gradient_bytes();
   // The plan's sharding units when it marks some, else the blocks, else the whole model.
   const double unit = load.largest_gathered > 0 ? load.largest_gathered
                       : load.largest_block > 0  ? load.largest_block
@@ -509,7 +593,9 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   const double root = load.largest_gathered > 0 ? load.root_params
                       : load.largest_block > 0  ? load.non_block_params
                                                 : 0.0;
-  const double shard = load.params / dp;
+  // Each group's shard: dp x cp for the non-expert parameters, dp x cp / ep for the experts'.
+  const double shard = (load.params - load.expert_params) / static_cast<double>(layout.replicas()) +
+                       load.expert_params / static_cast<double>(layout.expert_replicas());
   const double whole = load.params * g;
   if (layout.num_micro_batches > 1) {
     mem.grads = whole;
@@ -563,6 +649,9 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     if (s + 1 < stages) critical_path_p2p += 2 * e.costs.p2p_s;
     RankLoad& r = ranks[s % layout.pp];
     r.params += e.params;
+    r.expert_params += e.expert_params;
+    r.ep_comm_s += e.ep_comm_s;
+    r.cp_comm_s += e.cp_comm_s;
     r.state.params += e.state.params;
     r.state.grads += e.state.grads;
     r.state.optimizer += e.state.optimizer;
@@ -590,7 +679,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   // Megatron-LM all-reduces a tied weight's gradient (embedding and LM head) among the
   // pipeline ranks holding a copy, at the end of the step, exposed. One all-reduce per
   // tied group, of the group's weight (its share on one tp rank).
-  const Link pp_link = axis_link(cluster, layout.pp, layout.dp, layout.tp, Axis::pp);
+  const Link pp_link = axis_link(cluster, layout.pp, layout.replicas(), layout.tp, Axis::pp);
   for (size_t g = 0; g < graph.tied_groups.size(); ++g) {
     const auto& group = graph.tied_groups[g];
     std::set<int64_t> holders;
@@ -607,19 +696,23 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   // last micro-batch's backward bucket by bucket (Li et al. 2020, PyTorch DDP, Sec. 3.2.3);
   // parameter all-gather after the optimizer step (ZeRO 1/2, Rajbhandari et al. Sec. 7).
   // Flat rings, or the hierarchical decomposition the plan asks for (DpGroup).
-  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.dp, layout.tp, layout.dp_reduction,
+  // Over dp x cp ranks (context parallel ranks hold the same weights); the routed experts'
+  // gradients over their dp x cp / ep ranks (expert_groups), one after the other.
+  const DpGroup dp_comm = dp_group(cluster, layout.pp, layout.replicas(), layout.tp, layout.dp_reduction,
                                    layout.inter_node_compression);
+  const DpGroup edp_comm = dp_group(cluster, layout.pp, layout.expert_replicas(), layout.ep * layout.tp);
   const double g = training.grad_bytes;
   double worst_end = 0, worst_optimizer = 0;
   for (int64_t r = 0; r < layout.pp; ++r) {
     const RankLoad& load = ranks[r];
-    const double grads = load.params * training.grad_bytes;
+    const double grads = (load.params - load.expert_params) * training.grad_bytes;
+    const double expert_grads = load.expert_params * training.grad_bytes;
     double end = 0;
-    if (layout.dp > 1) {
+    if (layout.replicas() > 1) {
       const double bucket = std::min(grads, training.dp_bucket_bytes);
       if (layout.zero_stage <= 2) {
         const Collective c = layout.zero_stage == 0 ? Collective::all_reduce : Collective::reduce_scatter;
-        const double reduce = dp_comm.seconds(c, grads, g);
+        const double reduce = dp_comm.seconds(c, grads, g) + edp_comm.seconds(c, expert_grads, g);
         const double last_micro_batch_backward = load.backward_s;
         const double last_bucket = dp_comm.seconds(c, bucket, g);
         if (layout.zero_stage == 2 && !layout.zero_overlap) {
@@ -630,14 +723,19 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         }
       }
       if (layout.zero_stage == 1 || layout.zero_stage == 2) {
-        end += dp_comm.seconds(Collective::all_gather, load.params * training.param_bytes, training.param_bytes);
+        end += dp_comm.seconds(Collective::all_gather, (load.params - load.expert_params) * training.param_bytes,
+                               training.param_bytes) +
+               edp_comm.seconds(Collective::all_gather, load.expert_params * training.param_bytes,
+                                training.param_bytes);
       }
     }
     end += load.tied_all_reduce_s;
     worst_end = std::max(worst_end, end);
     // Optimizer step: memory-bound; reads gradients and optimizer state, writes state and
     // parameters.
-    const double local = load.params / (layout.zero_stage >= 1 ? layout.dp : 1);
+    const double local =
+        (load.params - load.expert_params) / (layout.zero_stage >= 1 ? layout.replicas() : 1) +
+        load.expert_params / (layout.zero_stage >= 1 ? layout.expert_replicas() : 1);
     const double bytes = local * (2 * training.optimizer_bytes + training.grad_bytes + training.param_bytes);
     worst_optimizer = std::max(worst_optimizer, bytes / cluster.hbm_bytes_per_s);
   }
@@ -684,7 +782,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     const double in_flight = static_cast<double>(sim.peak_in_flight[r]) / layout.virtual_stages;
     mem.activations = load.activations_per_micro_batch * in_flight + load.workspace;
     double buffers = 0;
-    if (layout.dp > 1 && layout.zero_stage >= 3) {
+    if (layout.replicas() > 1 && layout.zero_stage >= 3) {
       // The runtime's working set (fully_shard.cpp): the unit computing, the next one
       // prefetched and its all-gather output while it is unpacked (3 units of parameters);
       // the unsharded gradients of the unit being filled and of the one being reduced (2);
@@ -705,12 +803,12 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         buffers += units / L * compressed_value_bytes(layout.inter_node_compression, training.param_bytes);
         if (layout.inter_node_compression != Compression::none) buffers += load.params * (M - 1) / (L * M) * 4.0;
       }
-    } else if (layout.dp > 1 && layout.zero_stage == 0) {
+    } else if (layout.replicas() > 1 && layout.zero_stage == 0) {
       // DDP's buckets hold every gradient a second time (gradients are copied into them and
       // averaged there), allocated once: the rank's whole gradient, not two buckets (Li et al.
       // 2020, Sec. 3.2.3; the runtime's DataParallelEngine does the same).
       buffers += load.params * training.grad_bytes;
-    } else if (layout.dp > 1) {
+    } else if (layout.replicas() > 1) {
       mem = zero12_peak_memory(mem, load, training, layout);
       buffers = mem.buffers;
     }
@@ -736,6 +834,8 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   t.compute = m * b.compute_s;
   t.recompute = m * b.recompute_s;
   t.tp_comm = m * b.tp_comm_s;
+  t.ep_comm = m * b.ep_comm_s;
+  t.cp_comm = m * b.cp_comm_s;
   // The simulation's idle time splits into the transfers on the fill/drain critical path and
   // the schedule's bubble proper (which also absorbs stage imbalance).
   double makespan = sim.makespan_s;
@@ -761,7 +861,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   p.memory_bytes_per_device = p.memory.total();
   p.bubble_fraction = sim.bubble_fraction;
   p.estimator = estimator->name();
-  const double devices = static_cast<double>(layout.pp * layout.dp * layout.tp);
+  const double devices = static_cast<double>(layout.pp * layout.dp * layout.cp * layout.tp);
   const double seq = static_cast<double>(std::max<int64_t>(graph.seq_len(), 1));
   p.tokens_per_s = training.global_batch * seq / t.total;
   p.tflops_per_device =

@@ -29,11 +29,18 @@ ExpertGroups expert_groups(const Mesh& mesh) {
   return out;
 }
 
+bool MoeConfig::operator==(const MoeConfig& o) const {
+  return experts == o.experts && top_k == o.top_k && expert_ffn == o.expert_ffn &&
+         shared_experts == o.shared_experts && first_dense_layers == o.first_dense_layers &&
+         every == o.every && capacity_factor == o.capacity_factor && imbalance == o.imbalance;
+}
+
 bool TransformerConfig::operator==(const TransformerConfig& o) const {
   return name == o.name && layers == o.layers && hidden == o.hidden && heads == o.heads &&
          kv_heads == o.kv_heads && ffn == o.ffn && gated_mlp == o.gated_mlp && seq == o.seq &&
          attention == o.attention &&
-         vocab == o.vocab && tied_embeddings == o.tied_embeddings && dtype == o.dtype;
+         vocab == o.vocab && tied_embeddings == o.tied_embeddings && dtype == o.dtype &&
+         head_dim == o.head_dim && attention_params == o.attention_params && moe == o.moe;
 }
 
 bool Cluster::operator==(const Cluster& o) const {
@@ -84,7 +91,8 @@ bool MemoryBreakdown::operator==(const MemoryBreakdown& o) const {
 
 bool TimeBreakdown::operator==(const TimeBreakdown& o) const {
   return compute == o.compute && recompute == o.recompute && tp_comm == o.tp_comm &&
-         dp_comm == o.dp_comm && pp_comm == o.pp_comm && bubble == o.bubble &&
+         dp_comm == o.dp_comm && pp_comm == o.pp_comm && ep_comm == o.ep_comm &&
+         cp_comm == o.cp_comm && bubble == o.bubble &&
          optimizer == o.optimizer && total == o.total;
 }
 
@@ -116,7 +124,8 @@ bool Plan::operator==(const Plan& o) const {
          sequence_parallel == o.sequence_parallel && dp_bucket_bytes == o.dp_bucket_bytes &&
          dp_reduction == o.dp_reduction && inter_node_compression == o.inter_node_compression &&
          zero_overlap == o.zero_overlap && layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
-         alternatives == o.alternatives && tie_break == o.tie_break;
+         alternatives == o.alternatives && tie_break == o.tie_break &&
+         choices == o.choices;
 }
 
 // "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"

@@ -48,6 +48,21 @@ Json transformer_to_json(const TransformerConfig& t) {
   j["dtype"] = to_string(t.dtype);
   j["attention"] = to_string(t.attention);
   j["name"] = t.name;
+  // Written only when used: plans of dense models with the usual head width read as before.
+  if (t.head_dim != 0) j["head_dim"] = t.head_dim;
+  if (t.attention_params != 0) j["attention_params"] = t.attention_params;
+  if (t.moe.experts != 0) {
+    Json m;
+    m["experts"] = t.moe.experts;
+    m["top_k"] = t.moe.top_k;
+    m["expert_ffn"] = t.moe.expert_ffn;
+    m["shared_experts"] = t.moe.shared_experts;
+    m["first_dense_layers"] = t.moe.first_dense_layers;
+    m["every"] = t.moe.every;
+    m["capacity_factor"] = t.moe.capacity_factor;
+    m["imbalance"] = t.moe.imbalance;
+    j["moe"] = m;
+  }
   return j;
 }
 
@@ -167,6 +182,9 @@ Json prediction_to_json(const Prediction& p) {
   time["tp_comm"] = p.time.tp_comm;
   time["dp_comm"] = p.time.dp_comm;
   time["pp_comm"] = p.time.pp_comm;
+  // Only when used: plans without experts or context parallelism read as before.
+  if (p.time.ep_comm != 0) time["ep_comm"] = p.time.ep_comm;
+  if (p.time.cp_comm != 0) time["cp_comm"] = p.time.cp_comm;
   time["bubble"] = p.time.bubble;
   time["optimizer"] = p.time.optimizer;
   time["total"] = p.time.total;
@@ -240,6 +258,7 @@ Json plan_to_json_value(const Plan& p) {
   for (const auto& a : p.alternatives) alternatives.push_back(alternative_to_json(a));
   j["alternatives"] = alternatives;
   if (!p.tie_break.empty()) j["tie_break"] = p.tie_break;
+  if (!p.choices.empty()) j["choices"] = p.choices;
   return j;
 }
 
@@ -261,6 +280,21 @@ TransformerConfig transformer_from_json(const Fields& f) {
   t.attention = f.has("attention") ? attention_kernel_from_string(f.string("attention"), f.path("attention"))
                                    : AttentionKernel::materialized;
   t.name = f.string("name");
+  // Optional (plans of dense models, and those written before MoE, have none).
+  if (f.has("head_dim")) t.head_dim = f.integer("head_dim");
+  if (f.has("attention_params")) t.attention_params = f.integer("attention_params");
+  if (f.has("moe")) {
+    const Fields m = f.object("moe", {"experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers",
+                                      "every", "capacity_factor", "imbalance"});
+    t.moe.experts = m.integer("experts");
+    t.moe.top_k = m.integer("top_k");
+    t.moe.expert_ffn = m.integer("expert_ffn");
+    t.moe.shared_experts = m.integer("shared_experts");
+    t.moe.first_dense_layers = m.integer("first_dense_layers");
+    t.moe.every = m.integer("every");
+    t.moe.capacity_factor = m.number("capacity_factor");
+    t.moe.imbalance = m.number("imbalance");
+  }
   return t;
 }
 
@@ -270,7 +304,8 @@ void model_from_json(const Fields& f, Plan& p) {
   if (f.has("transformer")) {
     p.transformer = transformer_from_json(
         f.object("transformer", {"layers", "hidden", "heads", "kv_heads", "ffn", "gated_mlp",
-                                 "seq", "vocab", "tied_embeddings", "dtype", "attention", "name"}));
+                                 "seq", "vocab", "tied_embeddings", "dtype", "attention", "name",
+                                 "head_dim", "attention_params", "moe"}));
   }
 }
 
@@ -392,12 +427,14 @@ Prediction prediction_from_json(const Fields& f) {
   if (f.has("estimator")) p.estimator = f.string("estimator");  // absent in plans before it existed
   p.memory = memory_from_json(f, "memory");
   const Fields time = f.object("time", {"compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
-                                        "bubble", "optimizer", "total"});
+                                        "ep_comm", "cp_comm", "bubble", "optimizer", "total"});
   p.time.compute = time.number("compute");
   p.time.recompute = time.number("recompute");
   p.time.tp_comm = time.number("tp_comm");
   p.time.dp_comm = time.number("dp_comm");
   p.time.pp_comm = time.number("pp_comm");
+  if (time.has("ep_comm")) p.time.ep_comm = time.number("ep_comm");
+  if (time.has("cp_comm")) p.time.cp_comm = time.number("cp_comm");
   p.time.bubble = time.number("bubble");
   p.time.optimizer = time.number("optimizer");
   p.time.total = time.number("total");
@@ -526,7 +563,7 @@ Plan plan_from_value(const Json& root) {
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
                   "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
                   "inter_node_compression", "zero_overlap", "layers", "embeddings",
-                  "prediction", "alternatives", "tie_break"});
+                  "prediction", "alternatives", "tie_break", "choices"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
@@ -582,6 +619,14 @@ Plan plan_from_value(const Json& root) {
                {"summary", "step_time_s", "memory_bytes_per_device", "reason"})));
   }
   if (f.has("tie_break")) p.tie_break = f.string("tie_break");
+  if (f.has("choices")) {
+    const Json& choices = f.array("choices");
+    for (size_t i = 0; i < choices.size(); ++i) {
+      const std::string path = f.path("choices") + "[" + std::to_string(i) + "]";
+      if (!choices[i].is_string()) throw ValidationError(path, "must be a string");
+      p.choices.push_back(choices[i].get<std::string>());
+    }
+  }
   return p;
 }
 

@@ -110,6 +110,14 @@ std::string format_report(const Plan& plan) {
   out << "  dp comm    " << format_seconds(t.dp_comm) << "  " << percent(t.dp_comm, t.total)
       << "  (exposed)\n";
   out << "  pp comm    " << format_seconds(t.pp_comm) << "  " << percent(t.pp_comm, t.total) << "\n";
+  if (t.ep_comm > 0) {
+    out << "  ep comm    " << format_seconds(t.ep_comm) << "  " << percent(t.ep_comm, t.total)
+        << "  (all-to-all, exposed)\n";
+  }
+  if (t.cp_comm > 0) {
+    out << "  cp comm    " << format_seconds(t.cp_comm) << "  " << percent(t.cp_comm, t.total)
+        << "  (ring k/v beyond the blockwise attention it overlaps)\n";
+  }
   out << "  bubble     " << format_seconds(t.bubble) << "  " << percent(t.bubble, t.total)
       << "  (schedule bubble fraction " << fmt("%.3f", p.bubble_fraction) << ")\n";
   out << "  optimizer  " << format_seconds(t.optimizer) << "  " << percent(t.optimizer, t.total)
@@ -118,6 +126,7 @@ std::string format_report(const Plan& plan) {
       << fmt("%.1f", p.tflops_per_device) << " TFLOP/s per device, MFU "
       << fmt("%.1f%%", 100 * p.mfu) << "\n";
   if (!plan.tie_break.empty()) out << "tie break   " << plan.tie_break << "\n";
+  for (const auto& c : plan.choices) out << "why         " << c << "\n";
 
   if (!plan.alternatives.empty()) {
     out << "\nalternatives\n";

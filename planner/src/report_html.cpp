@@ -549,6 +549,8 @@ Pins pins_of(const Plan& plan) {
   p.tp = plan.mesh.tp;
   p.pp = plan.mesh.pp;
   p.dp = plan.mesh.dp;
+  p.cp = plan.mesh.cp;
+  p.ep = plan.mesh.ep;
   p.zero_stage = plan.zero_stage;
   p.micro_batch_size = plan.micro_batch_size;
   p.schedule = plan.schedule;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <tuple>
 
@@ -20,6 +21,37 @@ namespace monarch::planner {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A mesh as the search keys it: (pp, dp, cp, tp). ep is chosen within a mesh, like ZeRO.
+using MeshKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+
+// Fewest tokens of a sequence one context-parallel rank may hold for the search to consider
+// cp (a pin may ask for less). What the model does not cost grows as chunks shrink: every ring
+// step is a kernel launch and a synchronization, and blockwise attention on short chunks runs
+// below its large-tile rate. Without this floor the model picks cp for 2K-8K sequences, where
+// published runs do not use it (Llama 3 405B: cp = 1 at 8K, cp = 16 only in the 128K stage,
+// 8K tokens per rank; Dubey et al. 2024, Table 4).
+constexpr int64_t kMinContextParallelTokens = 4096;
+
+// Whether the sequence can be split over cp ranks: into 2 cp equal chunks (each rank takes
+// chunk i and 2cp-1-i, which balances causal attention), of at least `min_tokens` tokens per
+// rank, in a model with attention.
+bool cp_possible(const ModelGraph& graph, int64_t cp, int64_t min_tokens) {
+  if (cp == 1) return true;
+  const int64_t seq = graph.seq_len();
+  bool attention = false;
+  for (const auto& l : graph.layers) attention = attention || l.kv_elements_per_token > 0;
+  return attention && seq > 0 && seq % (2 * cp) == 0 && seq / cp >= min_tokens;
+}
+
+// Experts per MoE layer that ep must divide: the gcd over the graph's MoE layers (0: none).
+int64_t moe_experts_gcd(const ModelGraph& graph) {
+  int64_t g = 0;
+  for (const auto& l : graph.layers) {
+    if (l.moe.experts > 0) g = std::gcd(g, l.moe.experts);
+  }
+  return g;
+}
 
 // Divisors of n (>= 1) that are at most `limit`, ascending. Pairs d, n/d are found with
 // d up to min(limit, sqrt(n)), so a huge n (a global batch near 2^63) costs no more than the
@@ -103,10 +135,31 @@ void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingC
                           " is not divisible by dp=" + std::to_string(*pins.dp));
     }
   }
-  const int64_t product = pins.tp.value_or(1) * pins.pp.value_or(1) * pins.dp.value_or(1);
-  if (world % product != 0 || (pins.tp && pins.pp && pins.dp && product != world)) {
-    fail("pins", "tp*pp*dp = " + std::to_string(product) + " does not match the world size " +
-                     std::to_string(world));
+  if (pins.cp) {
+    if (*pins.cp < 1 || world % *pins.cp != 0) {
+      fail("pins.cp", std::to_string(*pins.cp) + " does not divide the world size " + std::to_string(world));
+    }
+    if (!cp_possible(graph, *pins.cp, 1)) {
+      fail("pins.cp", std::to_string(*pins.cp) + ": the sequence (" + std::to_string(graph.seq_len()) +
+                          ") must split into 2 x cp equal chunks (load-balanced causal attention) of a "
+                          "model with attention");
+    }
+  }
+  if (pins.ep && *pins.ep != 1) {
+    const int64_t experts = moe_experts_gcd(graph);
+    if (*pins.ep < 1 || experts == 0 || experts % *pins.ep != 0) {
+      fail("pins.ep", std::to_string(*pins.ep) + (experts == 0 ? " needs a model with MoE layers"
+                                                              : " does not divide the experts (" +
+                                                                    std::to_string(experts) + ")"));
+    }
+  }
+  const int64_t product = pins.tp.value_or(1) * pins.pp.value_or(1) * pins.dp.value_or(1) * pins.cp.value_or(1);
+  // With tp, pp and dp pinned, what is left of the world is cp: it must be one cp can be.
+  const bool cp_fills = !pins.cp && world % product == 0 &&
+                        cp_possible(graph, world / product, kMinContextParallelTokens);
+  if (world % product != 0 || (pins.tp && pins.pp && pins.dp && product != world && !cp_fills)) {
+    fail("pins", std::string(pins.cp ? "tp*pp*dp*cp" : "tp*pp*dp") + " = " + std::to_string(product) +
+                     " does not match the world size " + std::to_string(world));
   }
   if (pins.zero_stage && (*pins.zero_stage < 0 || *pins.zero_stage > 3)) {
     fail("pins.zero_stage", "must be 0, 1, 2 or 3, got " + std::to_string(*pins.zero_stage));
@@ -174,7 +227,7 @@ constexpr double kSameTime = 0.005;
 int extras(const Plan& p) {
   return (p.virtual_stages > 1) + (p.schedule == ScheduleKind::zero_bubble_h1) + (p.recompute != Recompute::none);
 }
-int64_t effective_zero(const Plan& p) { return p.mesh.dp > 1 ? p.zero_stage : 0; }
+int64_t effective_zero(const Plan& p) { return p.mesh.token_parallel() > 1 ? p.zero_stage : 0; }
 
 // Fewer moving parts, in order: fewer extra mechanisms (virtual stages, zero-bubble split,
 // recomputation), a lower ZeRO stage, fewer micro-batches (each one more pass of every
@@ -252,22 +305,25 @@ class Searcher {
       if (pins_.tp ? tp != *pins_.tp : !tp_allowed(tp)) continue;
       for (int64_t pp : divisors(world / tp)) {
         if (pins_.pp ? pp != *pins_.pp : !pp_allowed(pp)) continue;
-        const int64_t dp = world / (tp * pp);
-        if (pins_.dp && dp != *pins_.dp) continue;
-        if (training_.global_batch % dp != 0) {
-          note_rejection("global batch " + std::to_string(training_.global_batch) +
-                         " is not divisible by dp=" + std::to_string(dp));
-          continue;
+        for (int64_t cp : divisors(world / (tp * pp))) {
+          if (pins_.cp ? cp != *pins_.cp : !cp_allowed(cp)) continue;
+          const int64_t dp = world / (tp * pp * cp);
+          if (pins_.dp && dp != *pins_.dp) continue;
+          if (training_.global_batch % dp != 0) {
+            note_rejection("global batch " + std::to_string(training_.global_batch) +
+                           " is not divisible by dp=" + std::to_string(dp));
+            continue;
+          }
+          meshes_.push_back({pp, dp, cp, tp});
         }
-        meshes_.push_back({pp, dp, tp});
       }
     }
-    for (const auto& [pp, dp, tp] : meshes_) search_mesh(pp, dp, tp);
+    for (const auto& [pp, dp, cp, tp] : meshes_) search_mesh(pp, dp, cp, tp);
     if (best_per_mesh_.empty()) {
       // Nothing fits: score the over-memory layouts too, to report the smallest need (and
       // to return the least bad one when the caller allows it).
       scoring_over_memory_ = true;
-      for (const auto& [pp, dp, tp] : meshes_) search_mesh(pp, dp, tp);
+      for (const auto& [pp, dp, cp, tp] : meshes_) search_mesh(pp, dp, cp, tp);
     }
     return finish();
   }
@@ -285,21 +341,41 @@ class Searcher {
     return true;
   }
 
+  // Context parallelism: the sequence must split into 2 cp equal chunks (each rank takes chunk
+  // i and 2cp-1-i, balancing causal attention), of at least kMinContextParallelTokens tokens
+  // per rank, in a model with attention.
+  bool cp_allowed(int64_t cp) { return cp_possible(graph_, cp, kMinContextParallelTokens); }
+
+  // Expert parallelism: ep divides dp x cp and every MoE layer's experts.
+  std::vector<int64_t> ep_options(int64_t replicas) const {
+    const int64_t experts = moe_experts_gcd(graph_);
+    if (pins_.ep) return (replicas % *pins_.ep == 0) ? std::vector<int64_t>{*pins_.ep} : std::vector<int64_t>{};
+    if (experts == 0) return {1};
+    std::vector<int64_t> out;
+    for (int64_t ep : divisors(replicas)) {
+      if (experts % ep == 0) out.push_back(ep);
+    }
+    return out;
+  }
+
   bool pp_allowed(int64_t pp) {
     if (pp > 1 && !training_.allow_pipeline_parallel) return false;
     return pp <= max_stages(graph_);
   }
 
-  void search_mesh(int64_t pp, int64_t dp, int64_t tp) {
+  void search_mesh(int64_t pp, int64_t dp, int64_t cp, int64_t tp) {
     const int64_t per_replica = training_.global_batch / dp;
+    const std::vector<int64_t> eps = ep_options(dp * cp);
     for (int64_t mbs : micro_batch_sizes(per_replica, dp)) {
       const int64_t m = per_replica / mbs;
       for (const auto& [schedule, v] : schedules_for(pp, m)) {
         for (Recompute rc : recompute_options()) {
           for (bool sp : sequence_parallel_options(tp)) {
-            for (int64_t zero : zero_options(dp)) {
+            for (int64_t zero : zero_options(dp * cp)) {
+             for (int64_t ep : eps) {
               Layout l;
               l.pp = pp; l.dp = dp; l.tp = tp;
+              l.cp = cp; l.ep = ep;
               l.zero_stage = zero;
               l.micro_batch_size = mbs;
               l.num_micro_batches = m;
@@ -308,6 +384,7 @@ class Searcher {
               l.recompute = rc;
               l.sequence_parallel = sp;
               consider(l);
+             }
             }
           }
         }
@@ -399,7 +476,7 @@ class Searcher {
   const std::vector<LayerCost>& costs_for(const Layout& l) {
     // Layer costs depend on the tp group only (its link is the innermost axis).
     const auto key = std::make_tuple(l.tp, l.sequence_parallel, static_cast<int>(l.recompute),
-                                     l.micro_batch_size);
+                                     l.micro_batch_size, l.cp, l.ep);
     auto it = cost_cache_.find(key);
     if (it == cost_cache_.end()) it = cost_cache_.emplace(key, estimator_.layer_costs(graph_, cluster_, training_, l)).first;
     return it->second;
@@ -423,7 +500,7 @@ class Searcher {
   }
 
   // Skip a layout that can neither beat its mesh's best nor enter the top alternatives.
-  double prune_threshold(const std::tuple<int64_t, int64_t, int64_t>& mesh) const {
+  double prune_threshold(const MeshKey& mesh) const {
     const auto it = best_per_mesh_.find(mesh);
     if (it == best_per_mesh_.end() || it->second.over_memory) return kInf;
     std::vector<double> times;
@@ -449,13 +526,15 @@ class Searcher {
   // holding a copy each only add to the average). As in predict() (stage_params), each
   // member of a tied group after the first reuses the first's parameters.
   double state_lower_bound_bytes(const Layout& l, const std::vector<LayerCost>& costs) const {
-    double params = 0;
-    for (const auto& c : costs) params += c.params;
+    double params = 0, experts = 0;
+    for (const auto& c : costs) {
+      params += c.params;
+      experts += c.expert_params;
+    }
     for (size_t g = 0; g < graph_.tied_groups.size(); ++g) {
       params -= static_cast<double>(graph_.tied_groups[g].size() - 1) * tied_params(graph_, g, costs);
     }
-    return zero_model_state_bytes(params / l.pp, l.dp, l.zero_stage, training_.param_bytes,
-                                  training_.grad_bytes, training_.optimizer_bytes).total();
+    return layout_model_state_bytes(params / l.pp, experts / l.pp, l, training_, training_.grad_bytes).total();
   }
 
   // Why the layout's schedule or stage partition would be too large to build, or "".
@@ -483,7 +562,7 @@ class Searcher {
       return;
     }
     const auto& costs = costs_for(l);
-    const std::tuple<int64_t, int64_t, int64_t> mesh{l.pp, l.dp, l.tp};
+    const MeshKey mesh{l.pp, l.dp, l.cp, l.tp};
     if (lower_bound_s(l, costs) * (1 - 1e-9) >= prune_threshold(mesh)) {
       ++stats_.pruned;
       return;
@@ -572,7 +651,7 @@ class Searcher {
   // first and waited-for as the fallback that holds a unit less; where it cannot save time
   // (zero_overlap_pays), only waited-for. DDP (ZeRO 0) overlaps its buckets in every plan.
   std::vector<bool> zero_overlaps(const Layout& l) const {
-    if (l.dp <= 1 || l.zero_stage == 0) return {true};
+    if (l.replicas() <= 1 || l.zero_stage == 0) return {true};
     if (pins_.zero_overlap) return {*pins_.zero_overlap};
     if (!zero_overlap_pays(cluster_)) return {false};
     return {true, false};
@@ -583,6 +662,8 @@ class Searcher {
     // The runtime runs it under ZeRO 0 (DataParallel) and ZeRO-3 (ZeRO++); its ZeRO-1/2
     // engines reduce flat (plan_validate.cpp).
     if (!training_.allow_hierarchical_dp || l.dp <= 1 || (l.zero_stage != 0 && l.zero_stage != 3)) return out;
+    // Not with cp or ep: the runtime's hierarchical engines reduce over dp alone.
+    if (l.cp > 1 || l.ep > 1) return out;
     if (!dp_node_split(cluster_, l.pp, l.dp, l.tp).hierarchical_possible()) return out;
     out.push_back({DpReduction::hierarchical, Compression::none});
     if (training_.inter_node_compression != Compression::none) {
@@ -601,8 +682,7 @@ class Searcher {
       const auto& c = costs[i];
       p.layer_time_s.push_back(c.forward_s + c.backward_s);
       p.layer_state_bytes.push_back(
-          zero_model_state_bytes(c.params, l.dp, l.zero_stage, training_.param_bytes,
-                                 training_.grad_bytes, training_.optimizer_bytes).total());
+          layout_model_state_bytes(c.params, c.expert_params, l, training_, training_.grad_bytes).total());
       p.layer_activation_bytes.push_back(c.activation_bytes);
       p.cut_allowed.push_back(i == 0 || graph_.can_cut_before(static_cast<int>(i)));
       largest_params = std::max(largest_params, c.params);
@@ -634,7 +714,7 @@ class Searcher {
     // Per rank, as predict() charges them: the recompute workspace, two p2p buffers, two
     // gradient buckets or two gathered ZeRO-3 units.
     double buffers = workspace + (l.pp > 1 ? 2 * p2p : 0.0);
-    if (l.dp > 1) {
+    if (l.replicas() > 1) {
       buffers += l.zero_stage >= 3 ? 2 * largest_params * training_.param_bytes
                                    : 2 * training_.dp_bucket_bytes;
     }
@@ -655,6 +735,9 @@ class Searcher {
     plan.mesh.pp = l.pp;
     plan.mesh.dp = l.dp;
     plan.mesh.tp = l.tp;
+    plan.mesh.cp = l.cp;
+    plan.mesh.ep = l.ep;
+    if (l.cp > 1) plan.mesh.order = {"pp", "dp", "cp", "tp"};
     plan.zero_stage = l.zero_stage;
     plan.micro_batch_size = l.micro_batch_size;
     plan.num_micro_batches = l.num_micro_batches;
@@ -677,7 +760,7 @@ class Searcher {
       lp.tp_dims = layer.tp_dims;
       // ZeRO-3 gathers and frees each block as one unit; the other layers (embeddings, final
       // norm, head) form the root unit, gathered for the whole forward and backward.
-      lp.sharding_unit = l.zero_stage == 3 && l.dp > 1 && layer.params > 0 && layer.kind == LayerKind::block;
+      lp.sharding_unit = l.zero_stage == 3 && l.replicas() > 1 && layer.params > 0 && layer.kind == LayerKind::block;
       plan.layers.push_back(lp);
     }
     return plan;
@@ -701,7 +784,7 @@ class Searcher {
   MovingParts moving_parts(const Plan& plan) const {
     MovingParts m;
     const int64_t pp = plan.mesh.pp, dp = plan.mesh.dp, tp = plan.mesh.tp;
-    m.dimensions = (pp > 1) + (dp > 1) + (tp > 1);
+    m.dimensions = (pp > 1) + (dp > 1) + (tp > 1) + (plan.mesh.cp > 1) + (plan.mesh.ep > 1);
     m.micro_batches = plan.num_micro_batches;
     m.extras = extras(plan) + (effective_zero(plan) == 3);
     const bool inter[] = {axis_link(cluster_, pp, dp, tp, Axis::pp).inter_node,
@@ -783,7 +866,7 @@ class Searcher {
     }
     const Candidate true_fastest = fastest_of_all ? *fastest_of_all : Candidate{};
     // Each mesh's layout: the simplest of its near ties (same_time_), the fastest among equals.
-    std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> passed_over;  // per mesh: its fastest, when replaced
+    std::map<MeshKey, Candidate> passed_over;  // per mesh: its fastest, when replaced
     for (auto& [mesh, near] : near_per_mesh_) {
       Candidate& best = best_per_mesh_.at(mesh);
       if (best.over_memory || near.empty()) continue;
@@ -822,7 +905,7 @@ class Searcher {
       }
     }
     Plan best = ranked[chosen]->plan;
-    const auto mesh_of = [](const Plan& p) { return std::make_tuple(p.mesh.pp, p.mesh.dp, p.mesh.tp); };
+    const auto mesh_of = [](const Plan& p) { return std::make_tuple(p.mesh.pp, p.mesh.dp, p.mesh.cp, p.mesh.tp); };
     const auto replaced = passed_over.find(mesh_of(best));
     if (!true_fastest.over_memory && best.summary() != true_fastest.plan.summary() &&
         best.prediction.step_time_s > true_fastest.plan.prediction.step_time_s) {
@@ -876,7 +959,124 @@ class Searcher {
       ++kept;
     }
     add_traffic(graph_, best);
+    // Why this ep and cp (evaluations of the same layout with the neighbouring values): not for
+    // the nested searches that make them (alternatives 0) nor over-memory scoring.
+    if (options_.alternatives > 0 && !allow_over_memory_ && !ranked[chosen]->over_memory) {
+      best.choices = explain_choices(best);
+    }
     return best;
+  }
+
+  // The plan's layout as pins, everything fixed.
+  static Pins pins_of(const Plan& p) {
+    Pins q;
+    q.tp = p.mesh.tp;
+    q.pp = p.mesh.pp;
+    q.dp = p.mesh.dp;
+    q.cp = p.mesh.cp;
+    q.ep = p.mesh.ep;
+    q.zero_stage = p.zero_stage;
+    q.micro_batch_size = p.micro_batch_size;
+    q.schedule = p.schedule;
+    q.virtual_stages = p.virtual_stages;
+    q.recompute = p.recompute;
+    q.sequence_parallel = p.sequence_parallel;
+    return q;
+  }
+
+  // The best layout under `pins` (over memory allowed, to say by how much), or nullopt.
+  std::optional<Plan> best_with(const Pins& pins) const {
+    SearchOptions o;
+    o.pins = pins;
+    o.alternatives = 0;
+    o.estimator = &estimator_;
+    o.tie_tolerance = options_.tie_tolerance;
+    try {
+      return Searcher(graph_, cluster_, training_, o, true).run();
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+
+  // One line on how `other` (ep or cp = value) compares with the pick.
+  std::string compare_line(const char* axis, int64_t value, const std::optional<Plan>& other, const Plan& best,
+                           const char* what_grows) const {
+    const double usable = cluster_.usable_memory_bytes();
+    std::string line = std::string(axis) + "=" + std::to_string(value) + " ";
+    if (!other) return line + "has no layout that works here";
+    const Prediction& q = other->prediction;
+    if (q.memory_bytes_per_device > usable) {
+      return line + "needs " + format_bytes(q.memory_bytes_per_device) + " per device (" + format_bytes(usable) +
+             " usable; params+grads+optimizer " + format_bytes(q.memory.params + q.memory.grads + q.memory.optimizer) +
+             ", activations " + format_bytes(q.memory.activations) + ")";
+    }
+    const double ratio = q.step_time_s / best.prediction.step_time_s;
+    std::ostringstream out;
+    out.precision(3);
+    out << std::fixed << line << "is predicted " << ratio << "x the step time (" << other->summary() << "; "
+        << what_grows << ")";
+    return out.str();
+  }
+
+  std::vector<std::string> explain_choices(const Plan& best) const {
+    std::vector<std::string> lines;
+    const int64_t replicas = best.mesh.token_parallel();
+    if (moe_experts_gcd(graph_) > 0 && !pins_.ep) {
+      std::vector<int64_t> eps;
+      for (int64_t ep : divisors(replicas)) {
+        if (moe_experts_gcd(graph_) % ep == 0) eps.push_back(ep);
+      }
+      const auto at = std::find(eps.begin(), eps.end(), best.mesh.ep);
+      std::string line = "ep=" + std::to_string(best.mesh.ep) + " (of";
+      for (int64_t ep : eps) line += " " + std::to_string(ep);
+      line += " dividing dp*cp=" + std::to_string(replicas) + " and the experts)";
+      lines.push_back(line + ": expert weights, gradients and optimizer state are 1/ep per rank "
+                             "(ZeRO over dp*cp/ep); the all-to-all crosses nodes once ep*tp exceeds a node");
+      auto ep_comm = [](const Plan& p) { return "ep comm " + format_seconds(p.prediction.time.ep_comm); };
+      if (at != eps.end() && at != eps.begin()) {
+        Pins q = pins_of(best);
+        q.ep = *(at - 1);
+        const auto other = best_with(q);
+        lines.push_back("  smaller: " + compare_line("ep", *q.ep, other, best,
+                                                   other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
+      }
+      if (at != eps.end() && at + 1 != eps.end()) {
+        Pins q = pins_of(best);
+        q.ep = *(at + 1);
+        const auto other = best_with(q);
+        lines.push_back("  larger: " + compare_line("ep", *q.ep, other, best,
+                                                  other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
+      }
+    }
+    if (best.mesh.cp > 1 && !pins_.cp) {
+      lines.push_back("cp=" + std::to_string(best.mesh.cp) + ": each rank holds " +
+                      std::to_string(graph_.seq_len() / best.mesh.cp) + " of the " +
+                      std::to_string(graph_.seq_len()) + " tokens of a sequence: activations and attention "
+                      "FLOPs are 1/cp per rank; the ring k/v exchange costs " +
+                      format_seconds(best.prediction.time.cp_comm) + " exposed");
+      // The next smaller cp on the same pp and tp (dp takes what cp gives up), best layout.
+      int64_t smaller = 0;
+      for (int64_t cp : divisors(best.mesh.cp)) {
+        if (cp < best.mesh.cp && cp_possible(graph_, cp, kMinContextParallelTokens)) smaller = cp;
+      }
+      if (smaller > 0) {
+        Pins q;
+        q.tp = best.mesh.tp;
+        q.pp = best.mesh.pp;
+        q.cp = smaller;
+        q.ep = best.mesh.ep;
+        const int64_t dp = replicas / smaller;
+        if (training_.global_batch % dp != 0) {
+          lines.push_back("  smaller: cp=" + std::to_string(smaller) + " would need dp=" + std::to_string(dp) +
+                          ", which does not divide the global batch " + std::to_string(training_.global_batch));
+        } else {
+          q.dp = dp;
+          const auto other = best_with(q);
+          lines.push_back("  smaller: " + compare_line("cp", smaller, other, best, "activations per rank grow with s/cp"));
+        }
+      }
+    }
+    return lines;
   }
 
   std::string explain_failure() const {
@@ -908,15 +1108,15 @@ class Searcher {
   const SearchOptions options_;
   const bool allow_over_memory_;
   SimulationCache sims_;
-  std::map<std::tuple<int64_t, bool, int, int64_t>, std::vector<LayerCost>> cost_cache_;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, Candidate> best_per_mesh_;
+  std::map<std::tuple<int64_t, bool, int, int64_t, int64_t, int64_t>, std::vector<LayerCost>> cost_cache_;
+  std::map<MeshKey, Candidate> best_per_mesh_;
   // Per mesh, the layouts that fit within same_time_ of its fastest (finish() takes the simplest).
-  std::map<std::tuple<int64_t, int64_t, int64_t>, std::vector<Candidate>> near_per_mesh_;
+  std::map<MeshKey, std::vector<Candidate>> near_per_mesh_;
   double same_time_ = kSameTime;  // min(max(kSameTime, the estimator's resolution), tie_tolerance)
   std::vector<std::string> rejections_;
   double smallest_need_ = kInf;
   Plan smallest_need_plan_;
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> meshes_;
+  std::vector<MeshKey> meshes_;
   bool scoring_over_memory_ = false;
   bool noted_too_large_ = false;
   SearchStats stats_;

@@ -10,7 +10,7 @@ namespace monarch::planner {
 std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan) {
   const Layout layout = layout_of(plan);
   const TrainingConfig& training = plan.training;
-  const int64_t pp = plan.mesh.pp, d = plan.mesh.dp, stages = plan.num_stages();
+  const int64_t pp = plan.mesh.pp, d = plan.mesh.token_parallel(), stages = plan.num_stages();
   const double m = static_cast<double>(plan.num_micro_batches);
   const size_t n = plan.layers.size();
   validate(plan, graph);  // stages in range and non-empty, the plan made for this graph

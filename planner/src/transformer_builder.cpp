@@ -13,6 +13,7 @@
 //   attention  5as^2b (softmax output 2, its dropout mask 1, dropout output 2)
 // generalized: K and V shrink by kv_heads/heads, the MLP part scales with ffn, gated MLPs
 // keep three ffn-wide tensors (gate, up, product) instead of two.
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -49,10 +50,17 @@ void check_sizes(const TransformerConfig& c) {
   }
   const double h = static_cast<double>(c.hidden);
   const double f = c.ffn == 0 ? 4.0 * h : static_cast<double>(c.ffn);
-  const double attention = 4.0 * h * h;  // upper bound: k and v at most h x h each
-  const double mlp = (c.gated_mlp ? 3.0 : 2.0) * h * f;
+  // Upper bound: k and v at most h x h each (q/k/v/o as wide as heads x head_dim when set).
+  const double width = c.head_dim > 0 ? std::max(h, static_cast<double>(c.heads) * c.head_dim) : h;
+  const double attention = c.attention_params > 0 ? static_cast<double>(c.attention_params) : 4.0 * h * width;
+  double mlp = (c.gated_mlp ? 3.0 : 2.0) * h * f;
+  if (c.moe.experts > 0) {
+    const double fe = c.moe.expert_ffn > 0 ? static_cast<double>(c.moe.expert_ffn) : f;
+    const double experts = static_cast<double>(c.moe.experts) + std::max<int64_t>(c.moe.shared_experts, 0);
+    mlp = std::max(mlp, (c.gated_mlp ? 3.0 : 2.0) * h * fe * experts + h * c.moe.experts);
+  }
   // Blame ffn only when the user set it and it is what makes the block too large.
-  const bool ffn_to_blame = c.ffn != 0 && mlp > attention;
+  const bool ffn_to_blame = c.ffn != 0 && mlp > attention && c.moe.experts == 0;
   require_params_below_limit(attention + mlp + 4.0 * h, ffn_to_blame ? "ffn" : "hidden",
                              ffn_to_blame ? c.ffn : c.hidden, "a block");
   const double embedding = static_cast<double>(c.vocab) * h;
@@ -65,6 +73,33 @@ void check_sizes(const TransformerConfig& c) {
                              layers_to_blame ? c.layers : c.vocab, "the model");
 }
 
+void check_moe(const TransformerConfig& c) {
+  const MoeConfig& m = c.moe;
+  if (m.experts < 0) require_positive(m.experts, "moe.experts");
+  if (m.experts == 0) return;
+  if (m.top_k < 1 || m.top_k > m.experts) {
+    throw ValidationError("transformer.moe.top_k", "must be in [1, experts=" + std::to_string(m.experts) +
+                                                       "], got " + std::to_string(m.top_k));
+  }
+  if (m.expert_ffn < 0) require_positive(m.expert_ffn, "moe.expert_ffn");
+  if (m.shared_experts < 0) {
+    throw ValidationError("transformer.moe.shared_experts", "must be >= 0, got " + std::to_string(m.shared_experts));
+  }
+  if (m.first_dense_layers < 0 || m.first_dense_layers >= c.layers) {
+    throw ValidationError("transformer.moe.first_dense_layers",
+                          "must be in [0, layers=" + std::to_string(c.layers) + "), got " +
+                              std::to_string(m.first_dense_layers));
+  }
+  require_positive(m.every, "moe.every");
+  if (!(m.capacity_factor == 0 || (m.capacity_factor >= 1 && m.capacity_factor < 1e6))) {
+    throw ValidationError("transformer.moe.capacity_factor",
+                          "must be 0 (dropless) or >= 1, got " + std::to_string(m.capacity_factor));
+  }
+  if (!(m.imbalance >= 1 && m.imbalance < 1e6)) {
+    throw ValidationError("transformer.moe.imbalance", "must be >= 1, got " + std::to_string(m.imbalance));
+  }
+}
+
 TransformerConfig normalized(TransformerConfig c) {
   require_positive(c.layers, "layers");
   require_positive(c.hidden, "hidden");
@@ -73,10 +108,14 @@ TransformerConfig normalized(TransformerConfig c) {
   require_positive(c.vocab, "vocab");
   if (c.kv_heads < 0) require_positive(c.kv_heads, "kv_heads");
   if (c.ffn < 0) require_positive(c.ffn, "ffn");
+  if (c.head_dim < 0) require_positive(c.head_dim, "head_dim");
+  if (c.attention_params < 0) require_positive(c.attention_params, "attention_params");
+  check_moe(c);
   check_sizes(c);
   if (c.kv_heads == 0) c.kv_heads = c.heads;
   if (c.ffn == 0) c.ffn = 4 * c.hidden;
-  if (c.hidden % c.heads != 0) {
+  if (c.moe.experts > 0 && c.moe.expert_ffn == 0) c.moe.expert_ffn = c.ffn;
+  if (c.head_dim == 0 && c.hidden % c.heads != 0) {
     throw ValidationError("transformer.hidden", std::to_string(c.hidden) +
                                                     " is not a multiple of heads=" +
                                                     std::to_string(c.heads));
@@ -108,21 +147,45 @@ Layer embedding_layer(const TransformerConfig& c, double act) {
 Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
   const double s = c.seq, h = c.hidden, a = c.heads, f = c.ffn;
   const double kv_ratio = static_cast<double>(c.kv_heads) / c.heads;
-  const double kv_width = h * kv_ratio;
-  const double attention_weights = h * h /*q*/ + 2 * h * kv_width /*k,v*/ + h * h /*out*/;
-  const double mlp_weights = (c.gated_mlp ? 3.0 : 2.0) * h * f;
+  // Query / key-value widths: hidden (and its kv share) unless head_dim is set.
+  const double q_width = c.head_dim > 0 ? static_cast<double>(c.heads * c.head_dim) : h;
+  const double kv_width = c.head_dim > 0 ? static_cast<double>(c.kv_heads * c.head_dim) : h * kv_ratio;
+  const double attention_weights = c.attention_params > 0
+      ? static_cast<double>(c.attention_params)
+      : h * q_width /*q*/ + 2 * h * kv_width /*k,v*/ + q_width * h /*out*/;
+  const bool moe = c.is_moe_layer(index);
+  const double mlp_matrices = c.gated_mlp ? 3.0 : 2.0;
+  // MoE (moe_cost.cpp): routed experts (every one held, top_k run per token), shared experts
+  // (run for every token) and the router's h x experts weights.
+  const double fe = moe ? static_cast<double>(c.moe.expert_ffn) : 0.0;
+  const double expert_weights = mlp_matrices * h * fe;
+  const double routed_weights = moe ? expert_weights * c.moe.experts : 0.0;
+  const double shared_weights = moe ? expert_weights * c.moe.shared_experts : 0.0;
+  const double router_weights = moe ? h * c.moe.experts : 0.0;
+  const double mlp_weights = moe ? routed_weights + shared_weights + router_weights : mlp_matrices * h * f;
+  const double active_mlp_weights =
+      moe ? expert_weights * c.moe.top_k + shared_weights + router_weights : mlp_weights;
   const double norm_weights = 2 * 2 * h;  // two layer norms, weight and bias
   Layer l;
   l.name = "blocks." + std::to_string(index);
   l.kind = LayerKind::block;
   l.params = static_cast<int64_t>(attention_weights + mlp_weights + norm_weights);
   l.param_dtype = c.dtype;
-  const double matmul_flops = 2 * s * (attention_weights + mlp_weights) + 4 * s * s * h;
+  const double matmul_flops = 2 * s * (attention_weights + active_mlp_weights) + 4 * s * s * q_width;
   l.forward_flops_per_sample = matmul_flops;
-  l.attention_flops_per_sample = 4 * s * s * h;
+  l.attention_flops_per_sample = 4 * s * s * q_width;
   l.activations.replicated = 4 * act * s * h + 2 * s * h;
-  l.activations.tp_sharded =
-      act * s * (2 * h + 2 * kv_width) + (c.gated_mlp ? 3.0 : 2.0) * act * s * f;
+  l.activations.tp_sharded = act * s * (2 * q_width + 2 * kv_width);
+  if (moe) {
+    // Per routed copy of a token (top_k x the load factor): the permuted input and the
+    // expert's inner activations (as a dense MLP's); the shared experts' as a dense MLP's;
+    // the router's fp32 logits (4 bytes x experts per token).
+    const double copies = c.moe.top_k * (c.moe.capacity_factor > 0 ? c.moe.capacity_factor : c.moe.imbalance);
+    l.activations.replicated += act * s * h * copies + 4 * s * static_cast<double>(c.moe.experts);
+    l.activations.tp_sharded += mlp_matrices * act * s * fe * (copies + static_cast<double>(c.moe.shared_experts));
+  } else {
+    l.activations.tp_sharded += mlp_matrices * act * s * f;
+  }
   // Materialized: softmax output and dropped-out scores (act bytes each) and the dropout mask
   // (1 byte); FlashAttention: one fp32 log-sum-exp per head and row (Dao et al. 2022, Alg. 2).
   // Materialized scores are what selective recompute drops; flash's log-sum-exp is kept by it
@@ -134,17 +197,42 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
   }
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = act * s * h;
+  l.kv_elements_per_token = 2 * kv_width;
   // Weight GEMMs as Megatron runs them: fused q/k/v and (gated: fused gate/up) column-parallel,
-  // output and down projections row-parallel.
-  const int64_t kv = c.hidden / c.heads * c.kv_heads;
-  l.gemms = {{s, c.hidden + 2 * kv, c.hidden, GemmSplit::n},
-             {s, c.hidden, c.hidden, GemmSplit::k},
-             {s, (c.gated_mlp ? 2 : 1) * c.ffn, c.hidden, GemmSplit::n},
-             {s, c.hidden, c.ffn, GemmSplit::k}};
+  // output and down projections row-parallel. Attention given by its parameter count (MLA):
+  // one fused GEMM of that many weights.
+  const int64_t q = c.head_dim > 0 ? c.heads * c.head_dim : c.hidden;
+  const int64_t kv = c.head_dim > 0 ? c.kv_heads * c.head_dim : c.hidden / c.heads * c.kv_heads;
+  if (c.attention_params > 0) {
+    l.gemms = {{s, std::max<int64_t>(1, c.attention_params / c.hidden), c.hidden, GemmSplit::n}};
+  } else {
+    l.gemms = {{s, q + 2 * kv, c.hidden, GemmSplit::n}, {s, c.hidden, q, GemmSplit::k}};
+  }
+  const int64_t up = c.gated_mlp ? 2 : 1;
+  if (moe) {
+    const int64_t e = c.moe.experts, k = c.moe.top_k, sh = c.moe.shared_experts;
+    l.gemms.push_back({s * k, up * c.moe.expert_ffn, c.hidden, GemmSplit::n, e});
+    l.gemms.push_back({s * k, c.hidden, c.moe.expert_ffn, GemmSplit::k, e});
+    if (sh > 0) {
+      l.gemms.push_back({s, up * sh * c.moe.expert_ffn, c.hidden, GemmSplit::n});
+      l.gemms.push_back({s, c.hidden, sh * c.moe.expert_ffn, GemmSplit::k});
+    }
+    l.gemms.push_back({s, e, c.hidden, GemmSplit::none});  // router
+    l.moe.experts = e;
+    l.moe.top_k = k;
+    l.moe.expert_params = static_cast<int64_t>(routed_weights);
+    l.moe.routed_flops_per_sample = 2 * s * expert_weights * k;
+    l.moe.dispatch_bytes_per_sample = act * s * h * k;
+    l.moe.capacity_factor = c.moe.capacity_factor;
+    l.moe.imbalance = c.moe.imbalance;
+  } else {
+    l.gemms.push_back({s, up * c.ffn, c.hidden, GemmSplit::n});
+    l.gemms.push_back({s, c.hidden, c.ffn, GemmSplit::k});
+  }
   l.tp = TpPattern::block;
   l.tp_dims.heads = c.heads;
   l.tp_dims.kv_heads = c.kv_heads;
-  l.tp_dims.ffn = c.ffn;
+  l.tp_dims.ffn = moe ? c.moe.expert_ffn : c.ffn;
   return l;
 }
 

@@ -37,6 +37,10 @@ const char* kUsage = R"(usage:
                            [--alternatives N] [--json]
                            [--profile profile.json] [--tie-tolerance T]
                            [--hierarchical-dp on|off] [--inter-node-compression none|bf16|int8]
+                           [--head-dim D] [--attention-params N] [--cp C] [--ep E]
+                           [--experts E --top-k K [--expert-ffn F] [--shared-experts S]
+                            [--first-dense-layers N] [--moe-every N] [--capacity-factor C]
+                            [--moe-imbalance I]]
       Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
       scores exactly that layout) and prints a summary; -o writes the plan as JSON.
       --profile: per-layer times measured on the machine (torch_monarch.profile) instead
@@ -134,7 +138,10 @@ int cmd_transformer(int argc, char** argv) {
                    "--dtype", "--name", "--global-batch", "--gpus", "--cluster", "--output",
                    "--tp", "--pp", "--dp", "--zero", "--micro-batch", "--schedule",
                    "--virtual-stages", "--recompute", "--sequence-parallel", "--alternatives", "--attention",
-                   "--profile", "--tie-tolerance", "--hierarchical-dp", "--inter-node-compression"},
+                   "--profile", "--tie-tolerance", "--hierarchical-dp", "--inter-node-compression",
+                   "--head-dim", "--attention-params", "--cp", "--ep", "--experts", "--top-k", "--expert-ffn",
+                   "--shared-experts", "--first-dense-layers", "--moe-every", "--capacity-factor",
+                   "--moe-imbalance"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -150,6 +157,24 @@ int cmd_transformer(int argc, char** argv) {
   tc.dtype = mp::dtype_from_string(args.str("--dtype", "bf16"), "--dtype");
   tc.attention = mp::attention_kernel_from_string(args.str("--attention", "flash"), "--attention");
   tc.name = args.str("--name", "transformer");
+  tc.head_dim = args.integer("--head-dim").value_or(0);
+  tc.attention_params = args.integer("--attention-params").value_or(0);
+  tc.moe.experts = args.integer("--experts").value_or(0);
+  tc.moe.top_k = args.integer("--top-k").value_or(0);
+  tc.moe.expert_ffn = args.integer("--expert-ffn").value_or(0);
+  tc.moe.shared_experts = args.integer("--shared-experts").value_or(0);
+  tc.moe.first_dense_layers = args.integer("--first-dense-layers").value_or(0);
+  tc.moe.every = args.integer("--moe-every").value_or(1);
+  auto number = [&](const char* flag, double fallback) {
+    if (!args.has(flag)) return fallback;
+    const std::string text = args.str(flag);
+    char* end = nullptr;
+    const double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0') throw UsageError(std::string(flag) + ": expected a number, got '" + text + "'");
+    return v;
+  };
+  tc.moe.capacity_factor = number("--capacity-factor", 0.0);
+  tc.moe.imbalance = number("--moe-imbalance", 1.0);
   const mp::ModelGraph graph = mp::build_transformer(tc);
 
   const mp::Cluster cluster = mp::cluster_preset(args.str("--cluster", "a100-80gb"), args.required("--gpus"));
@@ -168,6 +193,8 @@ int cmd_transformer(int argc, char** argv) {
   pins.tp = args.integer("--tp");
   pins.pp = args.integer("--pp");
   pins.dp = args.integer("--dp");
+  pins.cp = args.integer("--cp");
+  pins.ep = args.integer("--ep");
   pins.zero_stage = args.integer("--zero");
   pins.micro_batch_size = args.integer("--micro-batch");
   pins.virtual_stages = args.integer("--virtual-stages");

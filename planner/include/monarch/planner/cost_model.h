@@ -69,13 +69,16 @@ double layer_params_per_tp_rank(const Layer& layer, int64_t tp);
 
 // What the cost model needs about one layer on one rank, per micro-batch.
 struct LayerCost {
-  double forward_s = 0;    // compute + memory-bound time + exposed tp collectives
+  double forward_s = 0;    // compute + memory-bound time + exposed tp, ep and cp communication
   double backward_s = 0;   // same for backward, including recomputation
   double recompute_s = 0;  // part of backward_s
   double backward_compute_s = 0;  // backward_s without recompute and tp collectives
   double tp_comm_s = 0;    // exposed tp collectives, forward + backward + recompute
   double forward_tp_s = 0; // the forward's part of tp_comm_s
-  double params = 0;       // on one tp rank
+  double ep_comm_s = 0;    // exposed MoE dispatch/combine all-to-alls, forward + backward + recompute
+  double cp_comm_s = 0;    // exposed ring k/v exchange (context parallelism), same
+  double params = 0;       // on one tp rank (and, for routed experts, one ep rank)
+  double expert_params = 0;  // the routed experts' part of `params` (ZeRO over dp x cp / ep)
   double activation_bytes = 0;  // kept per micro-batch
   double workspace_bytes = 0;   // live while recomputing
 };
@@ -83,6 +86,14 @@ struct LayerCost {
 // The layout being scored (what a Plan says, before stages are known).
 struct Layout {
   int64_t pp = 1, dp = 1, tp = 1;
+  // Context parallelism (sequence split over cp ranks, Mesh::cp) and expert parallelism
+  // (experts split over ep of the dp x cp ranks, Mesh::ep).
+  int64_t cp = 1, ep = 1;
+  // Ranks holding one replica's parameters with different tokens: the non-expert parameters'
+  // gradient reduction and ZeRO group (dp x cp).
+  int64_t replicas() const { return dp * cp; }
+  // The routed experts' gradient reduction and ZeRO group (dp x cp / ep).
+  int64_t expert_replicas() const { return dp * cp / ep; }
   int64_t zero_stage = 0;
   int64_t micro_batch_size = 1;
   int64_t num_micro_batches = 1;
@@ -95,6 +106,12 @@ struct Layout {
   Compression inter_node_compression = Compression::none;
   bool zero_overlap = true;  // Plan::zero_overlap
 };
+
+// Model state of `params` parameters (on one rank, before ZeRO) of which `expert_params` are
+// routed experts' (already divided by ep): ZeRO over dp x cp for the rest, over dp x cp / ep
+// for the experts (Rajbhandari et al. 2020 per group; docs/cost_model.md, "Experts").
+ModelStateBytes layout_model_state_bytes(double params, double expert_params, const Layout& layout,
+                                         const TrainingConfig& training, double grad_bytes);
 
 // Whether overlapping ZeRO's gradient reductions with computation can save time on `cluster`: with
 // overlap_contention >= 1 each side runs fully slowed while both do (overlapped_seconds(c, x,
@@ -133,11 +150,14 @@ struct StageEstimate {
   double compute_s = 0;        // forward + backward compute of one micro-batch (no tp comm)
   double recompute_s = 0;
   double tp_comm_s = 0;
+  double ep_comm_s = 0;        // exposed all-to-alls (part of costs' forward / backward)
+  double cp_comm_s = 0;        // exposed ring k/v exchange (likewise)
   double zero_comm_exposed_s = 0;  // ZeRO-2/3 per-micro-batch exposed collectives
   ModelStateBytes state;       // params, grads, optimizer after ZeRO division
   double activation_bytes_per_micro_batch = 0;
   double workspace_bytes = 0;
   double params = 0;           // on one tp rank, before ZeRO division
+  double expert_params = 0;    // the routed experts' part of params (already / ep)
 };
 
 // Caches generated schedules and simulations: the search evaluates many layouts that share

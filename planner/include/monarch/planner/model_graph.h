@@ -1,5 +1,6 @@
 #pragma once
 // Model-graph IR: what the planner knows about a model, with no torch in sight.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -51,6 +52,30 @@ struct Gemm {
   double m_per_sample = 0;  // rows per sample (tokens)
   int64_t n = 0, k = 0;
   GemmSplit split = GemmSplit::none;
+  // > 0: a grouped GEMM over this many routed experts (one (m_e x k) @ (k x n) per expert):
+  // m_per_sample is then every routed row of a sample (tokens x top_k), spread over the
+  // experts; the cost model gives each rank experts / ep groups of rows (moe_cost.cpp).
+  int64_t experts = 0;
+};
+
+// A Mixture-of-Experts feed-forward (Shazeer et al. 2017; GShard, Lepikhin et al. 2020;
+// Switch, Fedus et al. 2021): a router sends each token to top_k of `experts` routed experts;
+// shared experts see every token. What the cost model needs on top of the layer's totals.
+struct MoeDims {
+  int64_t experts = 0;            // routed experts; 0: not a MoE layer
+  int64_t top_k = 0;
+  int64_t expert_params = 0;      // all routed experts' weights (elements): what ep divides
+  double routed_flops_per_sample = 0;  // forward FLOPs of the routed experts, balanced (top_k per token)
+  double dispatch_bytes_per_sample = 0;  // one token copy per routed choice: s * h * act * top_k
+  // Switch's capacity factor: each expert processes a buffer of capacity_factor x its fair
+  // share of rows (padded; the rest dropped). 0: dropless.
+  double capacity_factor = 0;
+  // Dropless: rows on the busiest expert rank / the mean (what routing imbalance costs in
+  // compute and all-to-all time). 1: perfectly balanced.
+  double imbalance = 1.0;
+  // The factor routed work and dispatch volume are scaled by: the capacity factor (padded
+  // buffers) or the imbalance (dropless).
+  double load_factor() const { return capacity_factor > 0 ? capacity_factor : imbalance; }
 };
 
 struct Layer {
@@ -68,6 +93,10 @@ struct Layer {
   // The forward's weight GEMMs (empty when unknown, e.g. a graph read from a module: every
   // FLOP then runs at the cluster's large-GEMM efficiency).
   std::vector<Gemm> gemms;
+  // Keys and values per token (elements, k and v together, all kv heads): what context
+  // parallelism's ring sends (context_parallel_cost.cpp). 0: no attention in the layer.
+  double kv_elements_per_token = 0;
+  MoeDims moe;  // experts == 0 for dense layers
 };
 
 // Hyperparameters of a decoder-only transformer (GPT-3, Llama...).
@@ -78,6 +107,21 @@ struct Layer {
 enum class AttentionKernel { flash, materialized };
 std::string to_string(AttentionKernel kernel);
 AttentionKernel attention_kernel_from_string(const std::string& name, const std::string& field = "attention");
+
+// Mixture-of-Experts feed-forward layers of a transformer (DeepSeek-V3, Mixtral, Qwen3-MoE).
+// Layer i (0-based) is a MoE layer when experts > 0, i >= first_dense_layers and
+// (i - first_dense_layers) % every == 0; the others keep the dense MLP of width `ffn`.
+struct MoeConfig {
+  int64_t experts = 0;             // routed experts per MoE layer; 0: a dense model
+  int64_t top_k = 0;               // routed experts per token
+  int64_t expert_ffn = 0;          // each expert's inner width; 0 -> ffn
+  int64_t shared_experts = 0;      // experts every token goes through (width expert_ffn each)
+  int64_t first_dense_layers = 0;  // leading layers with a dense MLP (DeepSeek-V3: 3)
+  int64_t every = 1;               // a MoE layer every `every` layers after those
+  double capacity_factor = 0;      // 0: dropless; else Switch's capacity factor (e.g. 1.25)
+  double imbalance = 1.0;          // dropless: busiest expert rank's rows / the mean
+  bool operator==(const MoeConfig& o) const;
+};
 
 struct TransformerConfig {
   std::string name = "transformer";
@@ -92,6 +136,17 @@ struct TransformerConfig {
   bool tied_embeddings = false;
   DType dtype = DType::bf16;
   AttentionKernel attention = AttentionKernel::flash;
+  // Per-head width; 0 -> hidden / heads. Qwen3 (heads x head_dim != hidden) needs it.
+  int64_t head_dim = 0;
+  // Attention weights per layer when not the q/k/v/o shapes' (0: from the shapes). For
+  // attention with low-rank projections such as DeepSeek's MLA, which is then costed as
+  // attention with this many weights (FLOPs 2 s x params) and heads x head_dim wide cores.
+  int64_t attention_params = 0;
+  MoeConfig moe;
+  bool is_moe_layer(int64_t index) const {
+    return moe.experts > 0 && index >= moe.first_dense_layers &&
+           (index - moe.first_dense_layers) % std::max<int64_t>(moe.every, 1) == 0;
+  }
   bool operator==(const TransformerConfig& o) const;
 };
 

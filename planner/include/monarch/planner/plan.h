@@ -80,6 +80,8 @@ struct TimeBreakdown {  // seconds per optimizer step
   double tp_comm = 0;       // exposed tensor-parallel collectives
   double dp_comm = 0;       // exposed data-parallel / ZeRO collectives
   double pp_comm = 0;       // exposed pipeline send/recv
+  double ep_comm = 0;       // exposed MoE dispatch/combine all-to-alls (part of compute's passes)
+  double cp_comm = 0;       // exposed ring k/v exchange of context parallelism
   double bubble = 0;        // pipeline idle time
   double optimizer = 0;     // optimizer step
   double total = 0;         // = step_time_s
@@ -167,6 +169,9 @@ struct Plan {
   // Set when the search preferred this layout over one predicted faster by less than the
   // cost model's stated error because it has fewer moving parts (search.h); empty otherwise.
   std::string tie_break;
+  // Why the search chose this ep and cp (e.g. "ep=8: expert state needs it: ep=4 needs 95.1 GiB
+  // per device, 78.0 GiB usable"), one line each; empty when neither was a choice.
+  std::vector<std::string> choices;
 
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
   std::string summary() const;  // one line: mesh, zero, mbs, schedule, recompute

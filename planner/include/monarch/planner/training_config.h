@@ -41,6 +41,8 @@ struct Pins {
   std::optional<Recompute> recompute;
   std::optional<bool> sequence_parallel;
   std::optional<bool> zero_overlap;  // Plan::zero_overlap (ZeRO 1-3 with dp > 1)
+  // Context parallelism (Mesh::cp; 1 turns it off) and expert parallelism (Mesh::ep).
+  std::optional<int64_t> cp, ep;
   bool all_layout_pinned() const { return tp && pp && dp && zero_stage && micro_batch_size && schedule; }
 };
 
