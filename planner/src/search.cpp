@@ -779,6 +779,7 @@ class Searcher {
     int dimensions = 0;          // parallel axes larger than 1
     int extras = 0;              // virtual stages, zero-bubble split, ZeRO-3, recomputation
     int64_t micro_batches = 1;   // per step on each pipeline
+    int64_t cp = 1, ep = 1;      // ranks in the k/v ring, in the all-to-all
   };
 
   MovingParts moving_parts(const Plan& plan) const {
@@ -786,15 +787,23 @@ class Searcher {
     const int64_t pp = plan.mesh.pp, dp = plan.mesh.dp, tp = plan.mesh.tp;
     m.dimensions = (pp > 1) + (dp > 1) + (tp > 1) + (plan.mesh.cp > 1) + (plan.mesh.ep > 1);
     m.micro_batches = plan.num_micro_batches;
+    m.cp = plan.mesh.cp;
+    m.ep = plan.mesh.ep;
     m.extras = extras(plan) + (effective_zero(plan) == 3);
-    const bool inter[] = {axis_link(cluster_, pp, dp, tp, Axis::pp).inter_node,
-                          axis_link(cluster_, pp, dp, tp, Axis::dp).inter_node,
+    const int64_t replicas = plan.mesh.token_parallel();  // the dp x cp ranks reduce gradients
+    const bool inter[] = {axis_link(cluster_, pp, replicas, tp, Axis::pp).inter_node,
+                          axis_link(cluster_, pp, replicas, tp, Axis::dp).inter_node,
                           axis_link(cluster_, pp, dp, tp, Axis::tp).inter_node};
     m.slow_link_inter_node = inter[0] || inter[1] || inter[2];
-    for (const AxisBytes& r : bytes_per_step(graph_, plan)) {
+    const std::vector<AxisBytes> sent = bytes_per_step(graph_, plan);
+    for (const AxisBytes& r : sent) {
+      m.slow_link_inter_node = m.slow_link_inter_node || r.ep_inter_node > 0 || r.cp_inter_node > 0;
+    }
+    for (const AxisBytes& r : sent) {
       // The ends' all-reduce runs between the first and last pipeline rank: the pp link.
       const double slow = m.slow_link_inter_node
-                              ? (inter[0] ? r.pp + r.ends : 0) + r.dp_inter_node + (inter[2] ? r.tp : 0)
+                              ? (inter[0] ? r.pp + r.ends : 0) + r.dp_inter_node + (inter[2] ? r.tp : 0) +
+                                    r.ep_inter_node + r.cp_inter_node
                               : r.total();
       m.slow_link_bytes = std::max(m.slow_link_bytes, slow);
     }
@@ -846,6 +855,10 @@ class Searcher {
     if (!a.slow_link_inter_node && !b.slow_link_inter_node && traffic(a, b) < 0) {
       return bytes_text(a, b, "intra-node");
     }
+    // A shorter k/v ring, a smaller all-to-all: fewer steps and messages the model does not
+    // fully cost (a chunk of 2K tokens per rank and of 4K predict alike).
+    if (a.cp != b.cp) return a.cp < b.cp ? "cp=" + std::to_string(a.cp) + " vs " + std::to_string(b.cp) : "";
+    if (a.ep != b.ep) return a.ep < b.ep ? "ep=" + std::to_string(a.ep) + " vs " + std::to_string(b.ep) : "";
     return "";
   }
 
@@ -984,7 +997,8 @@ class Searcher {
     return q;
   }
 
-  // The best layout under `pins` (over memory allowed, to say by how much), or nullopt.
+  // The best layout under `pins`; when none fits, the one needing the least memory; nullopt
+  // when there is none.
   std::optional<Plan> best_with(const Pins& pins) const {
     SearchOptions o;
     o.pins = pins;
@@ -992,7 +1006,13 @@ class Searcher {
     o.estimator = &estimator_;
     o.tie_tolerance = options_.tie_tolerance;
     try {
-      return Searcher(graph_, cluster_, training_, o, true).run();
+      Searcher inner(graph_, cluster_, training_, o, true);
+      Plan p = inner.run();
+      // Nothing fits: the layout needing the least memory says how far off it is.
+      if (p.prediction.memory_bytes_per_device > cluster_.usable_memory_bytes() && inner.smallest_need_ < kInf) {
+        return inner.smallest_need_plan_;
+      }
+      return p;
     } catch (const std::exception&) {
       return std::nullopt;
     }
@@ -1027,40 +1047,45 @@ class Searcher {
         if (moe_experts_gcd(graph_) % ep == 0) eps.push_back(ep);
       }
       const auto at = std::find(eps.begin(), eps.end(), best.mesh.ep);
-      std::string line = "ep=" + std::to_string(best.mesh.ep) + " (of";
-      for (int64_t ep : eps) line += " " + std::to_string(ep);
-      line += " dividing dp*cp=" + std::to_string(replicas) + " and the experts)";
-      lines.push_back(line + ": expert weights, gradients and optimizer state are 1/ep per rank "
-                             "(ZeRO over dp*cp/ep); the all-to-all crosses nodes once ep*tp exceeds a node");
+      std::string options = " (of";
+      for (int64_t ep : eps) options += " " + std::to_string(ep);
+      options += " dividing dp*cp=" + std::to_string(replicas) + " and the experts)";
       auto ep_comm = [](const Plan& p) { return "ep comm " + format_seconds(p.prediction.time.ep_comm); };
+      std::vector<std::string> details;
+      bool smaller_over_memory = false;
       if (at != eps.end() && at != eps.begin()) {
         Pins q = pins_of(best);
         q.ep = *(at - 1);
         const auto other = best_with(q);
-        lines.push_back("  smaller: " + compare_line("ep", *q.ep, other, best,
-                                                   other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
+        smaller_over_memory = other && other->prediction.memory_bytes_per_device > cluster_.usable_memory_bytes();
+        details.push_back("  smaller: " + compare_line("ep", *q.ep, other, best,
+                                                     other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
       }
       if (at != eps.end() && at + 1 != eps.end()) {
         Pins q = pins_of(best);
         q.ep = *(at + 1);
         const auto other = best_with(q);
-        lines.push_back("  larger: " + compare_line("ep", *q.ep, other, best,
-                                                  other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
+        details.push_back("  larger: " + compare_line("ep", *q.ep, other, best,
+                                                    other ? (ep_comm(*other) + " vs " + ep_comm(best)).c_str() : ""));
       }
+      const std::string why = smaller_over_memory
+          ? ": expert memory needs ep>=" + std::to_string(best.mesh.ep) +
+                " (expert weights, gradients and optimizer state are 1/ep per rank, ZeRO over dp*cp/ep)"
+          : ": the fastest ep that fits (expert state is 1/ep per rank; the all-to-all crosses nodes "
+            "once ep*tp exceeds a node)";
+      lines.push_back("ep=" + std::to_string(best.mesh.ep) + options + why);
+      lines.insert(lines.end(), details.begin(), details.end());
     }
     if (best.mesh.cp > 1 && !pins_.cp) {
-      lines.push_back("cp=" + std::to_string(best.mesh.cp) + ": each rank holds " +
-                      std::to_string(graph_.seq_len() / best.mesh.cp) + " of the " +
-                      std::to_string(graph_.seq_len()) + " tokens of a sequence: activations and attention "
-                      "FLOPs are 1/cp per rank; the ring k/v exchange costs " +
-                      format_seconds(best.prediction.time.cp_comm) + " exposed");
+      const size_t headline = lines.size();
+      bool smaller_over_memory = false;
       // The next smaller cp on the same pp and tp (dp takes what cp gives up), best layout.
       int64_t smaller = 0;
       for (int64_t cp : divisors(best.mesh.cp)) {
         if (cp < best.mesh.cp && cp_possible(graph_, cp, kMinContextParallelTokens)) smaller = cp;
       }
       if (smaller > 0) {
-        Pins q;
+        Pins q = pins_;  // what the user fixed still holds
         q.tp = best.mesh.tp;
         q.pp = best.mesh.pp;
         q.cp = smaller;
@@ -1072,9 +1097,20 @@ class Searcher {
         } else {
           q.dp = dp;
           const auto other = best_with(q);
+          smaller_over_memory = other && other->prediction.memory_bytes_per_device > cluster_.usable_memory_bytes();
           lines.push_back("  smaller: " + compare_line("cp", smaller, other, best, "activations per rank grow with s/cp"));
         }
       }
+      const std::string tokens = std::to_string(graph_.seq_len() / best.mesh.cp) + " of the " +
+                                 std::to_string(graph_.seq_len()) + " tokens of each sequence per rank";
+      lines.insert(lines.begin() + static_cast<std::ptrdiff_t>(headline),
+                   "cp=" + std::to_string(best.mesh.cp) +
+                       (smaller_over_memory ? ": activations at seq " + std::to_string(graph_.seq_len()) +
+                                                  " need cp>=" + std::to_string(best.mesh.cp) + " (" + tokens +
+                                                  "; activations and attention FLOPs are 1/cp)"
+                                            : ": the fastest cp that fits (" + tokens + ")") +
+                       "; the ring k/v exchange shows " + format_seconds(best.prediction.time.cp_comm) +
+                       " beyond the attention it overlaps");
     }
     return lines;
   }

@@ -3,7 +3,9 @@
 #include <set>
 
 #include "monarch/planner/collectives.h"
+#include "monarch/planner/context_parallel_cost.h"
 #include "monarch/planner/cost_model.h"
+#include "monarch/planner/moe_cost.h"
 
 namespace monarch::planner {
 
@@ -17,6 +19,10 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   std::vector<AxisBytes> out(pp);
   const DpGroup group = dp_group(plan.cluster, pp, d, plan.mesh.tp, plan.dp_reduction,
                                  plan.inter_node_compression);
+  // The routed experts' own group: dp x cp / ep ranks, ep x tp apart (expert_groups).
+  const int64_t edp = plan.mesh.expert_data_parallel();
+  const DpGroup expert_group = dp_group(plan.cluster, pp, edp, plan.mesh.ep * plan.mesh.tp);
+  const bool cp_inter = axis_link(plan.cluster, pp, plan.mesh.cp, plan.mesh.tp, Axis::dp).inter_node;
 
   std::vector<int64_t> first(stages, -1), last(stages, -1);
   for (size_t i = 0; i < n; ++i) {
@@ -42,11 +48,34 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   for (int64_t r = 0; r < pp; ++r) {
     AxisBytes& b = out[r];
     double units = 0, root = 0, tied = 0;  // parameters on one tp rank
+    double expert_units = 0, expert_root = 0;  // routed experts' (on one tp and ep rank)
     for (size_t i = 0; i < n; ++i) {
       if (plan.layers[i].stage % pp != r) continue;
-      b.tp += m * tp_layer_bytes_per_micro_batch(graph.layers[i], training, layout);
+      const Layer& layer = graph.layers[i];
+      b.tp += m * tp_layer_bytes_per_micro_batch(layer, training, layout);
+      if (layer.moe.experts > 0 && plan.mesh.ep > 1) {
+        const double one = moe_all_to_all_bytes(layer, training, layout);
+        const MoeAllToAlls a = moe_all_to_alls(plan.recompute);
+        const double sent = m * (a.forward + a.backward + a.recompute) * one;
+        b.ep += sent;
+        b.ep_inter_node += all_to_all_inter_node_bytes(sent, plan.mesh.ep, plan.mesh.tp, plan.cluster);
+      }
+      if (plan.mesh.cp > 1) {
+        const double step = cp_ring_step_bytes(layer, training, layout, graph.seq_len());
+        const double passes = 1.0 + 2.0 + (plan.recompute == Recompute::full && layer.recomputable ? 1.0 : 0.0);
+        const double sent = m * static_cast<double>(plan.mesh.cp - 1) * step * passes;
+        b.cp += sent;
+        if (cp_inter) b.cp_inter_node += sent;
+      }
       if (tied_duplicate[i]) continue;  // the weight is counted at its first layer on this rank
-      const double params = layer_params_per_tp_rank(graph.layers[i], plan.mesh.tp);
+      double params = layer_params_per_tp_rank(layer, plan.mesh.tp);
+      if (layer.moe.experts > 0) {
+        const double experts = static_cast<double>(layer.moe.expert_params) /
+                               (layer.tp == TpPattern::replicated ? 1.0 : static_cast<double>(plan.mesh.tp));
+        const double held = experts / static_cast<double>(plan.mesh.ep);
+        params -= experts;
+        (plan.layers[i].sharding_unit ? expert_units : expert_root) += held;
+      }
       if (tied_across[i]) {
         tied += params;
       } else if (plan.layers[i].sharding_unit) {
@@ -55,28 +84,31 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
         root += params;
       }
     }
-    const double engine = units + root;
-    if (d > 1) {
+    auto sum = [](const LevelBytes& x, const LevelBytes& y, double times = 1) {
+      return LevelBytes{times * (x.intra + y.intra), times * (x.inter + y.inter)};
+    };
+    const double g = training.grad_bytes, w = training.param_bytes;
+    // One group's gradient reduction (and ZeRO's gathers) of `unit_params` in sharding units
+    // and `root_params` outside them.
+    auto engine_bytes = [&](const DpGroup& grp, double unit_params, double root_params) {
       auto bytes = [&](Collective c, double size, double element_bytes) {
-        return group.bytes_per_rank(c, size, element_bytes);
+        return grp.bytes_per_rank(c, size, element_bytes);
       };
-      auto sum = [](const LevelBytes& x, const LevelBytes& y, double times = 1) {
-        return LevelBytes{times * (x.intra + y.intra), times * (x.inter + y.inter)};
-      };
-      const double g = training.grad_bytes, w = training.param_bytes;
-      LevelBytes dp;
-      if (plan.zero_stage == 0) {
-        dp = bytes(Collective::all_reduce, engine * g, g);
-      } else if (plan.zero_stage <= 2) {
-        dp = sum(bytes(Collective::reduce_scatter, engine * g, g), bytes(Collective::all_gather, engine * w, w));
-      } else {
-        // Forward gathers of every unit and the root; backward re-gathers of the units (inside
-        // the node under ZeRO++: node_gather_bytes_per_rank).
-        const LevelBytes gathers = sum(bytes(Collective::all_gather, engine * w, w),
-                                       group.node_gather_bytes_per_rank(units * w, w));
-        dp = sum(gathers, bytes(Collective::reduce_scatter, engine * g, g), m);
+      const double engine = unit_params + root_params;
+      if (plan.zero_stage == 0) return bytes(Collective::all_reduce, engine * g, g);
+      if (plan.zero_stage <= 2) {
+        return sum(bytes(Collective::reduce_scatter, engine * g, g), bytes(Collective::all_gather, engine * w, w));
       }
-      dp = sum(dp, bytes(Collective::all_reduce, tied * g, g));
+      // Forward gathers of every unit and the root; backward re-gathers of the units (inside
+      // the node under ZeRO++: node_gather_bytes_per_rank).
+      const LevelBytes gathers = sum(bytes(Collective::all_gather, engine * w, w),
+                                     grp.node_gather_bytes_per_rank(unit_params * w, w));
+      return sum(gathers, bytes(Collective::reduce_scatter, engine * g, g), m);
+    };
+    if (d > 1) {
+      LevelBytes dp = engine_bytes(group, units, root);
+      dp = sum(dp, group.bytes_per_rank(Collective::all_reduce, tied * g, g));
+      if (edp > 1 && expert_units + expert_root > 0) dp = sum(dp, engine_bytes(expert_group, expert_units, expert_root));
       b.dp += dp.total();
       b.dp_inter_node += dp.inter;
     }

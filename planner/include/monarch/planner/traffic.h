@@ -20,11 +20,17 @@ struct AxisBytes {
   // The part of `dp` sent over the inter-node link (DpGroup::bytes_per_rank): all of it when a
   // flat dp group spans nodes, none on one node, the cross-node hop of a hierarchical reduction.
   double dp_inter_node = 0;
-  double total() const { return dp + tp + pp + ends; }
+  // Expert parallelism: the MoE layers' dispatch and combine all-to-alls (moe_cost.h), and the
+  // part of them to ranks on other nodes. Context parallelism: the ring's k/v (and, backward,
+  // dk/dv) sends (context_parallel_cost.h), and the part over the inter-node link (all of it
+  // when the cp group spans nodes: its boundary ranks send every step across).
+  double ep = 0, ep_inter_node = 0;
+  double cp = 0, cp_inter_node = 0;
+  double total() const { return dp + tp + pp + ends + ep + cp; }
 };
 
 // One entry per pipeline rank (every rank at one pipeline position sends the same bytes).
-// What is sent, per step of m micro-batches on one rank, with d = dp and P the rank's
+// What is sent, per step of m micro-batches on one rank, with d = dp x cp and P the rank's
 // parameters on its tp rank (weights tied across the pipeline counted apart, T):
 //   dp, ZeRO 0:   all-reduce of P's gradients once per step (no_sync on earlier micro-batches;
 //                 Li et al. 2020, PyTorch DDP)
@@ -39,6 +45,11 @@ struct AxisBytes {
 //   tp:           tp_bytes_per_step over the rank's layers
 //   pp:           per micro-batch, each stage's output to the next stage and the gradient of
 //                 its input to the previous one (stage_p2p_bytes)
+//   experts:      the routed experts' share of P (1/ep) goes over their dp x cp / ep group
+//   ep:           per micro-batch and MoE layer, 2 all-to-alls forward, 2 backward (+2 under
+//                 full recompute) of moe_all_to_all_bytes
+//   cp:           per micro-batch and attention layer, cp - 1 ring steps of cp_ring_step_bytes
+//                 forward, twice those backward (+ the forward's under full recompute)
 // Gradients travel at grad_bytes, gathered parameters at param_bytes; padding of shards is
 // not counted. Under plan.dp_reduction = hierarchical each dp collective is the two-level
 // decomposition of collectives.h (hierarchical_bytes_per_rank): dp is the sum of both levels
