@@ -381,6 +381,25 @@ void validate(const Plan& plan, const ModelGraph& graph) {
     throw ValidationError("model.params", "plan has " + str(plan.model_params) +
                                               ", the model has " + str(graph.total_params()));
   }
+  // Expert parallelism splits every MoE layer's experts evenly; a plan using it needs some.
+  bool moe = false;
+  for (size_t i = 0; i < graph.layers.size(); ++i) {
+    const int64_t experts = graph.layers[i].moe.experts;
+    moe = moe || experts > 0;
+    if (experts > 0 && experts % plan.mesh.ep != 0) {
+      throw ValidationError("mesh.ep", "ep=" + str(plan.mesh.ep) + " does not divide the " + str(experts) +
+                                           " experts of layer '" + graph.layers[i].name + "'");
+    }
+  }
+  if (plan.mesh.ep > 1 && !moe) {
+    throw ValidationError("mesh.ep", "ep=" + str(plan.mesh.ep) + " needs a model with MoE layers");
+  }
+  // Context parallelism's load-balanced chunks: 2 cp equal parts of the sequence.
+  const int64_t seq = graph.seq_len();
+  if (plan.mesh.cp > 1 && seq > 0 && seq % (2 * plan.mesh.cp) != 0) {
+    throw ValidationError("mesh.cp", "cp=" + str(plan.mesh.cp) + " needs the sequence (" + str(seq) +
+                                         ") to split into 2 x cp equal chunks");
+  }
 }
 
 }  // namespace monarch::planner

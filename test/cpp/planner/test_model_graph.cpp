@@ -184,3 +184,77 @@ TEST_CASE("cluster sizes whose world size overflows are refused", "[cluster][err
                     Catch::StartsWith("cluster.devices: must be in [1, 2147483648]"));
   CHECK_THROWS_WITH(cluster_preset("a100-80gb", 0), Catch::StartsWith("cluster.devices"));
 }
+
+// ---- Mixture-of-Experts and attention shapes (transformer_builder.cpp) ----------------------
+
+TEST_CASE("MoE builders match the published parameter counts, total and activated", "[model_graph][moe]") {
+  // Published: Mixtral 8x7B 46.7B / 12.9B active (Jiang et al. 2024, Sec. 1); Mixtral 8x22B
+  // 141B / 39B (Mistral AI, 2024-04-17 release); DeepSeek-V3 671B / 37B (technical report,
+  // abstract); Qwen3-235B-A22B 235B / 22B (Qwen3 technical report, Table 2). The builder's
+  // norms carry biases (4h per block, not RMSNorm's 2h) and Qwen3's q/k norms are left out:
+  // well under 0.1% here. Active counts: 2% (the papers round to 0.1B-1B).
+  struct Row { TransformerConfig config; double total, active; };
+  const Row rows[] = {{mixtral_8x7b_config(), 46.7e9, 12.9e9},
+                      {mixtral_8x22b_config(), 141e9, 39e9},
+                      {deepseek_v3_config(), 671e9, 37e9},
+                      {qwen3_235b_config(), 235e9, 22e9}};
+  for (const Row& r : rows) {
+    INFO(r.config.name);
+    const ModelGraph g = build_transformer(r.config);
+    CHECK(static_cast<double>(g.total_params()) == Approx(r.total).epsilon(0.005));
+    CHECK(activated_params(g) == Approx(r.active).epsilon(0.02));
+  }
+  // DeepSeek-V3 block by block: 3 dense layers, then MoE layers holding 256 experts of
+  // 3 x 7168 x 2048 weights, the shared one and the router.
+  const ModelGraph ds = build_transformer(deepseek_v3_config());
+  CHECK(ds.layers[3].moe.experts == 0);
+  CHECK(ds.layers[4].moe.experts == 256);
+  CHECK(ds.layers[4].moe.expert_params == 256LL * 3 * 7168 * 2048);
+  CHECK(ds.layers[4].params == 187107328LL + 257LL * 3 * 7168 * 2048 + 7168LL * 256 + 4 * 7168);
+  CHECK(ds.layers[3].params == 187107328LL + 3LL * 7168 * 18432 + 4 * 7168);
+  // Routed FLOPs: top-8 experts per token, 2 x weights each.
+  CHECK(ds.layers[4].moe.routed_flops_per_sample == Approx(2.0 * 4096 * 8 * 3 * 7168 * 2048));
+  CHECK(ds.layers[4].moe.dispatch_bytes_per_sample == Approx(2.0 * 4096 * 7168 * 8));
+}
+
+TEST_CASE("MoE every N layers, head_dim and invalid MoE fields", "[model_graph][moe][errors]") {
+  TransformerConfig c = mixtral_8x7b_config();
+  c.moe.every = 2;
+  c.moe.first_dense_layers = 1;
+  const ModelGraph g = build_transformer(c);
+  // layers[0] is the embedding: blocks.i is layers[i + 1].
+  CHECK(g.layers[1].moe.experts == 0);
+  CHECK(g.layers[2].moe.experts == 8);
+  CHECK(g.layers[3].moe.experts == 0);
+  CHECK(g.layers[4].moe.experts == 8);
+  // Qwen3's heads x head_dim (8192) is twice its hidden size: q and o are 4096 x 8192.
+  const ModelGraph q = build_transformer(qwen3_235b_config());
+  const double attention = 4096.0 * 8192 * 2 + 2 * 4096.0 * 512;
+  CHECK(q.layers[1].attention_flops_per_sample == Approx(4.0 * 4096 * 4096 * 8192));
+  CHECK(q.layers[1].kv_elements_per_token == Approx(2 * 512));
+  CHECK(static_cast<double>(q.layers[1].params) ==
+        Approx(attention + 128.0 * 3 * 4096 * 1536 + 4096.0 * 128 + 4 * 4096));
+  // A dense model's blocks are what they were (no MoE fields, k/v per token = 2 kv width).
+  const ModelGraph dense = build_transformer(transformer_config(2, 64, 4, 16, 100));
+  CHECK(dense.layers[1].moe.experts == 0);
+  CHECK(dense.layers[1].kv_elements_per_token == Approx(128));
+
+  auto refused = [](TransformerConfig bad, const char* field) {
+    CHECK_THROWS_WITH(build_transformer(bad), Catch::Contains(field));
+  };
+  TransformerConfig bad = mixtral_8x7b_config();
+  bad.moe.top_k = 9;
+  refused(bad, "transformer.moe.top_k");
+  bad = mixtral_8x7b_config();
+  bad.moe.capacity_factor = 0.5;
+  refused(bad, "transformer.moe.capacity_factor");
+  bad = mixtral_8x7b_config();
+  bad.moe.imbalance = 0.9;
+  refused(bad, "transformer.moe.imbalance");
+  bad = mixtral_8x7b_config();
+  bad.moe.first_dense_layers = 32;
+  refused(bad, "transformer.moe.first_dense_layers");
+  bad = mixtral_8x7b_config();
+  bad.head_dim = -1;
+  refused(bad, "transformer.head_dim");
+}

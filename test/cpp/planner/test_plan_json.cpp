@@ -13,6 +13,7 @@
 #include "monarch/planner/errors.h"
 #include "monarch/planner/plan.h"
 #include "monarch/planner/report.h"
+#include "monarch/planner/search.h"
 
 using namespace monarch::planner;
 using Json = nlohmann::ordered_json;
@@ -713,4 +714,78 @@ TEST_CASE("plan JSON carries zero_overlap; plans written before it overlap", "[p
   CHECK(from_value(j).zero_overlap);
   j["zero_overlap"] = "no";
   CHECK_THROWS_WITH(from_value(j), Catch::Contains("zero_overlap"));
+}
+
+TEST_CASE("plan JSON carries MoE, head_dim, attention_params, ep/cp times and choices", "[plan_json][moe]") {
+  Plan p = make_plan();
+  // A dense plan writes none of them (plans of dense models read and write as before).
+  const Json dense = to_value(p);
+  CHECK_FALSE(dense["model"]["transformer"].contains("moe"));
+  CHECK_FALSE(dense["model"]["transformer"].contains("head_dim"));
+  CHECK_FALSE(dense["model"]["transformer"].contains("attention_params"));
+  CHECK_FALSE(dense["prediction"]["time"].contains("ep_comm"));
+  CHECK_FALSE(dense.contains("choices"));
+
+  p.transformer->head_dim = 128;
+  p.transformer->attention_params = 123456789;
+  p.transformer->moe.experts = 64;
+  p.transformer->moe.top_k = 6;
+  p.transformer->moe.expert_ffn = 1408;
+  p.transformer->moe.shared_experts = 2;
+  p.transformer->moe.first_dense_layers = 1;
+  p.transformer->moe.every = 1;
+  p.transformer->moe.capacity_factor = 1.25;
+  p.transformer->moe.imbalance = 1.1;
+  p.prediction.time.ep_comm = 0.125;
+  p.prediction.time.cp_comm = 0.0625;
+  p.choices = {"ep=8: expert memory needs ep>=8", "  smaller: ep=4 needs 90 GiB"};
+  const std::string text = to_json(p);
+  const Json j = Json::parse(text);
+  CHECK(j["model"]["transformer"]["moe"]["experts"] == 64);
+  CHECK(j["model"]["transformer"]["moe"]["capacity_factor"] == 1.25);
+  CHECK(j["prediction"]["time"]["ep_comm"] == 0.125);
+  CHECK(j["choices"][0] == "ep=8: expert memory needs ep>=8");
+  const Plan back = plan_from_json(text);
+  CHECK(back == p);
+  CHECK(back.transformer->moe == p.transformer->moe);
+  CHECK(to_json(back) == text);
+
+  // Unknown MoE fields are refused, naming them; a choice must be a string.
+  Json bad = j;
+  bad["model"]["transformer"]["moe"]["experts_per_token"] = 2;
+  CHECK(validation_error_of(bad).field() == "model.transformer.moe.experts_per_token");
+  bad = j;
+  bad["choices"][1] = 3;
+  CHECK(validation_error_of(bad).field() == "choices[1]");
+}
+
+TEST_CASE("plans searched for MoE and long-context models round-trip", "[plan_json][moe]") {
+  TransformerConfig c;
+  c.name = "tiny-moe";
+  c.layers = 4;
+  c.hidden = 256;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.seq = 16384;
+  c.vocab = 1000;
+  c.gated_mlp = true;
+  c.moe.experts = 8;
+  c.moe.top_k = 2;
+  c.moe.expert_ffn = 512;
+  const ModelGraph g = build_transformer(c);
+  SearchOptions o;
+  o.pins.ep = 2;
+  o.pins.cp = 2;
+  const Plan p = search(g, cluster_preset("h100-80gb", 8), [] {
+    TrainingConfig t;
+    t.global_batch = 8;
+    return t;
+  }(), o);
+  CHECK(p.mesh.ep == 2);
+  CHECK(p.mesh.cp == 2);
+  const std::string text = to_json(p);
+  const Plan back = plan_from_json(text);
+  CHECK(back == p);
+  CHECK(to_json(back) == text);
+  validate(back, g);
 }

@@ -10,6 +10,7 @@
 #include "monarch/planner/cost_model.h"
 #include "monarch/planner/errors.h"
 #include "monarch/planner/estimator.h"
+#include "monarch/planner/report.h"
 #include "monarch/planner/search.h"
 #include "test_configs.h"
 
@@ -699,4 +700,74 @@ TEST_CASE("ZeRO's collectives overlap computation only where that can save time"
   pinned.zero_overlap = true;
   CHECK(evaluate_layout(g, cpus, batch(16), pinned).zero_overlap);
   CHECK(data_parallel(cpus, batch(16), 0).zero_overlap);
+}
+
+// ---- Expert and context parallelism -------------------------------------------------------
+
+TEST_CASE("expert memory forces ep, and the plan says so", "[search][moe]") {
+  // Mixtral 8x7B on 64 H100s with tp and pp off and ZeRO-1 (DeepSeek-V3's style): whole
+  // experts per rank need ep; ep=4 holds 2 experts of every layer in 16-bit weights and
+  // gradients and does not fit.
+  const ModelGraph g = build_transformer(mixtral_8x7b_config(4096));
+  const Cluster cluster = cluster_preset("h100-80gb", 64);
+  SearchOptions o;
+  o.pins.tp = 1;
+  o.pins.pp = 1;
+  o.pins.zero_stage = 1;
+  const Plan p = search(g, cluster, batch(256), o);
+  CHECK(p.mesh.ep == 8);
+  CHECK(p.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes());
+  REQUIRE(p.choices.size() >= 2);
+  CHECK_THAT(p.choices[0], Catch::Contains("expert memory needs ep>=8"));
+  CHECK_THAT(p.choices[1], Catch::Contains("ep=4 needs"));
+  CHECK_THAT(format_report(p), Catch::Contains("expert memory needs ep>=8"));
+  // Pinned, the search takes it; a value the experts do not split into is refused.
+  o.pins.ep = 4;
+  o.pins.zero_stage = 3;
+  CHECK(search(g, cluster, batch(256), o).mesh.ep == 4);
+  o.pins.ep = 3;
+  CHECK_THROWS_WITH(search(g, cluster, batch(256), o), Catch::Contains("pins.ep"));
+}
+
+TEST_CASE("activation memory of a long sequence forces cp, and the plan says so", "[search][cp]") {
+  // Llama 3 8B's shapes at 128K tokens on 64 H100s, no tp, pp or recompute: a sequence's
+  // activations (about 34 s h bytes per layer) fit only split 16 ways.
+  TransformerConfig c = transformer_config(32, 4096, 32, 131072, 128256);
+  c.kv_heads = 8;
+  c.ffn = 14336;
+  c.gated_mlp = true;
+  const ModelGraph g = build_transformer(c);
+  const Cluster cluster = cluster_preset("h100-80gb", 64);
+  SearchOptions o;
+  o.pins.tp = 1;
+  o.pins.pp = 1;
+  o.pins.recompute = Recompute::none;
+  const Plan p = search(g, cluster, batch(8), o);
+  CHECK(p.mesh.cp == 16);
+  CHECK(p.mesh.order == std::vector<std::string>{"pp", "dp", "cp", "tp"});
+  REQUIRE(p.choices.size() >= 2);
+  CHECK_THAT(p.choices[0], Catch::Contains("activations at seq 131072 need cp>=16"));
+  CHECK_THAT(p.choices[1], Catch::Contains("cp=8 needs"));
+  validate(p, g);
+  // Short sequences are not split (chunks under 4096 tokens per rank are not searched).
+  const Plan short_seq = search(gpt3(), cluster_preset("a100-80gb", 64), batch(64));
+  CHECK(short_seq.mesh.cp == 1);
+  for (const auto& a : short_seq.alternatives) CHECK_THAT(a.summary, !Catch::Contains("cp="));
+}
+
+TEST_CASE("a 671B MoE on 2048 GPUs: the search stays small", "[search][moe]") {
+  // bench_planner times it (under 2 s is the goal); here the work is bounded instead.
+  const ModelGraph g = build_transformer(deepseek_v3_config(4096));
+  SearchStats stats;
+  SearchOptions o;
+  o.stats = &stats;
+  const Plan p = search(g, cluster_preset("h100-80gb", 2048), batch(15360), o);
+  CHECK(stats.considered < 150000);
+  CHECK(stats.scored < 2000);
+  CHECK(p.prediction.memory_bytes_per_device <= cluster_preset("h100-80gb", 2048).usable_memory_bytes());
+  CHECK_FALSE(p.choices.empty());  // ep is explained
+  validate(p, g);
+  Plan bad = p;
+  bad.mesh.ep = 3;  // does not divide dp*cp nor 256 experts
+  CHECK_THROWS_WITH(validate(bad, g), Catch::Contains("mesh.ep"));
 }

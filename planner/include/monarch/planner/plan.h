@@ -80,11 +80,12 @@ struct TimeBreakdown {  // seconds per optimizer step
   double tp_comm = 0;       // exposed tensor-parallel collectives
   double dp_comm = 0;       // exposed data-parallel / ZeRO collectives
   double pp_comm = 0;       // exposed pipeline send/recv
-  double ep_comm = 0;       // exposed MoE dispatch/combine all-to-alls (part of compute's passes)
-  double cp_comm = 0;       // exposed ring k/v exchange of context parallelism
   double bubble = 0;        // pipeline idle time
   double optimizer = 0;     // optimizer step
   double total = 0;         // = step_time_s
+  // (Last, so positional initializers of the fields above keep their meaning.)
+  double ep_comm = 0;       // exposed MoE dispatch/combine all-to-alls
+  double cp_comm = 0;       // exposed ring k/v exchange of context parallelism
   bool operator==(const TimeBreakdown& o) const;
 };
 
