@@ -251,6 +251,142 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model(tokens))
 
 
+# -- Mixture-of-Experts decoder (Hugging Face Qwen3-MoE / Mixtral names in transformers 5:
+# model.layers.N.mlp.gate.weight, mlp.experts.gate_up_proj [experts, 2 * ffn, hidden],
+# mlp.experts.down_proj [experts, hidden, ffn]; DeepSeek-style shared expert mlp.shared_expert)
+
+class MoERouter(nn.Module):
+    """Softmax over experts, the top_k of them per token, their weights renormalized to sum to
+    one when ``norm_topk_prob`` (Mixtral, Qwen3-MoE). Returns (logits, weights, indices)."""
+
+    def __init__(self, hidden, num_experts, top_k, norm_topk_prob=True):
+        super().__init__()
+        self.top_k, self.num_experts, self.norm_topk_prob = top_k, num_experts, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        probs = logits.float().softmax(-1)
+        weights, indices = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(x.dtype), indices
+
+
+class MoEExperts(nn.Module):
+    """All experts' weights as two 3-D tensors; each token's chosen experts, weighted and summed.
+
+    ``capacity_factor`` 0 is dropless. Otherwise each expert takes at most
+    ceil(capacity_factor * tokens * top_k / experts) token slots of the batch: first choices
+    before second ones, earlier tokens first (GShard, Lepikhin et al. 2020, Sec. 2.2); a
+    dropped slot adds nothing."""
+
+    def __init__(self, hidden, intermediate, num_experts, capacity_factor=0.0):
+        super().__init__()
+        self.num_experts, self.capacity_factor = num_experts, capacity_factor
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act_fn = nn.SiLU()
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def kept(self, top_k_index):
+        """[tokens, top_k] bool: the slots within their expert's capacity."""
+        if not self.capacity_factor:
+            return torch.ones_like(top_k_index, dtype=torch.bool)
+        tokens, top_k = top_k_index.shape
+        capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts)
+        # Queue order: choice-major, then token: the slot's place among its expert's slots.
+        by_choice = top_k_index.t().reshape(-1)
+        one_hot = F.one_hot(by_choice, self.num_experts)
+        place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+        return (place < capacity).reshape(top_k, tokens).t()
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        kept = self.kept(top_k_index)
+        for e in range(self.num_experts):
+            token, choice = torch.where((top_k_index == e) & kept)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, choice, None])
+        return out
+
+
+class LoadBalancingLoss(nn.Module):
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4) as Hugging Face's MoE
+    models compute it: experts * sum_e (share of tokens choosing e, per choice) * (mean router
+    probability of e)."""
+
+    def __init__(self, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, router_probs, top_k_index):
+        tokens = router_probs.shape[0]
+        chosen = F.one_hot(top_k_index, self.num_experts).float().sum((0, 1)) / tokens
+        return self.num_experts * (chosen * router_probs.float().mean(0)).sum()
+
+
+class MoEBlock(nn.Module):
+    """Router, routed experts, an optional always-on shared expert; keeps its load-balancing
+    loss in ``aux_loss`` (the model sums them)."""
+
+    def __init__(self, hidden, intermediate, num_experts, top_k, shared_intermediate=0, capacity_factor=0.0):
+        super().__init__()
+        self.gate = MoERouter(hidden, num_experts, top_k)
+        self.experts = MoEExperts(hidden, intermediate, num_experts, capacity_factor)
+        self.shared_expert = LlamaMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.balance = LoadBalancingLoss(num_experts)
+        self.aux_loss = None
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits, weights, indices = self.gate(flat)
+        out = self.experts(flat, indices, weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        self.aux_loss = self.balance(logits.float().softmax(-1), indices)
+        return out.reshape(shape)
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, hidden, heads, kv_heads, intermediate, num_experts, top_k, shared_intermediate,
+                 capacity_factor):
+        super().__init__(hidden, heads, kv_heads, intermediate)
+        self.mlp = MoEBlock(hidden, intermediate, num_experts, top_k, shared_intermediate, capacity_factor)
+
+
+class MoEForCausalLM(nn.Module):
+    """A Llama-style decoder whose MLPs are MoE blocks (Qwen3-MoE / DeepSeek-style layout).
+    ``aux_loss()``: the sum of the blocks' load-balancing losses of the last forward."""
+
+    def __init__(self, vocab=32000, hidden=2048, heads=32, kv_heads=4, intermediate=768, layers=24,
+                 num_experts=128, top_k=8, shared_intermediate=0, capacity_factor=0.0):
+        super().__init__()
+        self.model = LlamaModel(vocab, hidden, heads, kv_heads, intermediate, layers)
+        self.model.layers = nn.ModuleList(
+            MoEDecoderLayer(hidden, heads, kv_heads, intermediate, num_experts, top_k, shared_intermediate,
+                            capacity_factor) for _ in range(layers))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.apply(init_weights)
+
+    def forward(self, tokens):
+        return self.lm_head(self.model(tokens))
+
+    def aux_loss(self):
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoEBlock) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
 # -- BERT (Hugging Face names: bert.embeddings / encoder.layer.N.attention.self.query / ...)
 
 class BertEmbeddings(nn.Module):

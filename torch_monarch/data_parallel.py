@@ -11,7 +11,8 @@ from .interop import refuse_foreign_layout
 
 
 class DataParallel(nn.Module):
-    """Averages gradients over the mesh's ``dp`` axis while backward runs.
+    """Averages gradients over the mesh's ``dp`` axis (dp x cp under context parallelism;
+    experts split by ``expert_parallel`` over the mesh's ``edp`` group) while backward runs.
 
     Parameters and buffers are broadcast from rank 0 at construction; build any
     ``torch.optim`` optimizer over ``model.parameters()`` as usual. Gradients are packed in
@@ -54,26 +55,37 @@ class DataParallel(nn.Module):
             options.reduce_dtype = str(reduce_dtype).replace("torch.", "")
         # ``exclude``: ids of parameters someone else synchronises (pipeline-tied weights).
         params = [p for p in module.parameters() if id(p) not in set(exclude)]
-        self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp", options)
+        # Replicas: every rank holding other tokens of the same layers, dp x cp (under context
+        # parallelism the cp ranks hold other parts of the same sequences). Experts split by
+        # torch_monarch.expert_parallel are replicated over fewer ranks, the mesh's edp group.
+        experts = [p for p in params if getattr(p, "_monarch_expert", False)]
+        params = [p for p in params if not getattr(p, "_monarch_expert", False)]
+        self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp_cp", options)
+        self._engines = [self._engine]
+        if experts:
+            self._engines.append(_runtime.DataParallelEngine(experts, [], self.mesh, "edp", options))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():  # a forward without autograd makes no collective: not a step
-            self._engine.before_forward()
+            for engine in self._engines:
+                engine.before_forward()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward inside only accumulates local gradients; the next synced backward
         averages the accumulated sum (same result as one larger batch)."""
-        self._engine.set_sync(False)
+        for engine in self._engines:
+            engine.set_sync(False)
         try:
             yield
         finally:
-            self._engine.set_sync(True)
+            for engine in self._engines:
+                engine.set_sync(True)
 
     @property
     def group(self):
-        return self.mesh.group("dp")
+        return self.mesh.group("dp_cp")
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (loads into the unwrapped model)."""

@@ -1,0 +1,71 @@
+"""Worker ranks of the expert-parallel parity tests (started by dist_harness). One launch runs
+every layout of argv[1] (comma-separated names of LAYOUTS) one after another and saves, per
+layout, the global losses it computed, its parameters (expert shards with their first expert)
+and the slots its capacity dropped."""
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_monarch
+from torch_monarch.experts import ExpertParallelExperts, expert_parallel
+from torch_monarch.tensor_parallel_modules import tensor_parallel, vocab_parallel_cross_entropy
+from dist_harness import run_worker
+from moe_model import AUX, GLOBAL_BATCH, STEPS, VOCAB, aux_loss, batch, make_model, make_optimizer
+
+# name: (mesh, capacity factor)
+LAYOUTS = {
+    "ep4": (dict(dp=4, ep=4), 0.0),
+    "ep2_dp2": (dict(dp=4, ep=2), 0.0),
+    "ep2_tp2": (dict(dp=2, tp=2, ep=2), 0.0),
+    "ep4_capacity": (dict(dp=4, ep=4), 1.0),
+    "ep2_dp2_capacity": (dict(dp=4, ep=2), 1.0),
+}
+
+
+def train(name):
+    shape, capacity = LAYOUTS[name]
+    mesh = torch_monarch.device_mesh(**shape)
+    model = expert_parallel(make_model(capacity), mesh)
+    tp = mesh.axis_size("tp")
+    if tp > 1:
+        tensor_parallel(model, mesh)
+    model = torch_monarch.DataParallel(model, mesh)
+    opt = make_optimizer(model)
+    dp, rank = mesh.axis_size("dp"), mesh.coordinate("dp")
+    per_rank = GLOBAL_BATCH // dp
+    losses, dropped = [], []
+    for step in range(STEPS):
+        inputs, targets = batch(step)
+        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
+        logits = model(inputs)
+        if tp > 1:  # the head's logits stay split along the vocabulary
+            ce = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), mesh)
+        else:
+            ce = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss = ce + AUX * aux_loss(model.module)
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.module.named_parameters()}
+        opt.step()
+        # The global batch's loss: the mean over dp of the local means (the aux loss is global).
+        total = ce.detach().clone().reshape(1)
+        mesh.group("dp").all_reduce(total).wait()
+        losses.append(total.item() / dp + AUX * aux_loss(model.module).item())
+        dropped.append(sum(m.last_route.dropped_slots for m in model.modules() if isinstance(m, ExpertParallelExperts)))
+    experts = {n: m.first_expert for n, m in model.module.named_modules()
+               if isinstance(m, ExpertParallelExperts)}
+    return {"losses": losses, "dropped": dropped, "experts": experts, "tp": tp, "grads": grads,
+            "state": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+
+
+def main(names):
+    out = {name: train(name) for name in names.split(",")}
+    torch.save(out, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt"))
+
+
+if __name__ == "__main__":
+    run_worker(main, sys.argv[1])
