@@ -207,9 +207,25 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("n", &Gemm::n)
       .def_readwrite("k", &Gemm::k)
       .def_readwrite("split", &Gemm::split)
+      .def_readwrite("experts", &Gemm::experts)
       .def("__repr__", [](const Gemm& g) {
         return "<Gemm " + num(g.m_per_sample) + " x " + std::to_string(g.k) + " @ " + std::to_string(g.k) + " x " +
                std::to_string(g.n) + ">";
+      });
+
+  py::class_<MoeDims> moe_dims(m, "MoeDims", "A Mixture-of-Experts layer's routing (experts == 0: dense).");
+  add_kwargs_init<MoeDims>(moe_dims);
+  add_copy<MoeDims>(moe_dims);
+  moe_dims.def_readwrite("experts", &MoeDims::experts)
+      .def_readwrite("top_k", &MoeDims::top_k)
+      .def_readwrite("expert_params", &MoeDims::expert_params)
+      .def_readwrite("routed_flops_per_sample", &MoeDims::routed_flops_per_sample)
+      .def_readwrite("dispatch_bytes_per_sample", &MoeDims::dispatch_bytes_per_sample)
+      .def_readwrite("capacity_factor", &MoeDims::capacity_factor)
+      .def_readwrite("imbalance", &MoeDims::imbalance)
+      .def("__repr__", [](const MoeDims& d) {
+        return "MoeDims(experts=" + std::to_string(d.experts) + ", top_k=" + std::to_string(d.top_k) +
+               ", expert_params=" + std::to_string(d.expert_params) + ")";
       });
 
   py::class_<Layer> layer(m, "Layer", "One layer as the planner sees it.");
@@ -227,6 +243,8 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("tp_dims", &Layer::tp_dims)
       .def_readwrite("recomputable", &Layer::recomputable)
       .def_readwrite("gemms", &Layer::gemms)
+      .def_readwrite("kv_elements_per_token", &Layer::kv_elements_per_token)
+      .def_readwrite("moe", &Layer::moe)
       .def("__repr__", [](const Layer& l) {
         return "<Layer " + quoted(l.name) + " " + to_string(l.kind) + " params=" + std::to_string(l.params) +
                " tp=" + to_string(l.tp) + ">";
@@ -234,6 +252,28 @@ void bind_model_graph(py::module_& m) {
   py::bind_vector<std::vector<Layer>>(m, "LayerList");
   py::implicitly_convertible<py::list, std::vector<Layer>>();
   py::implicitly_convertible<py::tuple, std::vector<Layer>>();
+
+  py::class_<MoeConfig> moe_config(m, "MoeConfig",
+                                   "Mixture-of-Experts layers of a transformer: MoeConfig(experts=8, top_k=2); "
+                                   "capacity_factor 0 is dropless.");
+  add_kwargs_init<MoeConfig>(moe_config);
+  add_copy<MoeConfig>(moe_config);
+  moe_config.def_readwrite("experts", &MoeConfig::experts)
+      .def_readwrite("top_k", &MoeConfig::top_k)
+      .def_readwrite("expert_ffn", &MoeConfig::expert_ffn)
+      .def_readwrite("shared_experts", &MoeConfig::shared_experts)
+      .def_readwrite("first_dense_layers", &MoeConfig::first_dense_layers)
+      .def_readwrite("every", &MoeConfig::every)
+      .def_readwrite("capacity_factor", &MoeConfig::capacity_factor)
+      .def_readwrite("imbalance", &MoeConfig::imbalance)
+      .def(py::self == py::self)
+      .def("__repr__", [](const MoeConfig& c) {
+        return "MoeConfig(experts=" + std::to_string(c.experts) + ", top_k=" + std::to_string(c.top_k) +
+               ", expert_ffn=" + std::to_string(c.expert_ffn) + ", shared_experts=" +
+               std::to_string(c.shared_experts) + ", first_dense_layers=" + std::to_string(c.first_dense_layers) +
+               ", every=" + std::to_string(c.every) + ", capacity_factor=" + num(c.capacity_factor) +
+               ", imbalance=" + num(c.imbalance) + ")";
+      });
 
   py::class_<TransformerConfig> tc(m, "TransformerConfig",
                                    "Hyperparameters of a decoder-only transformer. "
@@ -252,6 +292,9 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("tied_embeddings", &TransformerConfig::tied_embeddings)
       .def_readwrite("dtype", &TransformerConfig::dtype)
       .def_readwrite("attention", &TransformerConfig::attention)
+      .def_readwrite("head_dim", &TransformerConfig::head_dim)
+      .def_readwrite("attention_params", &TransformerConfig::attention_params)
+      .def_readwrite("moe", &TransformerConfig::moe)
       .def(py::self == py::self)
       .def("__repr__", [](const TransformerConfig& c) {
         std::ostringstream os;
@@ -388,6 +431,8 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("recompute", &Pins::recompute)
       .def_readwrite("sequence_parallel", &Pins::sequence_parallel)
       .def_readwrite("zero_overlap", &Pins::zero_overlap)
+      .def_readwrite("cp", &Pins::cp)
+      .def_readwrite("ep", &Pins::ep)
       .def("all_layout_pinned", &Pins::all_layout_pinned)
       .def("__repr__", [](const Pins& p) {
         return "Pins(tp=" + opt(p.tp) + ", pp=" + opt(p.pp) + ", dp=" + opt(p.dp) +
@@ -475,6 +520,8 @@ void bind_plan(py::module_& m) {
       .def_readwrite("bubble", &TimeBreakdown::bubble)
       .def_readwrite("optimizer", &TimeBreakdown::optimizer)
       .def_readwrite("total", &TimeBreakdown::total)
+      .def_readwrite("ep_comm", &TimeBreakdown::ep_comm)
+      .def_readwrite("cp_comm", &TimeBreakdown::cp_comm)
       .def(py::self == py::self)
       .def("__repr__", [](const TimeBreakdown& t) {
         return "TimeBreakdown(compute=" + num(t.compute) + ", recompute=" + num(t.recompute) +
@@ -568,6 +615,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("prediction", &Plan::prediction)
       .def_readwrite("alternatives", &Plan::alternatives)
       .def_readwrite("tie_break", &Plan::tie_break)
+      .def_readwrite("choices", &Plan::choices)
       .def("num_stages", &Plan::num_stages)
       .def("summary", &Plan::summary, "One line: mesh, zero, micro-batch size, schedule, recompute.")
       .def(
@@ -663,7 +711,12 @@ void bind_search(py::module_& m) {
       [](const ModelGraph& graph, const Plan& plan) {
         std::vector<std::map<std::string, double>> out;
         for (const auto& b : bytes_per_step(graph, plan)) {
-          out.push_back({{"dp", b.dp}, {"tp", b.tp}, {"pp", b.pp}, {"ends", b.ends}, {"total", b.total()}});
+          std::map<std::string, double> row{{"dp", b.dp}, {"tp", b.tp}, {"pp", b.pp}, {"ends", b.ends},
+                                            {"total", b.total()}};
+          // Only where used, so dense plans' rows read as before.
+          if (plan.mesh.ep > 1) row["ep"] = b.ep;
+          if (plan.mesh.cp > 1) row["cp"] = b.cp;
+          out.push_back(row);
         }
         return out;
       },
