@@ -83,13 +83,16 @@ class FullyShardedModule(nn.Module):
             unit_ids.pop(pid)
         groups = [[] for _ in range(len(units) + 1)]
         names = [[] for _ in range(len(units) + 1)]
+        experts = []  # (name, parameter) split by torch_monarch.expert_parallel
         for name, p in module.named_parameters():
             if id(p) in ignored:
+                continue
+            if getattr(p, "_monarch_expert", False):
+                experts.append((name, p))
                 continue
             k = unit_ids.get(id(p), 0)
             groups[k].append(p)
             names[k].append(name)
-        self._names = [n for group in names for n in group]  # the engine's order
         # Every name of every parameter (a tied weight has one per module), with its shape
         # taken now: under ZeRO-3 the parameters hold nothing between forwards.
         self._shapes = {f"{m}.{n}" if m else n: tuple(p.shape) for m, mod in module.named_modules()
@@ -118,28 +121,63 @@ class FullyShardedModule(nn.Module):
                     deferred.materialize(units[k - 1], init_fn, root=module)
                 params = dict(module.named_parameters())
                 return [params[n] for n in names[k]]
-        self._engine = _runtime.FullyShardEngine(groups, mesh, "dp", options, materialize)
-        self._shards = self._engine.shards()
+        # The replicas of a parameter are the ranks holding other tokens of it: dp x cp
+        # (context parallelism's ranks hold other parts of the same sequences).
+        self._engine = _runtime.FullyShardEngine(groups, mesh, "dp_cp", options, materialize)
+        self._engines = [(self._engine, [n for group in names for n in group], units)]
+        if experts:
+            # Experts split over ep are replicated over the mesh's edp group only: a second
+            # engine shards them there, one unit per module holding them (its root unit empty).
+            if any(p.is_meta for _, p in experts):
+                raise ValueError("fully_shard: expert-parallel weights must be materialized (expert_parallel "
+                                 "takes each rank's experts from real tensors)")
+            owners = [m for m in module.modules()
+                      if any(getattr(p, "_monarch_expert", False) for p in m._parameters.values() if p is not None)]
+            by_id = {id(p): n for n, p in experts}
+            expert_groups = [[]] + [[p for p in m._parameters.values() if p is not None and id(p) in by_id]
+                                    for m in owners]
+            expert_names = [by_id[id(p)] for group in expert_groups for p in group]
+            engine = _runtime.FullyShardEngine(expert_groups, mesh, "edp", options, None)
+            self._engines.append((engine, expert_names, owners))
+        self._names = [n for _, engine_names, _ in self._engines for n in engine_names]  # the engines' order
+        self._shards = [s for engine, _, _ in self._engines for s in engine.shards()]
+        for engine, _, _ in self._engines[1:]:
+            for shard in engine.shards():
+                shard._monarch_expert = True  # DataParallel / a second fully_shard leave them alone
         self._hooks = []
-        for i, unit in enumerate(units):
-            self._hooks.append(unit.register_forward_pre_hook(self._make_pre_hook(i + 1)))
-            self._hooks.append(unit.register_forward_hook(self._make_post_hook(i + 1)))
+        for engine, _, engine_units in self._engines:
+            for i, unit in enumerate(engine_units):
+                self._hooks.append(unit.register_forward_pre_hook(self._make_pre_hook(engine, i + 1)))
+                self._hooks.append(unit.register_forward_hook(self._make_post_hook(engine, i + 1)))
 
-    def _make_pre_hook(self, index):
+    @staticmethod
+    def _make_pre_hook(engine, index):
         def hook(_module, _inputs):
-            self._engine.before_forward(index)
+            engine.before_forward(index)
         return hook
 
-    def _make_post_hook(self, index):
+    @staticmethod
+    def _make_post_hook(engine, index):
         def hook(_module, _inputs, output):
-            self._engine.after_forward(index, _tensors(output))
+            engine.after_forward(index, _tensors(output))
         return hook
 
     def forward(self, *args, **kwargs):
-        self._engine.before_forward(0)
+        for engine, _, _ in self._engines:
+            engine.before_forward(0)
         out = self.module(*args, **kwargs)
-        self._engine.after_forward(0, _tensors(out))
+        for engine, _, _ in self._engines:
+            engine.after_forward(0, _tensors(out))
         return out
+
+    def _full_parameters(self):
+        return [v for engine, _, _ in self._engines for v in engine.full_parameters()]
+
+    def _load_full_parameters(self, values):
+        start = 0
+        for engine, engine_names, _ in self._engines:
+            engine.load_full_parameters(values[start:start + len(engine_names)])
+            start += len(engine_names)
 
     # The optimizer steps on the shards, one per parameter, under the parameters' names.
     def parameters(self, recurse: bool = True):
@@ -156,7 +194,7 @@ class FullyShardedModule(nn.Module):
     def state_dict(self, *args, **kwargs):
         by_id = {}
         params = dict(self.module.named_parameters())
-        for name, value in zip(self._names, self._engine.full_parameters()):
+        for name, value in zip(self._names, self._full_parameters()):
             by_id[id(params[name])] = value
         # Every name of a parameter (a tied weight has one per module) maps to its full value.
         aliases = {f"{m}.{n}" if m else n: id(p) for m, mod in self.module.named_modules()
@@ -189,7 +227,7 @@ class FullyShardedModule(nn.Module):
                 wrong.append(f"{name}: the checkpoint holds {list(value.shape)}, the model {list(want)}")
         if wrong:
             raise RuntimeError("fully_shard: load_state_dict: shape mismatch:\n  " + "\n  ".join(wrong))
-        self._engine.load_full_parameters([state_dict.get(n) for n in self._names])
+        self._load_full_parameters([state_dict.get(n) for n in self._names])
         params = dict(self.module.named_parameters())
         aliases = {f"{m}.{k}" if m else k: id(p) for m, mod in self.module.named_modules()
                    for k, p in mod._parameters.items() if p is not None}

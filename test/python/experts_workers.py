@@ -15,8 +15,10 @@ from torch_monarch.tensor_parallel_modules import tensor_parallel, vocab_paralle
 from dist_harness import run_worker
 from moe_model import AUX, GLOBAL_BATCH, STEPS, VOCAB, aux_loss, batch, make_model, make_optimizer
 
-# name: (mesh, capacity factor)
+# name: (mesh, capacity factor); "zero3" in the name: ZeRO-3 (experts sharded over edp, the
+# rest over dp) instead of replicas.
 LAYOUTS = {
+    "ep2_dp2_zero3": (dict(dp=4, ep=2), 0.0),
     "ep4": (dict(dp=4, ep=4), 0.0),
     "ep2_dp2": (dict(dp=4, ep=2), 0.0),
     "ep2_tp2": (dict(dp=2, tp=2, ep=2), 0.0),
@@ -32,7 +34,8 @@ def train(name):
     tp = mesh.axis_size("tp")
     if tp > 1:
         tensor_parallel(model, mesh)
-    model = torch_monarch.DataParallel(model, mesh)
+    zero = "zero3" in name
+    model = torch_monarch.fully_shard(model, mesh, zero_stage=3) if zero else torch_monarch.DataParallel(model, mesh)
     opt = make_optimizer(model)
     dp, rank = mesh.axis_size("dp"), mesh.coordinate("dp")
     per_rank = GLOBAL_BATCH // dp
@@ -48,7 +51,7 @@ def train(name):
         loss = ce + AUX * aux_loss(model.module)
         opt.zero_grad()
         loss.backward()
-        if step == 0:
+        if step == 0 and not zero:  # under ZeRO-3 the gradients are shards: the parameters say enough
             grads = {n: p.grad.detach().clone() for n, p in model.module.named_parameters()}
         opt.step()
         # The global batch's loss: the mean over dp of the local means (the aux loss is global).
@@ -58,8 +61,10 @@ def train(name):
         dropped.append(sum(m.last_route.dropped_slots for m in model.modules() if isinstance(m, ExpertParallelExperts)))
     experts = {n: m.first_expert for n, m in model.module.named_modules()
                if isinstance(m, ExpertParallelExperts)}
-    return {"losses": losses, "dropped": dropped, "experts": experts, "tp": tp, "grads": grads,
-            "state": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+    # Whole parameters (ZeRO-3 gathers them: each rank gets its experts' rows, whole).
+    state = model.state_dict() if zero else {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {"losses": losses, "dropped": dropped, "experts": experts, "tp": tp, "grads": grads if not zero else {},
+            "state": state, "held": sum(p.numel() for p in model.parameters())}
 
 
 def main(names):
