@@ -428,8 +428,12 @@ class Searcher {
       if (kind == ScheduleKind::none) continue;
       if (kind == ScheduleKind::interleaved_1f1b) {
         if (m % pp != 0) continue;
-        for (int64_t v : {2, 3, 4, 6, 8}) {
-          if (pins_.virtual_stages && v != *pins_.virtual_stages) continue;
+        // A pinned number of virtual stages is scored even when the search would not list it
+        // (Megatron recipes run e.g. 24 on 48 layers over pp 2).
+        const std::vector<int64_t> vs = pins_.virtual_stages && *pins_.virtual_stages > 1
+                                            ? std::vector<int64_t>{*pins_.virtual_stages}
+                                            : std::vector<int64_t>{2, 3, 4, 6, 8};
+        for (int64_t v : vs) {
           if (pp * v <= stages) out.push_back({kind, v});
         }
       } else if (!pins_.virtual_stages || *pins_.virtual_stages == 1) {
