@@ -279,6 +279,8 @@ void check_prediction(const Plan& p) {
       {"prediction.time.tp_comm", q.time.tp_comm},
       {"prediction.time.dp_comm", q.time.dp_comm},
       {"prediction.time.pp_comm", q.time.pp_comm},
+      {"prediction.time.ep_comm", q.time.ep_comm},
+      {"prediction.time.cp_comm", q.time.cp_comm},
       {"prediction.time.bubble", q.time.bubble},
       {"prediction.time.optimizer", q.time.optimizer},
       {"prediction.time.total", q.time.total},
