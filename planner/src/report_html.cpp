@@ -151,6 +151,7 @@ std::string summary_section(const Plan& plan) {
                                        format_bytes(c.usable_memory_bytes()) + " usable");
   row("times from", p.estimator);
   if (!plan.tie_break.empty()) row("tie break", plan.tie_break);
+  for (const auto& why : plan.choices) row("why", why);  // ep and cp (Plan::choices)
   o << "</table>";
   if (p.memory_bytes_per_device > c.usable_memory_bytes()) {
     o << "<p class=\"warn\">This plan does not fit: " << esc(format_bytes(p.memory_bytes_per_device)) << " needed, "

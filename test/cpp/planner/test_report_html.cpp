@@ -229,3 +229,20 @@ TEST_CASE("a schedule of many actions is drawn at pixel resolution and the page 
   CHECK(html.find("(drawn per pixel)") != std::string::npos);
   CHECK(html.size() < 4u * 1024 * 1024);
 }
+
+TEST_CASE("diff shows ep and cp, and the all-to-all's time", "[moe][cp]") {
+  const ModelGraph g = build_transformer(mixtral_8x7b_config(8192));
+  const Cluster cluster = cluster_preset("h100-80gb", 64);
+  Pins pins = layout_pins(1, 1, 64, 3, 1, ScheduleKind::none);
+  pins.ep = 4;
+  pins.recompute = Recompute::full;
+  const Plan a = evaluate_layout(g, cluster, global_batch(64), pins, true);
+  pins.ep = 8;
+  pins.dp = 32;
+  pins.cp = 2;
+  const Plan b = evaluate_layout(g, cluster, global_batch(32), pins, true);
+  const std::string d = diff_plans(a, b);
+  CHECK(d.find("mesh: pp=1 dp=64 tp=1 ep=4 -> pp=1 dp=32 cp=2 tp=1 ep=8") != std::string::npos);
+  CHECK(d.find("ep comm:") != std::string::npos);
+  CHECK(d.find("cp comm:") == std::string::npos);  // the ring hides behind 4096-token blocks
+}
