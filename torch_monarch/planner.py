@@ -126,14 +126,26 @@ def _set_fields(obj, overrides, enums, what):
 
 
 def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, gated_mlp=False,
-                tied_embeddings=False, dtype="bf16", attention="flash", name="transformer"):
+                tied_embeddings=False, dtype="bf16", attention="flash", name="transformer",
+                head_dim=None, attention_params=None, moe=None):
     """ModelGraph of a decoder-only transformer (embedding, blocks, final norm, LM head).
-    ``attention``: ``flash`` (no s x s scores kept) or ``materialized``."""
+    ``attention``: ``flash`` (no s x s scores kept) or ``materialized``. ``head_dim``: per-head
+    width when heads x head_dim is not ``hidden``; ``attention_params``: attention weights per
+    layer when not the q/k/v/o shapes' (e.g. MLA); ``moe``: a MoeConfig or a dict of its fields
+    (experts, top_k, expert_ffn, shared_experts, first_dense_layers, every, capacity_factor,
+    imbalance), e.g. ``moe=dict(experts=8, top_k=2)`` for Mixtral."""
     config = TransformerConfig(
         name=name, layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
         kv_heads=kv_heads or 0, ffn=ffn or 0, gated_mlp=gated_mlp,
         tied_embeddings=tied_embeddings, dtype=_enum(DType, dtype, "dtype"),
-        attention=_enum(AttentionKernel, attention, "attention"))
+        attention=_enum(AttentionKernel, attention, "attention"),
+        head_dim=head_dim or 0, attention_params=attention_params or 0)
+    if moe is not None:
+        if isinstance(moe, dict):
+            m = MoeConfig()
+            _set_fields(m, moe, {}, "transformer.moe")
+            moe = m
+        config.moe = moe
     return build_transformer(config)
 
 
@@ -156,11 +168,12 @@ def training(global_batch, **overrides):
 
 
 def pins(*, tp=None, pp=None, dp=None, zero=None, micro_batch=None, schedule=None,
-         recompute=None, sequence_parallel=None, virtual_stages=None):
+         recompute=None, sequence_parallel=None, virtual_stages=None, cp=None, ep=None):
     """Pins from keywords; None leaves a choice to the search. A value of the wrong type is
-    a TypeError naming the pin (``pins.tp: expected an integer, got str '2'``)."""
+    a TypeError naming the pin (``pins.tp: expected an integer, got str '2'``). ``cp``:
+    context parallelism (1 turns it off), ``ep``: expert parallelism."""
     for field, value in (("tp", tp), ("pp", pp), ("dp", dp), ("zero", zero), ("micro_batch", micro_batch),
-                         ("virtual_stages", virtual_stages)):
+                         ("virtual_stages", virtual_stages), ("cp", cp), ("ep", ep)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"pins.{field}: expected an integer, got {type(value).__name__} {value!r}")
     if sequence_parallel is not None and not isinstance(sequence_parallel, bool):
@@ -169,7 +182,7 @@ def pins(*, tp=None, pp=None, dp=None, zero=None, micro_batch=None, schedule=Non
     return Pins(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch_size=micro_batch,
                 schedule=_enum(ScheduleKind, schedule, "schedule"),
                 recompute=_enum(Recompute, recompute, "recompute"),
-                sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+                sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, cp=cp, ep=ep)
 
 
 _BYTES_OF_DTYPE = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -215,7 +228,7 @@ def _profile(profile):
 
 def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micro_batch=None,
          schedule=None, recompute=None, sequence_parallel=None, virtual_stages=None,
-         alternatives=5, profile=None, tie_tolerance=None):
+         alternatives=5, profile=None, tie_tolerance=None, cp=None, ep=None):
     """Searches for the fastest layout that fits memory; keywords pin choices.
 
     `training` is a TrainingConfig or a global batch size. ``profile``: a MeasuredProfile (or
@@ -228,7 +241,7 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
     options = SearchOptions()
     options.pins = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch,
                         schedule=schedule, recompute=recompute,
-                        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+                        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages, cp=cp, ep=ep)
     options.alternatives = alternatives
     if tie_tolerance is not None:
         options.tie_tolerance = float(tie_tolerance)
@@ -240,12 +253,12 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
 
 def evaluate(graph, cluster, training, *, tp, pp, dp, zero, micro_batch, schedule,
              recompute=None, sequence_parallel=None, virtual_stages=None,
-             allow_over_memory=False, profile=None):
+             allow_over_memory=False, profile=None, cp=None, ep=None):
     """Scores one fully pinned layout (recompute / sequence parallel searched unless given),
     with the analytic model or a measured ``profile``."""
     p = pins(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, schedule=schedule,
              recompute=recompute, sequence_parallel=sequence_parallel,
-             virtual_stages=virtual_stages)
+             virtual_stages=virtual_stages, cp=cp, ep=ep)
     profile = _profile(profile)
     if profile is not None:
         return _P.evaluate_layout_with_profile(graph, cluster, _training(training), p, allow_over_memory, profile)
