@@ -126,3 +126,39 @@ TEST_CASE("expert state is 1/ep per rank with ZeRO over dp*cp/ep; the rest ZeRO 
   const double a2a = all_to_all_seconds(4096.0 * 4096 * 2 * 2 * 7 / 8, 8, 1, cluster);
   CHECK(p.prediction.time.ep_comm == Approx(32 * 4 * a2a));
 }
+
+TEST_CASE("routed experts' compute grows with the load factor; grouped GEMMs fill the SMs", "[moe][cost]") {
+  // Without GEMM shapes (sm_count 0), a dropless layer with 1.5x imbalance does 0.5x its
+  // balanced routed FLOPs more on the busiest rank, plus the memory traffic of its larger
+  // kept activations (written once, read once).
+  Cluster c = cluster_preset("h100-80gb", 8);
+  c.sm_count = 0;
+  const TrainingConfig t = global_batch(8);
+  Layout l;
+  l.dp = 8;
+  l.ep = 8;
+  TransformerConfig cfg = mixtral_8x7b_config(4096);
+  const ModelGraph even = build_transformer(cfg);
+  cfg.moe.imbalance = 1.5;
+  const ModelGraph skewed = build_transformer(cfg);
+  const double rate = c.peak_flops(DType::bf16) * c.matmul_efficiency;
+  const double extra_flops = 0.5 * even.layers[1].moe.routed_flops_per_sample;
+  const double extra_bytes = layer_activation_bytes(skewed.layers[1], 1, 1, false, Recompute::none) -
+                             layer_activation_bytes(even.layers[1], 1, 1, false, Recompute::none);
+  const auto a = layer_costs(even, c, t, l);
+  const auto b = layer_costs(skewed, c, t, l);
+  CHECK(b[1].backward_compute_s / c.backward_forward_ratio - a[1].backward_compute_s / c.backward_forward_ratio ==
+        Approx(extra_flops / rate + 2 * extra_bytes / c.hbm_bytes_per_s));
+  // With SM counts, ep changes only the experts' GEMM shapes here (one node, same FLOPs):
+  // ep 8 gives each rank one expert of 8 x 4096 x 2 / 8 = 8192 rows, ep 1 eight of 1024 rows
+  // in one grouped launch; both are large enough to fill the SMs, so the time barely moves.
+  Cluster sms = cluster_preset("h100-80gb", 8);
+  Layout one = l;
+  one.ep = 1;
+  const auto e8 = layer_costs(even, sms, t, l);
+  const auto e1 = layer_costs(even, sms, t, one);
+  CHECK(e8[1].backward_compute_s == Approx(e1[1].backward_compute_s).epsilon(0.02));
+  // Expert parameters on the rank: 1/ep of the experts.
+  CHECK(e8[1].expert_params == Approx(static_cast<double>(even.layers[1].moe.expert_params) / 8));
+  CHECK(e1[1].params - e8[1].params == Approx(static_cast<double>(even.layers[1].moe.expert_params) * 7 / 8));
+}
