@@ -41,21 +41,27 @@ from . import _runtime
 
 
 def _cp_group(mesh_or_group):
-    """The cp Communicator of a DeviceMesh, or the Communicator itself."""
-    if hasattr(mesh_or_group, "group") and not hasattr(mesh_or_group, "all_gather"):
-        return mesh_or_group.group("cp")
+    """The cp Communicator of a DeviceMesh (None when the mesh has cp=1: no cp axis), or the
+    Communicator itself."""
+    if hasattr(mesh_or_group, "axis_size"):
+        return mesh_or_group.group("cp") if mesh_or_group.axis_size("cp") > 1 else None
     return mesh_or_group
 
 
-def ring_attention(q, k, v, group, causal: bool = True, scale: float = None):
+def ring_attention(q, k, v, group, causal: bool = True, scale: float = None, block_rows: int = 0):
     """softmax(q k^T * scale) v over the whole sequence, of this rank's queries.
 
     ``q`` [b, heads, s_local, d], ``k`` / ``v`` [b, kv_heads, s_local, d] are this rank's chunks
     (``shard_sequence`` along the sequence); kv_heads divides heads (grouped-query attention,
     as Llama's repeat_kv). ``group``: the mesh (its ``cp`` group is used) or a Communicator.
     Every cp rank calls it with the same shapes. Differentiable; float32 accumulation for
-    bf16 / fp16 inputs. Returns [b, heads, s_local, d_v] in q's dtype."""
-    return _runtime.cp_ring_attention(q, k, v, _cp_group(group), causal, scale)
+    bf16 / fp16 inputs. ``block_rows``: query rows per tile of a block (0: tiles of at most
+    2^21 scores). Returns [b, heads, s_local, d_v] in q's dtype."""
+    cp_group = _cp_group(group)
+    if cp_group is None:
+        raise ValueError("ring_attention: the mesh has cp=1 (no cp axis); pass a Communicator as the group (one of a "
+                         "single rank runs the blockwise attention with no exchange)")
+    return _runtime.cp_ring_attention(q, k, v, cp_group, causal, scale, block_rows)
 
 
 def shard_sequence(x, mesh, dim: int = 1):
@@ -63,6 +69,8 @@ def shard_sequence(x, mesh, dim: int = 1):
     2cp-1-i of 2*cp equal chunks, i the rank's cp coordinate. The length must divide by 2*cp.
     Use it for tokens, targets and anything else per token (masks, position ids)."""
     group = _cp_group(mesh)
+    if group is None:
+        return x
     return _runtime.cp_shard_sequence(x, dim, group.rank, group.size)
 
 
@@ -70,12 +78,15 @@ def gather_sequence(x, mesh, dim: int = 1):
     """Every cp rank's part of ``x`` along ``dim``, back in sequence order. Differentiable:
     backward keeps this rank's chunks of the gradient, so what follows the gather must run
     alike on every cp rank."""
-    return _runtime.cp_gather_sequence(x, _cp_group(mesh), dim)
+    group = _cp_group(mesh)
+    return x if group is None else _runtime.cp_gather_sequence(x, group, dim)
 
 
 def sequence_positions(seq_len: int, mesh):
     """The global positions (int64) of the tokens this rank holds of a sequence of ``seq_len``."""
     group = _cp_group(mesh)
+    if group is None:
+        return torch.arange(seq_len)
     return _runtime.cp_sequence_positions(seq_len, group.rank, group.size)
 
 
@@ -83,7 +94,7 @@ def global_mean(loss, mesh):
     """The mean of a per-rank mean loss over the dp x cp ranks (every rank holds as many
     tokens): the whole batch's mean loss, as a Python float, for logging. Collective."""
     t = torch.tensor([float(loss)], dtype=torch.float64)
-    mesh.group("dp_cp").all_reduce(t, average=True).wait()
+    mesh.group("dp_cp").all_reduce(t, average=True).wait()  # dp when the mesh has no cp axis
     return t.item()
 
 
@@ -210,8 +221,11 @@ def context_parallel(model: nn.Module, mesh):
 
     Feed it ``shard_sequence(tokens, mesh)``; see the module's docstring for the loss and
     gradients. An ``nn.MultiheadAttention`` or a model with no attention it recognises is an
-    error. cp=1 leaves the model as it is."""
-    group = mesh.group("cp")
+    error. A mesh with cp=1 leaves the model as it is. ``mesh`` may also be a Communicator
+    used as the cp group; one of a single rank converts the model to ring attention with no
+    exchange: tiled blockwise attention that never forms the s x s probabilities (the
+    one-process baseline of bench/context_parallel.py)."""
+    group = _cp_group(mesh)
     refused = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
     if refused:
         raise ValueError(f"context_parallel: nn.MultiheadAttention at {refused} is not supported (its attention "
@@ -233,7 +247,7 @@ def context_parallel(model: nn.Module, mesh):
                          f"{', '.join(_GPT2)}, head_dim)")
     positions = [(n, m) for n, m in model.named_modules()
                  if n.rpartition(".")[2] in _POSITION_EMBEDDINGS and isinstance(m, nn.Embedding)]
-    if group.size == 1:
+    if group is None:  # a mesh with cp=1
         return model
     for _, module, kind in attention:
         if kind == "llama":

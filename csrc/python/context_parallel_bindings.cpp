@@ -21,10 +21,11 @@ at::ScalarType dtype_named(const std::string& name) {
               "' is not one of float32, float64, bfloat16, float16");
 }
 
-cp::RingAttentionOptions options_of(bool causal, std::optional<double> scale) {
+cp::RingAttentionOptions options_of(bool causal, std::optional<double> scale, int64_t block_rows = 0) {
   cp::RingAttentionOptions o;
   o.causal = causal;
   o.scale = scale;
+  o.block_rows = block_rows;
   return o;
 }
 
@@ -36,8 +37,11 @@ void bind_context_parallel(py::module_& m) {
   m.def(
       "cp_ring_attention",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Communicator& group, bool causal,
-         std::optional<double> scale) { return cp::ring_attention(q, k, v, group, options_of(causal, scale)); },
-      arg("q"), arg("k"), arg("v"), arg("group"), arg("causal") = true, arg("scale") = py::none(), nogil,
+         std::optional<double> scale, int64_t block_rows) {
+        return cp::ring_attention(q, k, v, group, options_of(causal, scale, block_rows));
+      },
+      arg("q"), arg("k"), arg("v"), arg("group"), arg("causal") = true, arg("scale") = py::none(),
+      arg("block_rows") = 0, nogil,
       "Ring attention over the cp group: q [b, heads, s_local, d], k / v [b, kv_heads, s_local, d]; this rank's "
       "chunks under the load-balanced layout (cp_shard_sequence). Differentiable.");
   m.def("cp_shard_sequence", &cp::shard_sequence, arg("x"), arg("dim"), arg("rank"), arg("size"),
@@ -50,8 +54,8 @@ void bind_context_parallel(py::module_& m) {
   m.def(
       "cp_simulate_ring_attention",
       [](const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
-         const std::vector<at::Tensor>& douts, bool causal, std::optional<double> scale) {
-        auto r = cp::simulate_ring_attention(qs, ks, vs, douts, options_of(causal, scale));
+         const std::vector<at::Tensor>& douts, bool causal, std::optional<double> scale, int64_t block_rows) {
+        auto r = cp::simulate_ring_attention(qs, ks, vs, douts, options_of(causal, scale, block_rows));
         py::dict d;
         d["out"] = r.out;
         d["dq"] = r.dq;
@@ -60,7 +64,7 @@ void bind_context_parallel(py::module_& m) {
         return d;
       },
       arg("qs"), arg("ks"), arg("vs"), arg("douts") = std::vector<at::Tensor>{}, arg("causal") = true,
-      arg("scale") = py::none());
+      arg("scale") = py::none(), arg("block_rows") = 0);
   m.def(
       "cp_ring_attention_bytes",
       [](int64_t batch, int64_t local_len, int64_t kv_heads, int64_t head_dim, int64_t v_head_dim, int64_t cp,

@@ -1,5 +1,6 @@
 #include "monarch/runtime/context_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -76,6 +77,9 @@ at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kD
 struct Block {
   bool diagonal = false;
   int64_t q_begin = 0, q_len = 0, kv_begin = 0, kv_len = 0;
+  // Diagonal blocks: key j (from kv_begin) is hidden from query i (from q_begin) when
+  // j - i >= mask_from; 1 for a whole diagonal block, larger for a tile of its lower rows.
+  int64_t mask_from = 1;
 };
 
 Block block_for(int64_t rank, int64_t src, int64_t len, bool causal) {
@@ -86,6 +90,33 @@ Block block_for(int64_t rank, int64_t src, int64_t len, bool causal) {
   return {false, c, c, 0, len};
 }
 
+// A block cut into tiles of query rows, so that one tile's scores and probabilities (fp32,
+// b x heads x rows x keys) stay under a fixed size, whatever the sequence: the memory of the
+// attention's temporaries then does not grow with (s/cp)^2. A tile of a diagonal block needs
+// only the keys up to its last row (the rest are hidden), which also skips the masked half
+// of the block's work. `rows` 0: tiles of about kTileElements scores, and at least
+// kMinTileRows rows (thinner matrix products waste the GEMM).
+constexpr int64_t kTileElements = int64_t{1} << 21;  // 8 MiB of fp32 scores
+constexpr int64_t kMinTileRows = 16;
+
+std::vector<Block> tiles(const Block& blk, int64_t batch_heads, int64_t rows) {
+  if (rows <= 0) {
+    rows = std::max<int64_t>(kMinTileRows, kTileElements / std::max<int64_t>(1, batch_heads * blk.kv_len));
+  }
+  std::vector<Block> out;
+  for (int64_t a = 0; a < blk.q_len; a += rows) {
+    Block t = blk;
+    t.q_begin = blk.q_begin + a;
+    t.q_len = std::min(rows, blk.q_len - a);
+    if (blk.diagonal) {  // q and kv rows share local indices (src == rank, q_begin = kv_begin = 0)
+      t.kv_len = std::min(blk.kv_len, a + t.q_len);
+      t.mask_from = a + 1;
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
 // q as [b, kv_heads, groups, L, d] in the compute dtype: query head kv * groups + g is served
 // by kv head kv, so a block's scores are one broadcast matmul with no repeated keys.
 at::Tensor grouped(const at::Tensor& t, const Shape& s, int64_t last) {
@@ -94,12 +125,12 @@ at::Tensor grouped(const at::Tensor& t, const Shape& s, int64_t last) {
 
 // Scaled scores of queries qb [b, kv, g, lq, d] against keys kb [b, kv, lk, d]; on a diagonal
 // block, the keys after each query are -inf (every row keeps its own key, so no row is empty).
-at::Tensor block_scores(const at::Tensor& qb, const at::Tensor& kb, double scale, bool diagonal) {
+at::Tensor block_scores(const at::Tensor& qb, const at::Tensor& kb, double scale, const Block& blk) {
   auto scores = at::matmul(qb, kb.unsqueeze(2).transpose(-2, -1));
   scores.mul_(scale);
-  if (diagonal) {
+  if (blk.diagonal) {
     const int64_t lq = scores.size(-2), lk = scores.size(-1);
-    auto above = at::ones({lq, lk}, scores.options().dtype(at::kBool)).triu(1);
+    auto above = at::ones({lq, lk}, scores.options().dtype(at::kBool)).triu(blk.mask_from);
     scores.masked_fill_(above, -std::numeric_limits<double>::infinity());
   }
   return scores;
@@ -113,21 +144,20 @@ struct Accumulator {
 
 // Folds one block into the accumulator (online softmax in log-sum-exp form): with the block's
 // own normalized output o_b and log-sum-exp l_b, new = logaddexp(l, l_b) and
-// out = out * exp(l - new) + o_b * exp(l_b - new). `first`: the block is the first for every
-// row (ring step 0 covers every row, causal or not), so it is stored as is.
+// out = out * exp(l - new) + o_b * exp(l_b - new). `first`: the block is the first for its
+// rows (ring step 0 covers every row, causal or not), so it is stored as is.
 void forward_block(Accumulator& acc, const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const Block& blk,
                    double scale, bool first) {
   auto qb = qg.narrow(3, blk.q_begin, blk.q_len);
   auto kb = k.narrow(2, blk.kv_begin, blk.kv_len);
   auto vb = v.narrow(2, blk.kv_begin, blk.kv_len);
-  auto scores = block_scores(qb, kb, scale, blk.diagonal);
+  auto scores = block_scores(qb, kb, scale, blk);
   auto lse_b = scores.logsumexp(-1);
   auto probs = scores.sub_(lse_b.unsqueeze(-1)).exp_();
   auto out_b = at::matmul(probs, vb.unsqueeze(2));
   auto out = acc.out.narrow(3, blk.q_begin, blk.q_len);
   auto lse = acc.lse.narrow(3, blk.q_begin, blk.q_len);
   if (first) {
-    TORCH_INTERNAL_ASSERT(blk.q_begin == 0 && blk.q_len == acc.lse.size(3), "ring step 0 must cover every row");
     out.copy_(out_b);
     lse.copy_(lse_b);
     return;
@@ -151,7 +181,7 @@ void backward_block(const at::Tensor& qg, const at::Tensor& dog, const at::Tenso
   auto dob = dog.narrow(3, blk.q_begin, blk.q_len);
   auto kb = k.narrow(2, blk.kv_begin, blk.kv_len);
   auto vb = v.narrow(2, blk.kv_begin, blk.kv_len);
-  auto probs = block_scores(qb, kb, scale, blk.diagonal);
+  auto probs = block_scores(qb, kb, scale, blk);
   probs.sub_(lse.narrow(3, blk.q_begin, blk.q_len).unsqueeze(-1)).exp_();
   // [b, kv, g, lq, lk] -> the groups folded into the rows: [b, kv, g * lq, lk].
   const auto b = probs.size(0), kvh = probs.size(1), g = probs.size(2), lq = probs.size(3);
@@ -241,7 +271,7 @@ Accumulator new_accumulator(const Shape& s, at::ScalarType ct, const at::Device&
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            int64_t group_handle, bool causal, double scale) {
+                            int64_t group_handle, bool causal, double scale, int64_t rows) {
     Communicator& group = from_handle(group_handle);
     const Shape s = check_inputs(q, k, v, "ring_attention");
     const int64_t n = group.size(), r = group.group_rank();
@@ -259,7 +289,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       if (t + 1 < n) hop.start(group, current, kTagForwardKv);  // the next step's k/v, meanwhile
       const int64_t src = (r - t + n) % n;
       auto [kk, vv] = t == 0 ? std::make_pair(k.contiguous().to(ct), v.contiguous().to(ct)) : unpack(current, s);
-      forward_block(acc, qg, kk, vv, block_for(r, src, s.len, causal), scale, t == 0);
+      for (const Block& tile : tiles(block_for(r, src, s.len, causal), s.batch * s.heads, rows)) {
+        forward_block(acc, qg, kk, vv, tile, scale, t == 0);
+      }
       if (t + 1 < n) current = hop.finish();
     }
     auto out = acc.out.view({s.batch, s.heads, s.len, s.dv}).to(q.scalar_type());
@@ -267,6 +299,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     ctx->saved_data["group"] = group_handle;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["rows"] = rows;
     return out;
   }
 
@@ -276,6 +309,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     Communicator& group = from_handle(ctx->saved_data["group"].toInt());
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t rows = ctx->saved_data["rows"].toInt();
     const Shape s = check_inputs(q, k, v, "ring_attention backward");
     const int64_t n = group.size(), r = group.group_rank();
     const auto ct = compute_type(q.scalar_type());
@@ -306,7 +340,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       auto part = t == 0 ? own : at::zeros({nk + nv}, opts);
       auto dk = part.narrow(0, 0, nk).view({s.batch, s.kv_heads, s.len, s.d});
       auto dv = part.narrow(0, nk, nv).view({s.batch, s.kv_heads, s.len, s.dv});
-      backward_block(qg, dog, lse, delta, kk, vv, block_for(r, src, s.len, causal), scale, dq, dk, dv);
+      for (const Block& tile : tiles(block_for(r, src, s.len, causal), s.batch * s.heads, rows)) {
+        backward_block(qg, dog, lse, delta, kk, vv, tile, scale, dq, dk, dv);
+      }
       if (t >= 1) {
         // Received after this rank's part was computed: the hop overlapped that block.
         if (t >= 2) part.add_(incoming.finish());
@@ -320,7 +356,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto dq_out = dq.view({s.batch, s.heads, s.len, s.d}).to(q.scalar_type());
     auto dk_out = own.narrow(0, 0, nk).view({s.batch, s.kv_heads, s.len, s.d}).to(k.scalar_type());
     auto dv_out = own.narrow(0, nk, nv).view({s.batch, s.kv_heads, s.len, s.dv}).to(v.scalar_type());
-    return {dq_out, dk_out, dv_out, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq_out, dk_out, dv_out, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -379,7 +415,8 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const Shape s = check_inputs(q, k, v, "ring_attention");
   check_layout(s, group.size(), options.causal, "ring_attention");
   if (group.size() > 1) agree_shapes(group, s, options.causal, q.scalar_type());
-  return RingAttention::apply(q, k, v, as_handle(group), options.causal, scale_of(options, s));
+  TORCH_CHECK(options.block_rows >= 0, "monarch: ring_attention: block_rows ", options.block_rows, " must be >= 0");
+  return RingAttention::apply(q, k, v, as_handle(group), options.causal, scale_of(options, s), options.block_rows);
 }
 
 at::Tensor shard_sequence(const at::Tensor& x, int64_t dim, int64_t rank, int64_t size) {
@@ -456,7 +493,9 @@ SimulatedRing simulate_ring_attention(const std::vector<at::Tensor>& qs, const s
     Accumulator acc = new_accumulator(s, ct, qs[r].device());
     for (int64_t t = 0; t < n; ++t) {
       const int64_t src = (r - t + n) % n;
-      forward_block(acc, qg, kc[src], vc[src], block_for(r, src, s.len, options.causal), scale, t == 0);
+      for (const Block& tile : tiles(block_for(r, src, s.len, options.causal), s.batch * s.heads, options.block_rows)) {
+        forward_block(acc, qg, kc[src], vc[src], tile, scale, t == 0);
+      }
     }
     result.out.push_back(acc.out.view({s.batch, s.heads, s.len, s.dv}).to(qs[r].scalar_type()));
     lses.push_back(acc.lse);
@@ -474,8 +513,9 @@ SimulatedRing simulate_ring_attention(const std::vector<at::Tensor>& qs, const s
     auto dq = at::zeros_like(qg);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t src = (r - t + n) % n;
-      backward_block(qg, dog, lses[r], delta, kc[src], vc[src], block_for(r, src, s.len, options.causal), scale, dq,
-                     dk[src], dv[src]);
+      for (const Block& tile : tiles(block_for(r, src, s.len, options.causal), s.batch * s.heads, options.block_rows)) {
+        backward_block(qg, dog, lses[r], delta, kc[src], vc[src], tile, scale, dq, dk[src], dv[src]);
+      }
     }
     result.dq.push_back(dq.view({s.batch, s.heads, s.len, s.d}).to(qs[r].scalar_type()));
   }

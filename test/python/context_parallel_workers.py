@@ -97,7 +97,7 @@ def ring_checks(world):
     mesh = torch_monarch.device_mesh(cp=world.size)
     group = mesh.group("cp")
     out = {"cp": group.size, "cp_rank": group.rank}
-    for causal in (True, False):
+    for causal, rows in ((True, 0), (False, 0), (True, 5)):  # 5: blocks cut into tiles of 5 query rows
         torch.manual_seed(7)  # the same whole tensors on every rank
         q = torch.randn(2, 4, 32, 8, dtype=torch.float64, requires_grad=True)
         k = torch.randn(2, 2, 32, 8, dtype=torch.float64, requires_grad=True)
@@ -106,13 +106,13 @@ def ring_checks(world):
         want = reference_attention(q, k, v, causal)
         want.backward(dout)
         mine = [shard_sequence(t.detach(), mesh, dim=2).requires_grad_() for t in (q, k, v)]
-        got = ring_attention(*mine, mesh, causal=causal)
+        got = ring_attention(*mine, mesh, causal=causal, block_rows=rows)
         got.backward(shard_sequence(dout, mesh, dim=2))
         whole = gather_sequence(got.detach(), mesh, dim=2)
 
         def rel(a, b):
             return ((a - b).abs().max() / b.abs().max()).item()
-        out[f"causal={causal}"] = {
+        out[f"causal={causal},rows={rows}"] = {
             "out": rel(got, shard_sequence(want.detach(), mesh, dim=2)),
             "gathered": rel(whole, want.detach()),
             "dq": rel(mine[0].grad, shard_sequence(q.grad, mesh, dim=2)),
@@ -146,6 +146,14 @@ def ring_checks(world):
         "ranks_differ": error_of(lambda: ring_attention(*(z(1, 2, 8 if group.rank == 0 else 4, 8) for _ in range(3)),
                                                         mesh)),
     }
+    from torch import nn
+    from torch_monarch.context_parallel import context_parallel
+    out["errors"]["no_attention"] = error_of(lambda: context_parallel(nn.Sequential(nn.Linear(4, 4)), mesh))
+    out["errors"]["multihead"] = error_of(lambda: context_parallel(
+        nn.ModuleDict({"mha": nn.MultiheadAttention(8, 2), "llama": models.LlamaAttention(8, 2, 1)}), mesh))
+    gpt2 = context_parallel(make_model("gpt2"), mesh)
+    out["errors"]["positions"] = error_of(lambda: gpt2.transformer.wpe(torch.tensor([3, 4])))
+    out["errors"]["twice"] = error_of(lambda: context_parallel(gpt2, mesh))
     again = ring_attention(*(torch.ones(1, 2, 4, 8) for _ in range(3)), mesh)
     out["usable_after_errors"] = bool(torch.allclose(again, torch.ones_like(again)))
     return out

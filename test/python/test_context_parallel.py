@@ -57,10 +57,10 @@ def expected(ref, dim, result, name):
     return ref if dim is None else _runtime.shard_tensor(ref, dim, result["tp_rank"], result["tp"], 1, name)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_ring_attention_equals_plain_attention(causal):
+@pytest.mark.parametrize("causal, rows", [(True, 0), (False, 0), (True, 5)])
+def test_ring_attention_equals_plain_attention(causal, rows):
     for rank, result in enumerate(launched()):
-        errors = result["ring"][f"causal={causal}"]
+        errors = result["ring"][f"causal={causal},rows={rows}"]
         for what, err in errors.items():
             assert err < RING_REL, f"rank {rank}, causal={causal}: {what} differs by {err:.3g} of its scale"
 
@@ -92,6 +92,10 @@ def test_bad_inputs_are_one_clear_error_on_every_rank():
         assert "local sequence length 7 is odd" in e["odd"]
         assert "called it with different inputs" in e["ranks_differ"]
         assert "rank 0: q [1, 2, 8, 8]" in e["ranks_differ"] and "rank 3: q [1, 2, 4, 8]" in e["ranks_differ"]
+        assert "found no attention module it can convert in Sequential" in e["no_attention"]
+        assert "nn.MultiheadAttention at ['mha'] is not supported" in e["multihead"]
+        assert "indexed with positions other than 0..1" in e["positions"]
+        assert "context_parallel: module 'transformer.wpe' is already converted" in e["twice"]
         assert result["ring"]["usable_after_errors"], f"rank {rank}: the cp group failed after refused inputs"
 
 

@@ -22,6 +22,7 @@ struct Case {
   int64_t cp;
   bool causal;
   int64_t heads, kv_heads;
+  int64_t block_rows = 0;  // 3: blocks cut into tiles of 3 query rows (uneven last tile)
 };
 
 }  // namespace
@@ -30,8 +31,10 @@ TEST_CASE("ring attention's blocks equal attention_core on the whole sequence", 
   // fp64 throughout: the only difference from attention_core is the order of summation
   // (blockwise online softmax), so 1e-12 of the output's scale is a real bound.
   for (Case c : {Case{1, true, 4, 4}, Case{2, true, 4, 2}, Case{4, true, 4, 1}, Case{3, true, 2, 2},
-                 Case{2, false, 4, 2}, Case{4, false, 4, 4}}) {
-    INFO("cp=" << c.cp << " causal=" << c.causal << " heads=" << c.heads << " kv_heads=" << c.kv_heads);
+                 Case{2, false, 4, 2}, Case{4, false, 4, 4},
+                 Case{2, true, 4, 2, 3}, Case{4, true, 4, 1, 3}, Case{1, true, 2, 1, 5}}) {
+    INFO("cp=" << c.cp << " causal=" << c.causal << " heads=" << c.heads << " kv_heads=" << c.kv_heads
+                << " block_rows=" << c.block_rows);
     torch::manual_seed(3);
     const int64_t b = 2, s = 8 * c.cp, d = 8, dv = 6;
     auto opts = torch::TensorOptions().dtype(torch::kDouble);
@@ -53,6 +56,7 @@ TEST_CASE("ring attention's blocks equal attention_core on the whole sequence", 
     }
     monarch::cp::RingAttentionOptions ro;
     ro.causal = c.causal;
+    ro.block_rows = c.block_rows;
     auto got = monarch::cp::simulate_ring_attention(qs, ks, vs, douts, ro);
     CHECK(rel(monarch::cp::unshard_sequence(got.out, 2), want) < 1e-12);
     CHECK(rel(monarch::cp::unshard_sequence(got.dq, 2), q.grad()) < 1e-12);

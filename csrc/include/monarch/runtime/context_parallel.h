@@ -38,6 +38,10 @@ namespace monarch::cp {
 struct RingAttentionOptions {
   bool causal = true;            // causal over global positions (load-balanced layout above)
   std::optional<double> scale;   // default 1 / sqrt(d)
+  // Query rows per tile of a block (the scores of one tile are the largest temporaries):
+  // 0 picks tiles of about 2^21 scores (8 MiB in fp32; at least 16 rows) whatever the sequence
+  // length, so the attention's temporaries do not grow with (s/cp)^2.
+  int64_t block_rows = 0;
 };
 
 // Attention of this rank's queries over the whole sequence's keys and values, whose chunks
