@@ -16,8 +16,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   // Every rank must ask for the same mesh before any group connects: ranks asking for
   // different ones would otherwise wait out the timeout connecting groups that never pair.
   std::ostringstream request;
-  request << "pp=" << mesh.pp << " dp=" << mesh.dp << " cp=" << mesh.cp << " tp=" << mesh.tp << " ep=" << mesh.ep
-          << " order=";
+  request << planner::mesh_summary(mesh) << " order=";
   for (size_t i = 0; i < mesh.order.size(); ++i) request << (i ? "," : "") << mesh.order[i];
   // Collective agreement must be on everywhere or nowhere (a fingerprint exchange would
   // otherwise pair with a real collective).
@@ -180,7 +179,16 @@ int DeviceMesh::rank_at(const std::vector<int>& coordinates) const {
   return rank;
 }
 
-NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
+std::string DeviceMesh::canonical(const std::string& axis) const {
+  const bool cp = has_axis("cp") && mesh_.cp > 1;
+  if (axis == "dp_cp" && !cp) return "dp";
+  if (axis == "edp" && mesh_.ep == 1) return cp ? "dp_cp" : "dp";
+  return axis;
+}
+
+NodeGroups& DeviceMesh::node_groups(const std::string& requested) {
+  // One split per group, whichever of its names asks (dp_cp is dp without cp).
+  const std::string axis = canonical(requested);
   auto found = node_groups_.find(axis);
   if (found != node_groups_.end()) return *found->second;
   Communicator& whole = group(axis);
@@ -227,11 +235,8 @@ NodeGroups& DeviceMesh::node_groups(const std::string& axis) {
 }
 
 Communicator& DeviceMesh::group(const std::string& axis) {
-  auto found = groups_.find(axis);
+  auto found = groups_.find(canonical(axis));
   if (found != groups_.end()) return *found->second;
-  // A size-1 ep / dp_cp group is not created: dp_cp without cp is dp, ep 1 means no split.
-  if (axis == "dp_cp") return group("dp");
-  if (axis == "edp" && mesh_.ep == 1) return group(has_axis("cp") && mesh_.cp > 1 ? "dp_cp" : "dp");
   TORCH_CHECK(axis != "ep", "monarch: the mesh has no ep group (ep=1); ", planner::mesh_summary(mesh_));
   axis_index(axis);  // names the axes
   return *groups_.at(axis);
