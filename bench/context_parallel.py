@@ -15,7 +15,8 @@ layer and step, b = batch per dp rank, s/cp = local tokens:
     forward  (cp - 1) x 2 x b x s/cp x kv_heads x head_dim x 4 B   (k and v, one hop per step)
     backward twice forward (k, v and the fp32 dk, dv accumulators; cp - 1 hops each)
 the same as the planner's cp_ring_step_bytes x (cp - 1), doubled for backward
-(docs/cost_model.md, Context parallelism) for fp32.
+(docs/cost_model.md, Context parallelism) for fp32; the table also shows the planner's own
+number (planner.bytes_per_step, cp row, for the same model and layout).
 
 Memory: the peak resident growth (VmHWM, /proc) of one forward + backward of one sequence of
 SEQ_MEMORY tokens over the resident memory just before it, after a first step (so gradients,
@@ -163,6 +164,20 @@ def memory_worker(what, out):
 
 # ---------------------------------------------------------------------------------------
 
+def planner_cp_bytes(dp, cp):
+    """The planner's prediction of this rank's cp bytes per step (planner.bytes_per_step's cp
+    row) for the same model, batch and layout, fp32."""
+    from torch_monarch import planner
+    graph = planner.transformer(LAYERS, HIDDEN, HEADS, SEQ_BYTES, VOCAB, kv_heads=KV_HEADS, ffn=2 * HIDDEN,
+                                gated_mlp=True, dtype="fp32")
+    training = planner.training(BATCH_PER_DP * dp, compute_dtype="fp32", param_bytes=4.0, grad_bytes=4.0,
+                                activation_bytes=4.0)
+    plan = planner.evaluate(graph, planner.cluster("cpu", dp * cp), training, recompute="none",
+                            allow_over_memory=True, dp=dp, tp=1, pp=1, cp=cp, zero=0, micro_batch=BATCH_PER_DP,
+                            schedule="none")
+    return planner.bytes_per_step(graph, plan)[0]["cp"]
+
+
 def run_bytes():
     out = tempfile.mkdtemp(prefix="monarch-cp-bytes-")
     per_rank = launch(4, ["--bytes-worker"], out)
@@ -171,8 +186,11 @@ def run_bytes():
         rows = [r[i] for r in per_rank]
         fwd, bwd = predicted_bytes(cp, BATCH_PER_DP, SEQ_BYTES)
         worst = max(max(abs(r["forward"] / fwd - 1), abs(r["backward"] / bwd - 1)) for r in rows)
+        plan_bytes = planner_cp_bytes(dp, cp)
+        worst_planner = max(abs((r["forward"] + r["backward"]) / plan_bytes - 1) for r in rows)
         table.append({"layout": name, "dp": dp, "cp": cp, "batch_per_dp": BATCH_PER_DP, "seq": SEQ_BYTES,
-                      "predicted": {"forward": fwd, "backward": bwd},
+                      "predicted": {"forward": fwd, "backward": bwd}, "planner_cp_bytes": plan_bytes,
+                      "worst_deviation_from_planner": worst_planner,
                       "measured": {"forward": rows[0]["forward"], "backward": rows[0]["backward"]},
                       "checks_bytes": rows[0]["checks"], "worst_deviation_any_rank": worst, "ranks": rows})
     return table
@@ -208,11 +226,14 @@ def main():
     print(f"Ring attention bytes per step per rank (Llama {LAYERS} layers, kv_heads {KV_HEADS}, head dim {HEAD_DIM}, "
           f"fp32, batch {BATCH_PER_DP} x {SEQ_BYTES} per dp rank), KiB")
     print(f"{'layout':<11} {'fwd meas':>10} {'fwd pred':>10} {'bwd meas':>10} {'bwd pred':>10} {'worst dev':>10} "
-          f"{'checks':>8}")
+          f"{'planner':>10} {'dev':>7} {'checks':>8}")
     for t in traffic:
         print(f"{t['layout']:<11} {t['measured']['forward'] / 1024:>10.1f} {t['predicted']['forward'] / 1024:>10.1f} "
               f"{t['measured']['backward'] / 1024:>10.1f} {t['predicted']['backward'] / 1024:>10.1f} "
-              f"{t['worst_deviation_any_rank']:>10.2%} {t['checks_bytes'] / 1024:>8.2f}")
+              f"{t['worst_deviation_any_rank']:>10.2%} {t['planner_cp_bytes'] / 1024:>10.1f} "
+              f"{t['worst_deviation_from_planner']:>7.2%} {t['checks_bytes'] / 1024:>8.2f}")
+    print("(planner: planner.bytes_per_step's cp row, forward + backward, for the same model, batch and layout; "
+          "checks: the per-call all-gather of the ranks' shapes, on the cp group)")
     memory = run_memory()
     layers, hidden, heads, kv_heads, inter = MEMORY_MODEL
     print(f"\nPeak activation memory of one forward + backward, one sequence of {SEQ_MEMORY} tokens (largest rank; "
