@@ -83,6 +83,15 @@ class ParallelModel(nn.Module):
         # blocks are materialized with the stage too: the weights tp leaves whole must be real
         # before the engine makes them equal across tp, which happens before ZeRO shards them.
         per_unit = self.deferred and self.dp > 1 and zero_stage == 3 and self.tp == 1
+        # Experts first (expert parallelism takes each rank's experts from the whole model),
+        # then tensor parallelism splits what is left of the blocks.
+        self.ep, self.cp = layout.ep, layout.cp
+        if self.ep > 1:
+            from .experts import expert_parallel
+            if self.deferred:
+                raise ValueError("parallelize: ep > 1 needs the model's weights (expert parallelism keeps each rank's "
+                                 "experts of the whole tensors); build it without meta_init")
+            expert_parallel(model, mesh)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
                             sequence_dim=sequence_dim, units=units)
@@ -172,12 +181,13 @@ class ParallelModel(nn.Module):
         # first stage holding it and how tp split it, for the engine's whole-model state dict.
         entries, seen_names = [], set()
         for stage, m in enumerate(stage_modules):
-            for name, t in m.state_dict().items():
+            for name, t in m.state_dict(keep_vars=True).items():
                 if name not in seen_names:
                     seen_names.add(name)
                     spec = self._tp_specs.get(name)
-                    entries.append(_runtime.StateEntry(name, t, stage, spec[0] if spec else None,
-                                                       spec[1] if spec else 1))
+                    entries.append(_runtime.StateEntry(name, t.detach(), stage, spec[0] if spec else None,
+                                                       spec[1] if spec else 1,
+                                                       experts=bool(getattr(t, "_monarch_expert", False))))
         # Copies that must stay equal start equal (in the engine's constructor, before the
         # dp wrappers take their shards): parameters and buffers tp did not split from tp
         # rank 0, weights tied between the pipeline's ends from the first stage.
@@ -213,8 +223,9 @@ class ParallelModel(nn.Module):
             for s, m in modules.items():
                 only = {id(p) for p in m.parameters() if id(p) in tied_ids} if zero_casts else None
                 self._casts.append(CastParameters(m, mixed_precision, only=only))
+        replicas = self.dp * self.cp  # ranks holding other tokens of the same weights
         for s, m in modules.items():
-            if self.dp > 1 and zero_stage == 0:
+            if replicas > 1 and zero_stage == 0:
                 self._wrapped[s] = DataParallel(m, mesh, bucket_cap_mb=layout.bucket_bytes / (1024 * 1024),
                                                 exclude=tied_ids, reduction=layout.dp_reduction,
                                                 inter_node_compression=layout.inter_node_compression,
@@ -222,7 +233,9 @@ class ParallelModel(nn.Module):
                                                 reduce_dtype=mixed_precision if mixed_precision == torch.bfloat16
                                                 else None)
                 self._composition.set_data_parallel(s, self._wrapped[s]._engine)
-            elif self.dp > 1:
+                for engine in self._wrapped[s]._engines[1:]:  # experts over edp
+                    self._composition.add_data_parallel(s, engine)
+            elif replicas > 1:
                 self._wrapped[s] = fully_shard(m, mesh, units=self._stage_units[s], zero_stage=zero_stage,
                                                ignored_parameters=[p for p in m.parameters() if id(p) in tied_ids],
                                                init_fn=init_fn, mixed_precision=mixed_precision,
@@ -230,6 +243,8 @@ class ParallelModel(nn.Module):
                                                inter_node_compression=layout.inter_node_compression,
                                                overlap=layout.zero_overlap)
                 self._composition.set_fully_shard(s, self._wrapped[s]._engine)
+                for engine, _, _ in self._wrapped[s]._engines[1:]:  # experts over edp
+                    self._composition.add_fully_shard(s, engine)
             else:
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
@@ -695,15 +710,16 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 bucket_bytes=int(bucket_cap_mb * mib) if bucket_cap_mb else int(plan.dp_bucket_bytes),
                 block_names=block_names,
                 recompute=_recompute_kind(recompute if recompute is not None else plan.recompute),
-                zero_overlap=plan.zero_overlap,
+                zero_overlap=plan.zero_overlap, cp=plan.mesh.cp, ep=plan.mesh.ep,
                 # The plan's dp reduction holds while the override keeps the replicated engine.
                 **({"dp_reduction": plan.dp_reduction, "inter_node_compression": plan.inter_node_compression}
                    if zero_stage in (None, 0) and plan.zero_stage == 0 else {}))
+        want = (plan.mesh.pp, plan.mesh.dp, plan.mesh.cp, plan.mesh.tp, plan.mesh.ep)
         if mesh is None:
-            mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp)
-        elif (mesh.axis_size("pp"), mesh.axis_size("dp"), mesh.axis_size("tp")) != (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp):
-            raise ValueError(f"parallelize: the mesh (pp, dp, tp) = ({mesh.axis_size('pp')}, {mesh.axis_size('dp')}, "
-                             f"{mesh.axis_size('tp')}) differs from the plan's ({plan.mesh.pp}, {plan.mesh.dp}, {plan.mesh.tp})")
+            mesh = device_mesh(pp=plan.mesh.pp, dp=plan.mesh.dp, tp=plan.mesh.tp, cp=plan.mesh.cp, ep=plan.mesh.ep)
+        elif tuple(mesh.axis_size(a) for a in ("pp", "dp", "cp", "tp", "ep")) != want:
+            got = tuple(mesh.axis_size(a) for a in ("pp", "dp", "cp", "tp", "ep"))
+            raise ValueError(f"parallelize: the mesh (pp, dp, cp, tp, ep) = {got} differs from the plan's {want}")
     else:
         mesh = mesh if mesh is not None else device_mesh()
         layout = _runtime.layout_from_pins(
@@ -712,7 +728,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             schedule=_schedule_kind(schedule), micro_batches=micro_batches or 1, zero_stage=zero_stage or 0,
             sequence_parallel=bool(sequence_parallel), bucket_bytes=int((bucket_cap_mb or 25.0) * mib),
             block_names=block_names, recompute=_recompute_kind(recompute),
-            zero_overlap=zero_overlap_pays_here())
+            zero_overlap=zero_overlap_pays_here(), cp=mesh.axis_size("cp"), ep=mesh.axis_size("ep"))
     # The compute dtype: the plan's (or, laid out by hand, ``dtype=``); where it is not the
     # parameters' dtype the runtime computes in it with master weights in theirs.
     from .api import mixed_precision_for, mixed_precision_of, torch_dtype

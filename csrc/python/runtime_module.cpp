@@ -188,6 +188,8 @@ void bind_composition(py::module_& m) {
       .def_property_readonly("pp", [](const Layout& l) { return l.mesh.pp; })
       .def_property_readonly("dp", [](const Layout& l) { return l.mesh.dp; })
       .def_property_readonly("tp", [](const Layout& l) { return l.mesh.tp; })
+      .def_property_readonly("cp", [](const Layout& l) { return l.mesh.cp; })
+      .def_property_readonly("ep", [](const Layout& l) { return l.mesh.ep; })
       .def_readonly("virtual_stages", &Layout::virtual_stages)
       .def_readonly("block_stage", &Layout::block_stage)
       .def_readonly("schedule", &Layout::schedule)
@@ -214,8 +216,10 @@ void bind_composition(py::module_& m) {
          std::vector<int64_t> block_stage, std::optional<planner::ScheduleKind> schedule, int64_t micro_batches,
          int64_t zero_stage, bool sequence_parallel, int64_t bucket_bytes, std::vector<std::string> block_names,
          planner::Recompute recompute, const std::string& dp_reduction, const std::string& inter_node_compression,
-         bool zero_overlap) {
+         bool zero_overlap, int64_t cp, int64_t ep) {
         LayoutPins p;
+        p.cp = cp;
+        p.ep = ep;
         p.zero_overlap = zero_overlap;
         p.dp_reduction = planner::dp_reduction_from_string(dp_reduction);
         p.inter_node_compression = planner::compression_from_string(inter_node_compression);
@@ -236,17 +240,20 @@ void bind_composition(py::module_& m) {
       arg("block_stage") = std::vector<int64_t>{}, arg("schedule") = py::none(), arg("micro_batches") = 1,
       arg("zero_stage") = 0, arg("sequence_parallel") = false, arg("bucket_bytes") = 25 * 1024 * 1024,
       arg("block_names") = std::vector<std::string>{}, arg("recompute") = planner::Recompute::none,
-      arg("dp_reduction") = "flat", arg("inter_node_compression") = "none", arg("zero_overlap") = true);
+      arg("dp_reduction") = "flat", arg("inter_node_compression") = "none", arg("zero_overlap") = true,
+      arg("cp") = 1, arg("ep") = 1);
   m.def("even_block_stages", &even_block_stages, arg("num_blocks"), arg("num_stages"));
 
   py::class_<StateEntry>(m, "StateEntry")
       .def(py::init([](std::string name, const at::Tensor& like, int64_t stage, std::optional<int64_t> tp_dim,
-                       int64_t fused_parts) {
+                       int64_t fused_parts, bool experts) {
              StateEntry e{std::move(name), like.sizes().vec(), like.scalar_type(), stage, std::nullopt};
              if (tp_dim) e.tp = TpSpec{*tp_dim, fused_parts};
+             e.experts = experts;
              return e;
            }),
            arg("name"), arg("like"), arg("stage"), arg("tp_dim") = py::none(), arg("fused_parts") = 1,
+           arg("experts") = false,
            "An entry of the whole model's state dict: the local shape and dtype of `like`, the first stage "
            "holding it, how tensor parallelism split it.")
       .def_readonly("name", &StateEntry::name)
@@ -275,6 +282,8 @@ void bind_composition(py::module_& m) {
            "stages: [(stage, parameters, DataParallelEngine or None)] for this rank's stages. Collective.")
       .def("set_data_parallel", &Composition::set_data_parallel, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
       .def("set_fully_shard", &Composition::set_fully_shard, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
+      .def("add_data_parallel", &Composition::add_data_parallel, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
+      .def("add_fully_shard", &Composition::add_fully_shard, arg("stage"), arg("engine"), py::keep_alive<1, 3>())
       .def_property_readonly("layout", &Composition::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("local_stages", &Composition::local_stages)
       .def_property_readonly("executor", &Composition::executor, py::return_value_policy::reference_internal)

@@ -68,7 +68,7 @@ std::vector<int64_t> Layout::stages_of(int64_t pp_rank) const {
 
 std::string Layout::summary() const {
   std::ostringstream out;
-  out << "pp=" << mesh.pp << " dp=" << mesh.dp << " tp=" << mesh.tp << " zero=" << zero_stage
+  out << planner::mesh_summary(mesh) << " zero=" << zero_stage
       << " micro_batches=" << micro_batches;
   if (mesh.pp > 1) out << " schedule=" << planner::to_string(schedule) << " v=" << virtual_stages;
   if (sequence_parallel) out << " sp";
@@ -151,12 +151,25 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
     throw std::invalid_argument("monarch: pp=" + std::to_string(pins.pp) + " x tp=" + std::to_string(pins.tp) +
                                 " does not divide the world of " + std::to_string(world_size) + " ranks");
   }
+  if (pins.cp < 1 || pins.ep < 1 || world_size % (pins.pp * pins.tp * pins.cp) != 0) {
+    throw std::invalid_argument("monarch: pp=" + std::to_string(pins.pp) + " x cp=" + std::to_string(pins.cp) +
+                                " x tp=" + std::to_string(pins.tp) + " does not divide the world of " +
+                                std::to_string(world_size) + " ranks (and ep must be >= 1)");
+  }
   l.mesh.pp = pins.pp;
   l.mesh.tp = pins.tp;
-  l.mesh.dp = pins.dp ? pins.dp : world_size / (pins.pp * pins.tp);
+  l.mesh.cp = pins.cp;
+  l.mesh.ep = pins.ep;
+  if (pins.cp > 1) l.mesh.order = {"pp", "dp", "cp", "tp"};
+  l.mesh.dp = pins.dp ? pins.dp : world_size / (pins.pp * pins.cp * pins.tp);
   if (l.mesh.world_size() != world_size) {
-    throw std::invalid_argument("monarch: pp x dp x tp = " + std::to_string(l.mesh.world_size()) +
-                                ", the world has " + std::to_string(world_size) + " ranks");
+    throw std::invalid_argument("monarch: " + planner::mesh_summary(l.mesh) + " holds " +
+                                std::to_string(l.mesh.world_size()) + " ranks, the world has " +
+                                std::to_string(world_size) + " ranks");
+  }
+  if (l.mesh.token_parallel() % l.mesh.ep != 0) {
+    throw std::invalid_argument("monarch: ep=" + std::to_string(l.mesh.ep) + " does not divide dp x cp = " +
+                                std::to_string(l.mesh.token_parallel()));
   }
   l.virtual_stages = pins.virtual_stages;
   l.schedule = pins.pp > 1 ? pins.schedule.value_or(planner::ScheduleKind::one_f_one_b) : planner::ScheduleKind::none;
@@ -246,6 +259,35 @@ void Composition::set_fully_shard(int64_t stage, FullyShardEngine* engine) {
   TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
 }
 
+void Composition::add_data_parallel(int64_t stage, DataParallelEngine* engine) {
+  for (auto& s : stages_) {
+    if (s.stage == stage) {
+      s.more_data_parallel.push_back(engine);
+      return;
+    }
+  }
+  TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
+}
+
+void Composition::add_fully_shard(int64_t stage, FullyShardEngine* engine) {
+  for (auto& s : stages_) {
+    if (s.stage == stage) {
+      s.more_fully_shard.push_back(engine);
+      return;
+    }
+  }
+  TORCH_CHECK(false, "monarch: rank ", mesh_->rank(), " does not run stage ", stage);
+}
+
+void LocalStage::set_sync(bool sync) {
+  if (data_parallel) data_parallel->set_sync(sync);
+  if (accumulates()) fully_shard->set_sync(sync);
+  for (auto* e : more_data_parallel) e->set_sync(sync);
+  for (auto* e : more_fully_shard) {
+    if (e->options().zero_stage < 3) e->set_sync(sync);
+  }
+}
+
 std::vector<int64_t> Composition::local_stages() const {
   std::vector<int64_t> out;
   for (const auto& s : stages_) out.push_back(s.stage);
@@ -253,10 +295,7 @@ std::vector<int64_t> Composition::local_stages() const {
 }
 
 void Composition::set_sync(bool sync) {
-  for (auto& s : stages_) {
-    if (s.data_parallel) s.data_parallel->set_sync(sync);
-    if (s.accumulates()) s.fully_shard->set_sync(sync);
-  }
+  for (auto& s : stages_) s.set_sync(sync);
 }
 
 double Composition::sample_weight(int64_t samples) {
@@ -307,9 +346,9 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int
         [this](int64_t stage, int64_t, bool is_last) {
           for (auto& s : stages_) {
             if (s.stage != stage) continue;
-            if (s.data_parallel) s.data_parallel->set_sync(is_last);
-            if (s.accumulates()) s.fully_shard->set_sync(is_last);
+            s.set_sync(is_last);
             if (s.fully_shard) s.fully_shard->prepare_gradient_roots();  // ZB-H1's W hands gradients to freed parameters
+            for (auto* e : s.more_fully_shard) e->prepare_gradient_roots();
           }
         });
     PipelineStepStats stats;
@@ -404,6 +443,16 @@ std::vector<std::pair<std::string, at::Tensor>> Composition::full_state_dict(
       mesh_->group("tp").all_gather(stacked, t).wait();
       t = tp::unshard_tensor(stacked.unbind(0), e.tp->dim, e.tp->fused_parts);
     }
+    if (e.experts && layout_.mesh.ep > 1) {
+      // Every ep rank's block of experts, in ep-rank order along dim 0.
+      auto& ep = mesh_->group("ep");
+      Communicator::Phase ep_phase(ep, "state_dict() (assembling the whole model)");
+      std::vector<int64_t> stacked_shape{ep.size()};
+      stacked_shape.insert(stacked_shape.end(), t.sizes().begin(), t.sizes().end());
+      auto stacked = at::empty(stacked_shape, t.options());
+      ep.all_gather(stacked, t.contiguous()).wait();
+      t = at::cat(stacked.unbind(0), 0);
+    }
     out.emplace_back(e.name, t);
   }
   return out;
@@ -438,6 +487,16 @@ std::map<std::string, at::Tensor> Composition::local_slices(const std::map<std::
         continue;
       }
       value = tp::shard_tensor(value, entry.tp->dim, tp_rank, tp, entry.tp->fused_parts, name);
+    }
+    if (entry.experts && layout_.mesh.ep > 1) {
+      const int64_t ep = layout_.mesh.ep;
+      if (value.dim() == 0 || value.size(0) % ep != 0) {
+        problems.push_back(name + " has shape " + list(value.sizes().vec()) + ": its " +
+                           (value.dim() ? std::to_string(value.size(0)) : std::string("no")) +
+                           " experts do not split over ep=" + std::to_string(ep));
+        continue;
+      }
+      value = value.chunk(ep, 0)[mesh_->group("ep").group_rank()];
     }
     if (value.sizes().vec() != entry.shape) {
       problems.push_back(name + " has shape " + list(it->second.sizes().vec()) + ", this rank holds " +

@@ -67,8 +67,42 @@ def train(name):
             "state": state, "held": sum(p.numel() for p in model.parameters())}
 
 
+# parallelize(model, mesh, ...) with the mesh's ep: the engine's micro-batch loop and
+# whole-model state dict. name: (mesh, zero stage, micro-batches)
+PARALLELIZE = {
+    "parallelize_ep2_dp2_m2": (dict(dp=4, ep=2), 0, 2),
+    "parallelize_ep4_zero3": (dict(dp=4, ep=4), 3, 1),
+}
+
+
+def train_parallelize(name):
+    shape, zero, micro_batches = PARALLELIZE[name]
+    mesh = torch_monarch.device_mesh(**shape)
+    model = make_model()
+    pm = torch_monarch.parallelize(model, mesh, zero_stage=zero, micro_batches=micro_batches)
+    opt = make_optimizer(pm)
+    dp, rank = mesh.axis_size("dp"), mesh.coordinate("dp")
+    per_rank = GLOBAL_BATCH // dp
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + AUX * aux_loss(model)
+
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = batch(step)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        losses.append(pm.train_step(inputs[rows], targets[rows], loss_fn=loss_fn))
+        opt.step()
+    full = pm.state_dict()  # the whole model: every ep rank's experts gathered
+    pm.load_state_dict(full)  # cut back into this rank's experts
+    again = pm.state_dict()
+    return {"losses": losses, "full": full, "reload_diff": max((again[k] - v).abs().max().item() for k, v in full.items()),
+            "local_experts": [m.local_experts for m in model.modules() if isinstance(m, ExpertParallelExperts)]}
+
+
 def main(names):
-    out = {name: train(name) for name in names.split(",")}
+    out = {name: (train_parallelize(name) if name in PARALLELIZE else train(name)) for name in names.split(",")}
     torch.save(out, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt"))
 
 

@@ -39,9 +39,11 @@ def aux_loss(model):
     return torch.stack(losses).sum()
 
 
-def reference(capacity_factor=0.0):
+def reference(capacity_factor=0.0, micro_batches=1, dp=1):
     """One process, the whole global batch: losses per step, the final parameters, the slots
-    the capacity dropped per step and the step-0 gradients."""
+    the capacity dropped per step and the step-0 gradients. With micro-batches, as a layout of
+    dp ranks runs them: micro-batch i is every rank's i-th slice of its rows (the load-balancing
+    loss and the capacity are per micro-batch), the loss the mean over micro-batches."""
     model = make_model(capacity_factor)
     opt = make_optimizer(model)
     losses, dropped = [], []
@@ -53,16 +55,23 @@ def reference(capacity_factor=0.0):
     for m in model.modules():
         if isinstance(m, models.MoEExperts):
             m.register_forward_hook(count)
+    per_rank = GLOBAL_BATCH // dp
+    per_mb = per_rank // micro_batches
     for step in range(STEPS):
         inputs, targets = batch(step)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + AUX * aux_loss(model)
         opt.zero_grad()
-        loss.backward()
+        total = 0.0
+        for mb in range(micro_batches):
+            rows = torch.cat([torch.arange(r * per_rank + mb * per_mb, r * per_rank + (mb + 1) * per_mb)
+                              for r in range(dp)])
+            logits = model(inputs[rows])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)) + AUX * aux_loss(model)
+            (loss / micro_batches).backward()
+            total += loss.item() / micro_batches
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
-        losses.append(loss.item())
+        losses.append(total)
         dropped.append(sum(counts))
         counts.clear()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, dropped, grads

@@ -18,25 +18,26 @@ import pytest
 import torch
 
 from dist_harness import launch
-from moe_model import EXPERTS, reference
+from moe_model import EXPERTS, LAYERS, reference
 
 LOSS_REL = 1e-5
 GRAD_REL = 1e-5
 PARAM_ELEMENT_REL = 2e-4
 PARAM_NORM_REL = 1e-5
 LAYOUTS = ["ep4", "ep2_dp2", "ep2_dp2_zero3", "ep2_tp2", "ep4_capacity", "ep2_dp2_capacity"]
+PARALLELIZE = {"parallelize_ep2_dp2_m2": 2, "parallelize_ep4_zero3": 1}  # name: micro-batches
 
 
 @pytest.fixture(scope="module")
 def results():
-    r = launch(4, ",".join(LAYOUTS), timeout=300, worker="experts_workers.py")
+    r = launch(4, ",".join(LAYOUTS + list(PARALLELIZE)), timeout=300, worker="experts_workers.py")
     assert r.ok, r.describe()
     return [torch.load(r.result_path(k)) for k in range(4)]
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {0.0: reference(0.0), 1.0: reference(1.0)}
+    return {0.0: reference(0.0), 1.0: reference(1.0), "m2": reference(0.0, micro_batches=2, dp=4)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -89,3 +90,22 @@ def test_expert_parallel_trains_as_one_process(layout, results, references):
     assert dropped == ref_dropped
     if capacity:
         assert sum(dropped) > 0, f"{layout}: capacity 1.0 dropped nothing: the test would not see the rule"
+
+
+@pytest.mark.parametrize("name", list(PARALLELIZE))
+def test_parallelize_runs_experts_from_the_mesh(name, results, references):
+    """parallelize(model, mesh with ep): experts split before anything else, replicas or
+    ZeRO-3 over edp, the engine's micro-batches; state_dict() gathers every rank's experts and
+    load_state_dict() cuts them back."""
+    ref_losses, ref_state, _, _ = references["m2" if PARALLELIZE[name] == 2 else 0.0]
+    for rank, all_layouts in enumerate(results):
+        res = all_layouts[name]
+        ep = 2 if "ep2" in name else 4
+        assert res["local_experts"] == [EXPERTS // ep] * LAYERS, f"{name}: experts not split"
+        assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_REL), f"{name} rank {rank}"
+        assert set(res["full"]) == set(ref_state)
+        for pname, want in ref_state.items():
+            got = res["full"][pname]
+            assert got.shape == want.shape, f"{name}: state_dict()[{pname!r}] is {tuple(got.shape)}"
+            assert ((got - want).norm() / want.norm()).item() <= PARAM_NORM_REL, f"{name}: {pname}"
+        assert res["reload_diff"] == 0.0

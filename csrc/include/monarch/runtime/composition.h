@@ -32,7 +32,7 @@ namespace monarch {
 
 // A plan resolved for one model (its block count) and one world.
 struct Layout {
-  planner::Mesh mesh;                 // pp, dp, tp
+  planner::Mesh mesh;                 // pp, dp, tp (cp, ep)
   int64_t virtual_stages = 1;         // per pipeline rank (interleaved schedules)
   std::vector<int64_t> block_stage;   // stage of each block, in [0, pp * virtual_stages)
   planner::ScheduleKind schedule = planner::ScheduleKind::none;  // none when pp == 1
@@ -55,7 +55,8 @@ struct Layout {
 
 // Choices made by hand (no plan): unset fields take the defaults below.
 struct LayoutPins {
-  int64_t pp = 1, dp = 0 /* 0: world / (pp * tp) */, tp = 1;
+  int64_t pp = 1, dp = 0 /* 0: world / (pp * cp * tp) */, tp = 1;
+  int64_t cp = 1, ep = 1;  // planner::Mesh's context and expert parallelism
   int64_t virtual_stages = 1;
   std::vector<int64_t> block_stage;  // empty: as even as possible
   std::optional<planner::ScheduleKind> schedule;  // default 1f1b when pp > 1
@@ -101,6 +102,9 @@ struct StateEntry {
   at::ScalarType dtype = at::kFloat;
   int64_t stage = 0;
   std::optional<TpSpec> tp;
+  // A MoE layer's experts split over the mesh's ep group: this rank holds its ep rank's block
+  // of dim 0 (experts [r * E / ep, (r + 1) * E / ep)).
+  bool experts = false;
 };
 
 // A local stage as its frontend built it.
@@ -116,7 +120,13 @@ struct LocalStage {
   // the parameters get placeholders of their shapes before a zero-bubble weight pass
   // (FullyShardEngine::prepare_gradient_roots).
   FullyShardEngine* fully_shard = nullptr;
+  // Engines of the same stage over another group (experts over the mesh's edp group): the
+  // engine turns their sync on and off with the stage's own.
+  std::vector<DataParallelEngine*> more_data_parallel;
+  std::vector<FullyShardEngine*> more_fully_shard;
   bool accumulates() const { return fully_shard != nullptr && fully_shard->options().zero_stage < 3; }
+  // Gradient sync on or off for every engine of the stage (ZeRO-3 engines stay on).
+  void set_sync(bool sync);
 };
 
 class Composition {
@@ -142,6 +152,9 @@ class Composition {
   // The ZeRO engine wrapping local stage `stage` (not owned); stage 3 engines are left
   // syncing every micro-batch.
   void set_fully_shard(int64_t stage, FullyShardEngine* engine);
+  // A further engine of local stage `stage` over another group (experts over edp).
+  void add_data_parallel(int64_t stage, DataParallelEngine* engine);
+  void add_fully_shard(int64_t stage, FullyShardEngine* engine);
 
   const Layout& layout() const { return layout_; }
   DeviceMesh& mesh() { return *mesh_; }
