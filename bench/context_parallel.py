@@ -98,14 +98,14 @@ def bytes_worker(out):
     import torch.nn.functional as F
     import torch_monarch
     from torch_monarch import _runtime
-    from torch_monarch.context_parallel import DataParallelCP, context_parallel, shard_sequence
+    from torch_monarch.context_parallel import context_parallel, shard_sequence
     torch.set_num_threads(1)
     world = torch_monarch.init(timeout=300)
     rows = []
     for name, dp, cp in BYTE_LAYOUTS:
         mesh = torch_monarch.device_mesh(dp=dp, cp=cp)
         group = mesh.group("cp")
-        model = DataParallelCP(context_parallel(make_model(), mesh), mesh)
+        model = torch_monarch.DataParallel(context_parallel(make_model(), mesh), mesh)
         g = torch.Generator().manual_seed(1 + mesh.coordinate("dp"))
         tokens = torch.randint(VOCAB, (BATCH_PER_DP, SEQ_BYTES + 1), generator=g)
         x, y = shard_sequence(tokens[:, :-1], mesh), shard_sequence(tokens[:, 1:], mesh)
@@ -133,7 +133,7 @@ def memory_worker(what, out):
     import torch.nn.functional as F
     import torch_monarch
     from procmem import reset_peak, vm, warm_up_torch
-    from torch_monarch.context_parallel import DataParallelCP, context_parallel, shard_sequence
+    from torch_monarch.context_parallel import context_parallel, shard_sequence
     torch.set_num_threads(1)
     warm_up_torch()
     world = torch_monarch.init(timeout=300)
@@ -143,7 +143,7 @@ def memory_worker(what, out):
     x, y = tokens[:, :-1], tokens[:, 1:]
     if world.size > 1:
         mesh = torch_monarch.device_mesh(cp=world.size)
-        model = DataParallelCP(context_parallel(model, mesh), mesh)
+        model = torch_monarch.DataParallel(context_parallel(model, mesh), mesh)
         x, y = shard_sequence(x, mesh), shard_sequence(y, mesh)
     elif what == "ring":
         mesh = torch_monarch.device_mesh()

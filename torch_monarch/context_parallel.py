@@ -5,10 +5,10 @@ Every cp rank holds 2 of the 2*cp equal chunks of each sequence, chunks i and 2c
 load-balanced causal layout of Megatron-Core and torchtitan), and computes everything but
 attention on its own tokens; attention passes keys and values around the cp ring.
 
-    from torch_monarch.context_parallel import context_parallel, shard_sequence, DataParallelCP
+    from torch_monarch.context_parallel import context_parallel, shard_sequence
     mesh = torch_monarch.device_mesh(dp=2, cp=2)
     model = context_parallel(model, mesh)           # swaps the attention (and positions) in place
-    model = DataParallelCP(model, mesh)             # gradients averaged over dp x cp
+    model = torch_monarch.DataParallel(model, mesh) # gradients averaged over dp x cp
     x, y = shard_sequence(tokens, mesh), shard_sequence(targets, mesh)   # the same cut for both
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())          # mean over local tokens
     loss.backward()
@@ -18,7 +18,7 @@ The loss. Shard tokens and targets (already shifted by one, as for the unsplit m
 the same ``shard_sequence``; each rank takes the mean over its own tokens. Every rank holds
 the same number of tokens, so the mean of the ranks' means is the mean over all tokens, and
 the gradients must be averaged over the ``dp_cp`` group (dp x cp: every rank holding the same
-parameters), which ``DataParallelCP`` does. (Ring attention's backward already sends each key
+parameters), which ``DataParallel`` (and ``fully_shard``) do on a mesh with cp. (Ring attention's backward already sends each key
 and value gradient to the rank owning that chunk; what is left on each rank is its share of
 the parameter gradients.) With ignored targets (``ignore_index``) the counts differ: take
 ``sum of local token losses * cp / count``, where ``count`` is the number of counted tokens
@@ -96,34 +96,6 @@ def global_mean(loss, mesh):
     t = torch.tensor([float(loss)], dtype=torch.float64)
     mesh.group("dp_cp").all_reduce(t, average=True).wait()  # dp when the mesh has no cp axis
     return t.item()
-
-
-class DataParallelCP(nn.Module):
-    """Data parallelism over the mesh's ``dp_cp`` group (dp x cp), the replicas of the
-    parameters under context parallelism: the C++ DataParallel engine (buckets, hooks,
-    broadcast from the group's first rank at construction) with its gradients averaged over
-    every rank that holds the same parameters. Without a cp axis it is plain data
-    parallelism over dp. (The plan-driven Composition will do the same from a plan's cp.)"""
-
-    def __init__(self, module: nn.Module, mesh, bucket_cap_mb: float = 25.0):
-        super().__init__()
-        self.module = module
-        self.mesh = mesh
-        options = _runtime.DataParallelOptions()
-        options.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self._engine = _runtime.DataParallelEngine(list(module.parameters()), list(module.buffers()), mesh, "dp_cp",
-                                                   options)
-
-    def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():
-            self._engine.before_forward()
-        return self.module(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)
 
 
 # ---------------------------------------------------------------------------------------

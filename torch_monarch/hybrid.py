@@ -92,6 +92,14 @@ class ParallelModel(nn.Module):
                 raise ValueError("parallelize: ep > 1 needs the model's weights (expert parallelism keeps each rank's "
                                  "experts of the whole tensors); build it without meta_init")
             expert_parallel(model, mesh)
+        # Context parallelism: each cp rank runs its chunks of every sequence (train_step and
+        # predict cut the inputs; attention passes keys and values around the cp ring).
+        self._sequence_dim = sequence_dim
+        if self.cp > 1:
+            from .context_parallel import context_parallel
+            if self.pp > 1:
+                raise ValueError("parallelize: cp > 1 with a pipeline (pp > 1) is not supported yet")
+            context_parallel(model, mesh)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
                             sequence_dim=sequence_dim, units=units)
@@ -393,6 +401,13 @@ class ParallelModel(nn.Module):
             self._collect_before_first_step = False
             gc.collect()
         m = self.micro_batches
+        if self.cp > 1:
+            # This cp rank's chunks of every sequence, inputs and targets cut alike; each rank's
+            # loss is the mean over its tokens, and the engine averages over dp x cp.
+            if targets is None and loss_fn is None:
+                raise ValueError("parallelize: under cp > 1 train_step needs targets and loss_fn (a model's own "
+                                 "loss would shift labels inside the model, across the chunks)")
+            inputs, targets = self._cut_sequences(inputs), self._cut_sequences(targets)
         xs = _split(inputs, m, "inputs")
         ys = _split(targets, m, "targets") if targets is not None else [None] * m
         counts = _label_tokens(self._causal_lm, xs) if targets is None and loss_fn is None else None
@@ -439,11 +454,30 @@ class ParallelModel(nn.Module):
         for cast in self._casts:
             cast.release()
 
+    def _cut_sequences(self, x):
+        """Under cp: this rank's chunks (along the sequence dimension) of every tensor of
+        ``x`` with one (a tensor, or the tensors of a tuple / dict)."""
+        from .context_parallel import shard_sequence
+        dim = self._sequence_dim
+
+        def cut(t):
+            return shard_sequence(t, self.mesh, dim=dim) if isinstance(t, torch.Tensor) and t.dim() > dim else t
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(t) for t in x)
+        return cut(x)
+
     @torch.no_grad()
     def predict(self, inputs):
         """Forward only (inference) through the pipeline; returns the model's outputs for
-        the whole local batch on ranks of the last stage, None elsewhere."""
+        the whole local batch on ranks of the last stage, None elsewhere. Under cp the inputs
+        are cut along the sequence and a tensor output is gathered back whole."""
         if self.pp == 1:
+            if self.cp > 1:
+                from .context_parallel import gather_sequence
+                out = _call(self.stages[0], self._cut_sequences(inputs))
+                return gather_sequence(out, self.mesh, dim=self._sequence_dim) if isinstance(out, torch.Tensor) else out
             return _call(self.stages[0], inputs)
         xs = _split(inputs, self.micro_batches, "inputs")
         outputs = {}

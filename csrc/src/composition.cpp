@@ -391,9 +391,10 @@ void Composition::expect_all(const std::string& what) {
 }
 
 double Composition::global_mean(double value) {
-  if (layout_.mesh.dp == 1) return value;
+  // Over every rank holding other tokens: dp x cp (each cp rank's loss is its chunks' mean).
+  if (layout_.mesh.token_parallel() == 1) return value;
   auto t = at::full({1}, value, at::kDouble);
-  mesh_->group("dp").all_reduce(t, /*average=*/true).wait();
+  mesh_->group("dp_cp").all_reduce(t, /*average=*/true).wait();
   return t.item<double>();
 }
 

@@ -161,7 +161,7 @@ def ring_checks(world):
 
 def train(world, name):
     import torch_monarch
-    from torch_monarch.context_parallel import (DataParallelCP, context_parallel, converted_modules, global_mean,
+    from torch_monarch.context_parallel import (context_parallel, converted_modules, global_mean,
                                                 shard_sequence)
     from torch_monarch.tensor_parallel_modules import (ColumnParallelLinear, RowParallelLinear,
                                                        VocabParallelEmbedding, tensor_parallel,
@@ -172,7 +172,7 @@ def train(world, name):
     if tp > 1:
         tensor_parallel(model, mesh)
     context_parallel(model, mesh)
-    wrapped = DataParallelCP(model, mesh)
+    wrapped = torch_monarch.DataParallel(model, mesh)
     opt = make_optimizer(model)
     rows = BATCH // dp
     first = mesh.coordinate("dp") * rows

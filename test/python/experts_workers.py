@@ -72,6 +72,10 @@ def train(name):
 PARALLELIZE = {
     "parallelize_ep2_dp2_m2": (dict(dp=4, ep=2), 0, 2),
     "parallelize_ep4_zero3": (dict(dp=4, ep=4), 3, 1),
+    # Context and expert parallelism together: the sequence split over cp=2 (ring attention),
+    # the experts over ep=2 taken from the dp x cp ranks, replicas over dp x cp.
+    "parallelize_cp2_ep2": (dict(dp=2, cp=2, ep=2), 0, 1),
+    "parallelize_cp4_ep4": (dict(dp=1, cp=4, ep=4), 0, 1),  # experts over the cp ranks alone
 }
 
 

@@ -25,7 +25,8 @@ GRAD_REL = 1e-5
 PARAM_ELEMENT_REL = 2e-4
 PARAM_NORM_REL = 1e-5
 LAYOUTS = ["ep4", "ep2_dp2", "ep2_dp2_zero3", "ep2_tp2", "ep4_capacity", "ep2_dp2_capacity"]
-PARALLELIZE = {"parallelize_ep2_dp2_m2": 2, "parallelize_ep4_zero3": 1}  # name: micro-batches
+PARALLELIZE = {"parallelize_ep2_dp2_m2": 2, "parallelize_ep4_zero3": 1, "parallelize_cp2_ep2": 1,
+               "parallelize_cp4_ep4": 1}  # name: micro-batches
 
 
 @pytest.fixture(scope="module")
