@@ -404,6 +404,12 @@ ParallelModule::Stage& ParallelModule::stage(int64_t s) {
 
 ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptions options)
     : model_(std::move(model)) {
+  // The plan is the contract: a layout this frontend cannot run is refused, never ignored.
+  TORCH_CHECK(layout.mesh.cp == 1 && layout.mesh.ep == 1, "monarch::parallelize: the plan's mesh ",
+              planner::mesh_summary(layout.mesh),
+              " uses context or expert parallelism, which the C++ frontend does not apply yet (the engine's "
+              "monarch::cp::ring_attention and monarch::experts are there for a model to call; "
+              "torch_monarch.parallelize applies both)");
   recompute_ = layout.recompute == planner::Recompute::full;
   selective_ = layout.recompute == planner::Recompute::selective;
   std::vector<int64_t> blocks = options.blocks.empty() ? find_blocks(model_) : options.blocks;
