@@ -10,9 +10,9 @@ shape and dtype, which file holds which slice (offsets and lengths per dimension
 CRC-32C per slice, the plan, the step and the RNG states. Optimizer state is saved under the
 parameters' names (``optimizer.<param>.<key>``).
 
-Save: every rank writes only the slices it holds (its pipeline stages, its tp shard, its
-ZeRO rows), each slice once over all replicas (the lowest rank holding it writes it), with
-no gather to one rank. Files go to ``<path>.partial`` and the directory is renamed into
+Save: every rank writes only the slices it holds (its pipeline stages, its tp shard, its ep
+rank's experts, its ZeRO rows), each slice once over all replicas (the lowest rank holding it
+writes it), with no gather to one rank. Files go to ``<path>.partial`` and the directory is renamed into
 place after every rank finished and the index is complete: a crash at any moment leaves
 the previous checkpoint at ``path`` loadable (between the two renames of a replacement it
 is at ``<path>.old``, which ``load`` falls back to).
@@ -121,16 +121,24 @@ def _take_rows(segments, start, count):
     return out
 
 
-def _placement(local_full_shape, tp_spec, tp_rank, tp_size, zero=None):
+def _placement(local_full_shape, tp_spec, tp_rank, tp_size, zero=None, experts=None, name=None):
     """Placement of a tensor whose tp-local full shape is `local_full_shape`, cut by tp as
     `tp_spec` (dim, fused parts) says, of which this rank holds `zero` = (row start, rows)
-    when ZeRO shards it."""
+    when ZeRO shards it. `experts` = (first expert, experts in all): expert parallelism's
+    rows of dim 0 (the local tensor holds experts [first, first + rows)); ZeRO's rows are then
+    rows of that local tensor."""
     shape = list(local_full_shape)
     segments = [[(0, 0, s)] for s in shape]
     global_shape = list(shape)
+    if experts is not None:
+        first, total = experts
+        global_shape[0] = int(total)
+        segments[0] = [(0, int(first), shape[0])]
     if tp_spec is not None and tp_size > 1:
         dim, fused = tp_spec
         dim = dim % len(shape)
+        if experts is not None and dim == 0:
+            raise CheckpointError(f"checkpoint: '{name}' is split along dim 0 by both expert and tensor parallelism")
         global_shape[dim] = shape[dim] * tp_size
         segments[dim] = _tp_segments(global_shape[dim], fused, tp_size, tp_rank)
     if zero is not None:
@@ -150,26 +158,34 @@ def _entries(model):
                               "out with parallelize(..., zero_stage=N), whose result saves and loads in any layout")
     if not isinstance(model, ParallelModel):
         # One process, or DataParallel replicas (every rank holds the whole model: the lowest
-        # rank writes it), with embedding tables sharded over the ranks.
+        # rank writes it), with embedding tables sharded over the ranks and experts split over
+        # ep (each ep rank's rows of the whole tensors; replicas over edp written once).
         module = model.module if isinstance(model, DataParallel) else model
+        experts = _expert_rows(module)
         seen, out = set(), []
         for name, p in module.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                out.append((name, p, Placement.whole(p.shape), "param"))
+                placement = (_placement(p.shape, None, 0, 1, experts=experts[name], name=name) if name in experts
+                             else Placement.whole(p.shape))
+                out.append((name, p, placement, "param"))
         for name, b in _persistent_buffers(module):
             out.append((name, b, Placement.whole(b.shape), "buffer"))
         out += _embedding_entries(module)
         return out
     mesh = model.mesh
     tp_rank, tp_size = mesh.coordinate("tp"), mesh.axis_size("tp")
-    dp_rank, dp_size = mesh.coordinate("dp"), mesh.axis_size("dp")
+    # ZeRO shards over the group its engines run on: the other parameters' replicas (dp, or
+    # dp x cp), the experts' (the mesh's edp group, dp x cp / ep ranks).
+    replicas = mesh.group("dp_cp") if mesh.size > 1 else None
+    expert_replicas = mesh.group("edp") if mesh.size > 1 and mesh.axis_size("ep") > 1 else None
     out, seen = [], set()
     for s in model._local:
         wrapped, plain = model._wrapped[s], model._plain[s]
         sharded = isinstance(wrapped, FullyShardedModule)
         ignored = {id(p) for p in getattr(wrapped, "ignored_parameters", ())}
         named = list(wrapped.named_parameters()) if sharded else []
+        experts = _expert_rows(plain)
         for name, shard in named:
             full = wrapped._shapes[name]
             if not full:  # a scalar parameter: ZeRO keeps it as one row, on the first rank
@@ -177,22 +193,40 @@ def _entries(model):
                             "param"))
                 seen.add(id(shard))
                 continue
-            chunk = -(-full[0] // dp_size) if full else 0
-            start = dp_rank * chunk
+            group = expert_replicas if name in experts else replicas
+            zero_rank, zero_size = (group.rank, group.size) if group is not None else (0, 1)
+            chunk = -(-full[0] // zero_size) if full else 0
+            start = zero_rank * chunk
             rows = max(0, min(full[0] - start, chunk)) if full else 0
             out.append((model._canonical.get(name, name), shard,
-                        _placement(full, model._tp_specs.get(name), tp_rank, tp_size, (start, rows)), "param"))
+                        _placement(full, model._tp_specs.get(name), tp_rank, tp_size, (start, rows),
+                                   experts=experts.get(name), name=name), "param"))
             seen.add(id(shard))
         for name, p in plain.named_parameters():
             if id(p) in seen or (sharded and id(p) not in ignored):
                 continue
             seen.add(id(p))
             out.append((model._canonical.get(name, name), p,
-                        _placement(p.shape, model._tp_specs.get(name), tp_rank, tp_size), "param"))
+                        _placement(p.shape, model._tp_specs.get(name), tp_rank, tp_size, experts=experts.get(name),
+                                   name=name), "param"))
         for name, b in _persistent_buffers(plain):
             if id(b) not in seen:
                 seen.add(id(b))
                 out.append((name, b, _placement(b.shape, model._tp_specs.get(name), tp_rank, tp_size), "buffer"))
+    return out
+
+
+def _expert_rows(module):
+    """{parameter name in `module`: (first expert, experts in all)} for the experts that
+    expert_parallel split (torch_monarch.experts): this ep rank holds rows [first, first +
+    local_experts) of dim 0 of the whole [experts, ...] tensors, under the same names."""
+    from .experts import ExpertParallelExperts
+    out = {}
+    for mname, m in module.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for pname, p in m._parameters.items():
+                if p is not None:
+                    out[f"{mname}.{pname}" if mname else pname] = (m.first_expert, m.num_experts)
     return out
 
 
@@ -259,11 +293,13 @@ def _restore_embedding_state(model):
 
 
 def _distributed_parts(model):
-    """Submodules that exist only across ranks (sharded tables, fully_shard units)."""
+    """Submodules that exist only across ranks (sharded tables, fully_shard units, experts
+    split over ep)."""
     from .embeddings import ShardedEmbeddingCollection
+    from .experts import ExpertParallelExperts
     from .sharded import FullyShardedModule
     return [n or "the model" for n, m in model.named_modules()
-            if isinstance(m, (ShardedEmbeddingCollection, FullyShardedModule))]
+            if isinstance(m, (ShardedEmbeddingCollection, FullyShardedModule, ExpertParallelExperts))]
 
 
 def _persistent_buffers(module):
