@@ -28,6 +28,65 @@ def init_weights(module, std=0.02):
         nn.init.ones_(module.weight)
 
 
+# -- KV cache for generation (torch_monarch.generate; forwards without cache= are unchanged)
+
+class KVCache:
+    """Keys and values of every token seen so far, per layer, for token-by-token generation.
+    Whoever drives the loop (torch_monarch.generate) sets, before each forward,
+    ``attention_mask`` [batch, every token so far, those fed now included] (1: a real token,
+    0: left padding) and ``positions`` [batch, tokens fed now]; each attention layer appends its
+    keys and values [batch, kv_heads (this rank's under tp), tokens, head_dim]."""
+
+    def __init__(self):
+        self.keys, self.values = {}, {}
+        self.attention_mask = None
+        self.positions = None
+
+    def layer(self, index):
+        return _LayerCache(self, index)
+
+    def allowed(self, queries, keys, device):
+        """[batch, 1, queries, keys] bool: a query sees real keys at or before its own place
+        (the last ``queries`` of the ``keys``), and always itself (a padding query would
+        otherwise see nothing and give NaN)."""
+        q = torch.arange(keys - queries, keys, device=device)[:, None]
+        k = torch.arange(keys, device=device)[None, :]
+        real = self.attention_mask[:, None, None, -keys:].bool()
+        return ((k <= q) & real) | (k == q)
+
+
+class _LayerCache:
+    def __init__(self, cache, index):
+        self.cache, self.index = cache, index
+
+    def update(self, k, v):
+        c, i = self.cache, self.index
+        if i in c.keys:
+            k, v = torch.cat([c.keys[i], k], dim=2), torch.cat([c.values[i], v], dim=2)
+        c.keys[i], c.values[i] = k, v
+        return k, v
+
+
+class _PastCache:
+    """A layer's cache whose keys and values were appended already (Llama repeats kv heads
+    after caching them, so the cache keeps this rank's kv heads, not the repeated ones)."""
+
+    def __init__(self, layer_cache):
+        self.cache = layer_cache.cache
+        self._kv = (layer_cache.cache.keys[layer_cache.index], layer_cache.cache.values[layer_cache.index])
+
+    def update(self, k, v):
+        return k, v
+
+
+def _cached_attention(q, k, v, cache, head_dim):
+    """softmax(q k^T / sqrt(d)) v over the cached keys, masked by the cache's padding and order."""
+    k, v = cache.update(k, v)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    allowed = cache.cache.allowed(q.shape[2], k.shape[2], q.device)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
 # -- GPT-2 (Hugging Face names: transformer.wte / wpe / h.N.attn.c_attn / ln_f, tied lm_head)
 
 class GPT2Attention(nn.Module):
@@ -40,10 +99,13 @@ class GPT2Attention(nn.Module):
         self.attn_dropout = nn.Dropout(dropout)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         b, s, _ = x.size()
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            out = _cached_attention(q, k, v, cache, self.head_dim).transpose(1, 2).reshape(b, s, -1)
+            return self.resid_dropout(self.c_proj(out))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
@@ -72,8 +134,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(hidden)
         self.mlp = GPT2MLP(hidden, dropout)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None):
+        x = x + (self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -86,7 +148,12 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(hidden, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
 
-    def forward(self, tokens):
+    def forward(self, tokens, cache=None):
+        if isinstance(cache, KVCache):  # generation (torch.fx traces a proxy here: the path below)
+            x = self.drop(self.wte(tokens) + self.wpe(cache.positions))
+            for i, block in enumerate(self.h):
+                x = block(x, cache.layer(i))
+            return self.ln_f(x)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(positions))
         for block in self.h:
@@ -102,8 +169,16 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.apply(init_weights)
 
-    def forward(self, tokens):
+    def forward(self, tokens, cache=None):
+        if isinstance(cache, KVCache):
+            return self.lm_head(self.transformer(tokens, cache))
         return self.lm_head(self.transformer(tokens))
+
+    def new_cache(self):
+        return KVCache()
+
+    def max_positions(self):
+        return self.transformer.wpe.num_embeddings
 
 
 def gpt2_small():
@@ -169,6 +244,12 @@ class LlamaRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
+    def at(self, positions):
+        """cos, sin [batch, 1, tokens, dim] at given positions [batch, tokens] (generation)."""
+        freqs = positions[..., None].to(self.inv_freq.dtype) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
 
 class LlamaAttention(nn.Module):
     """Reads the sequence length from its input and views with its own head counts, as the
@@ -185,11 +266,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.head_dim)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, cache=None):
         bsz, q_len, _ = hidden_states.size()
         q = self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:  # generation: rotary at each token's position; the cache keeps kv heads
+            cos, sin = self.rotary_emb.at(cache.cache.positions)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k, v = cache.update(k, v)
+            cache = _PastCache(cache)  # keys and values are already in
+            n_rep = self.num_heads // self.num_key_value_heads
+            out = _cached_attention(q, _repeat_kv(k, n_rep), _repeat_kv(v, n_rep), cache, self.head_dim)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim))
         cos, sin = self.rotary_emb(q_len, hidden_states.device)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # as Hugging Face's: bf16 queries stay bf16
         q = q * cos + _rotate_half(q) * sin
@@ -221,8 +312,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden)
         self.mlp = LlamaMLP(hidden, intermediate)
 
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x, cache=None):
+        x = x + (self.self_attn(self.input_layernorm(x)) if cache is None
+                 else self.self_attn(self.input_layernorm(x), cache))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,8 +325,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(hidden, heads, kv_heads, intermediate) for _ in range(layers))
         self.norm = LlamaRMSNorm(hidden)
 
-    def forward(self, tokens):
+    def forward(self, tokens, cache=None):
         x = self.embed_tokens(tokens)
+        if isinstance(cache, KVCache):  # generation (torch.fx traces a proxy here: the path below)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cache.layer(i))
+            return self.norm(x)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
@@ -247,8 +343,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.apply(init_weights)
 
-    def forward(self, tokens):
+    def forward(self, tokens, cache=None):
+        if isinstance(cache, KVCache):
+            return self.lm_head(self.model(tokens, cache))
         return self.lm_head(self.model(tokens))
+
+    def new_cache(self):
+        return KVCache()
 
 
 # -- Mixture-of-Experts decoder (Hugging Face Qwen3-MoE / Mixtral names in transformers 5:

@@ -497,6 +497,16 @@ class ParallelModel(nn.Module):
             return [outputs[k] for k in sorted(outputs)]  # the model's own outputs, per micro-batch
         return torch.cat([outputs[k] for k in sorted(outputs)], 0)
 
+    def generate(self, input_ids, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None, top_p=None,
+                 eos_token_id=None, pad_token_id=None, seed=0):
+        """Token-by-token generation with the model's KV cache (torch_monarch/generate.py):
+        this rank's prompts [batch, prompt_len] (left-padded, ``attention_mask`` 0 on the
+        padding) -> [batch, prompt_len + generated], the same on every tp rank. Greedy at
+        ``temperature=0``; sampled (top-k, top-p) from one generator seeded with ``seed``."""
+        from .generate import generate
+        return generate(self, input_ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature,
+                        top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+
     def _run_stage(self, stage, mb, received, xs):
         module = self._wrapped[stage]
         if self._hook_stages:  # every stage runs the model's forward on the micro-batch's inputs

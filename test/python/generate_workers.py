@@ -1,0 +1,225 @@
+"""Worker for test_generate.py: ``ParallelModel.generate`` on 4 ranks, every case in one launch.
+
+Each case lays a small model out by hand (a mesh, no planning), generates this rank's batch of 4
+left-padded prompts of different lengths, and compares with one process on this rank:
+  * Hugging Face models: HF's own ``model.generate`` (greedy: ``do_sample=False``; sampled: the
+    global RNG seeded with the same seed, the same temperature / top-k / top-p);
+  * examples/models.py's GPT-2 and Llama: a one-process greedy loop without any cache, each
+    prompt alone and unpadded (the full forward over the sequence so far, argmax of the last
+    position).
+Every dp rank has its own prompts (seeded by its dp coordinate) unless the case says
+``same_prompts``; the tp ranks of one dp replica have the same. Each rank writes
+MONARCH_TEST_OUTPUT/rank<r>.pt: {case: {"out", "ref", "equal", "kv_heads", "seconds", "error"}}.
+"""
+
+import copy
+import os
+import sys
+import time
+
+import torch
+
+from dist_harness import run_worker
+from hf_models import VOCAB, build
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+import models as ours  # noqa: E402
+
+NEW = 16
+LENGTHS = (5, 11, 3, 8)
+PAD = 0
+
+
+def prompts(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
+    width = max(LENGTHS)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return rows, ids, mask
+
+
+def spread(model, std=0.3):
+    """Weights of std 0.3 instead of 0.02: a random tiny model at 0.02 emits one token over and
+    over, which would make "token-for-token equal" a weak check."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    return model
+
+
+def build_case(kind):
+    if kind == "ours_gpt2":
+        torch.manual_seed(0)
+        return spread(ours.GPT2LMHeadModel(vocab=VOCAB, hidden=64, heads=4, layers=2, max_positions=64))
+    if kind == "ours_llama":
+        torch.manual_seed(0)
+        return spread(ours.LlamaForCausalLM(vocab=VOCAB, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
+    if kind == "llama_kv4":  # 4 kv heads: tp=4 divides them
+        import transformers as T
+        from hf_models import _small
+        torch.manual_seed(0)
+        return spread(T.LlamaForCausalLM(_small(T.LlamaConfig, num_key_value_heads=4)))
+    model = spread(build(kind))
+    model.generation_config.eos_token_id = None  # HF's config default (2) would stop it: we pass eos explicitly
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def hf_reference(model, ids, mask, args):
+    kw = dict(max_new_tokens=args.get("max_new_tokens", NEW), pad_token_id=PAD,
+              eos_token_id=args.get("eos_token_id"))
+    if args.get("temperature", 0) > 0:
+        torch.manual_seed(args.get("seed", 0))
+        kw.update(do_sample=True, temperature=args["temperature"], top_k=args.get("top_k") or 0,
+                  top_p=args.get("top_p") or 1.0)
+    else:
+        kw.update(do_sample=False)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **kw)
+
+
+def ours_reference(model, rows, width, args):
+    """Each prompt alone, no cache, no padding: the full forward each step, argmax."""
+    out = []
+    eos = args.get("eos_token_id")
+    with torch.no_grad():
+        for r in rows:
+            t = r[None]
+            gen = []
+            for _ in range(args.get("max_new_tokens", NEW)):
+                tok = model(t)[:, -1].argmax(-1)
+                gen.append(int(tok))
+                t = torch.cat([t, tok[:, None]], 1)
+                if eos is not None and int(tok) == eos:
+                    break
+            out.append(gen)
+    n = max(len(g) for g in out)
+    res = torch.full((len(rows), width + n), PAD if eos is None else eos, dtype=torch.long)
+    for i, (r, g) in enumerate(zip(rows, out)):
+        res[i, width - len(r):width] = r
+        res[i, width:width + len(g)] = torch.tensor(g)
+    return res
+
+
+def run_case(name, spec, rank):
+    import torch_monarch
+    kind, mesh_kw, zero, args = spec["model"], spec["mesh"], spec.get("zero_stage", 0), dict(spec.get("args", {}))
+    model = build_case(kind)
+    reference = copy.deepcopy(model).eval()
+    mesh = torch_monarch.device_mesh(**mesh_kw)
+    dp_rank = mesh.coordinate("dp")
+    rows, ids, mask = prompts(100 if spec.get("same_prompts") else 100 + dp_rank)
+    pins = dict(mesh=mesh, zero_stage=zero)
+    if mesh_kw.get("pp", 1) > 1:
+        pins["example_input"] = {"input_ids": ids[:2], "attention_mask": mask[:2]} if not kind.startswith("ours") \
+            else ids[:2]
+    pm = torch_monarch.parallelize(model, **pins)
+    result = {"dp_rank": dp_rank, "tp_rank": mesh.coordinate("tp")}
+    if spec.get("train_first"):
+        # One AdamW step first (training mode), then generation from the trained weights, against
+        # one process holding the parallel model's whole state dict.
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        labels = ids.masked_fill(mask == 0, -100)
+        pm.train()
+        pm.train_step({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        opt.step()
+        state = pm.state_dict()
+        reference.load_state_dict(state)
+        result["training_before"] = pm._plain[0].training
+    if "error_args" in spec:
+        try:
+            pm.generate(ids, **spec["error_args"](ids, mask))
+            result["error_raised"] = None
+        except ValueError as e:
+            result["error_raised"] = str(e)
+        return result
+    start = time.perf_counter()
+    out = pm.generate(ids, attention_mask=mask, max_new_tokens=args.pop("max_new_tokens", NEW), **args)
+    result["seconds"] = time.perf_counter() - start
+    args = dict(spec.get("args", {}))
+    if spec.get("train_first"):
+        result["training_after"] = pm._plain[0].training
+    ref = ours_reference(reference, rows, ids.shape[1], args) if kind.startswith("ours") \
+        else hf_reference(reference, ids, mask, args)
+    cache = getattr(pm, "_generate_cache", None)
+    if cache is not None:
+        keys = cache.keys[0] if isinstance(cache, ours.KVCache) else cache.layers[0].keys
+        result["kv_heads"] = keys.shape[1]
+        result["cache_len"] = keys.shape[2]
+    result.update(out=out, ref=ref, equal=torch.equal(out, ref))
+    return result
+
+
+def _too_long(ids, mask):
+    return dict(attention_mask=mask, max_new_tokens=64 - ids.shape[1] + 1)
+
+
+CASES = {
+    # Hugging Face models against HF's own generate
+    "llama_tp2": {"model": "llama", "mesh": {"tp": 2}},
+    "qwen2_tp2_zero3": {"model": "qwen2", "mesh": {"tp": 2}, "zero_stage": 3},
+    "qwen3_tp2": {"model": "qwen3", "mesh": {"tp": 2}},
+    "mistral_dp4_zero3": {"model": "mistral", "mesh": {"tp": 1}, "zero_stage": 3},
+    "gpt2_tp4": {"model": "gpt2", "mesh": {"tp": 4}},
+    "llama_kv4_tp4": {"model": "llama_kv4", "mesh": {"tp": 4}},
+    "llama_tp2_eos": {"model": "llama", "mesh": {"tp": 2}, "args": {"eos_token_id": "auto"}},
+    "llama_tp2_sampled": {"model": "llama", "mesh": {"tp": 2}, "same_prompts": True,
+                          "args": {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}},
+    "llama_tp2_trained": {"model": "llama", "mesh": {"tp": 2}, "train_first": True},
+    # examples/models.py against a one-process loop without cache
+    "ours_gpt2_tp4": {"model": "ours_gpt2", "mesh": {"tp": 4}},
+    "ours_llama_tp2": {"model": "ours_llama", "mesh": {"tp": 2}},
+    "ours_llama_dp4_zero3": {"model": "ours_llama", "mesh": {"tp": 1}, "zero_stage": 3},
+    "ours_gpt2_tp2_eos": {"model": "ours_gpt2", "mesh": {"tp": 2}, "args": {"eos_token_id": "auto"}},
+    # refused
+    "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
+                            "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},
+    "too_long": {"model": "gpt2", "mesh": {"tp": 2}, "error_args": _too_long},
+    "pp2": {"model": "llama", "mesh": {"pp": 2, "tp": 2},
+            "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=4)},
+}
+
+
+def resolve_eos(spec):
+    """An EOS id that the greedy output of this case's model reaches early for some prompts: the
+    token the one-process reference emits 4th for prompt 0 (dp rank 0's prompts)."""
+    args = dict(spec.get("args", {}))
+    if args.get("eos_token_id") != "auto":
+        return spec
+    model = build_case(spec["model"]).eval()
+    rows, ids, mask = prompts(100)
+    ref = ours_reference(model, rows, ids.shape[1], {}) if spec["model"].startswith("ours") \
+        else hf_reference(model, ids, mask, {})
+    args["eos_token_id"] = int(ref[0, ids.shape[1] + 3])
+    return {**spec, "args": args}
+
+
+def main(which):
+    import torch_monarch
+    torch.set_num_threads(1)
+    torch_monarch.init(timeout=180)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ["RANK"])
+    names = list(CASES) if which == "all" else which.split(",")
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            results[name] = run_case(name, resolve_eos(CASES[name]), rank)
+        except Exception as e:  # noqa: BLE001 - every case is reported, the test asserts
+            import traceback
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results[name]["case_seconds"] = time.perf_counter() - start
+    torch.save(results, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{rank}.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    run_worker(main, sys.argv[1])

@@ -1,0 +1,213 @@
+"""Token-by-token generation with a KV cache on a ``parallelize``d model
+(``ParallelModel.generate`` delegates here).
+
+    out = pm.generate(input_ids, max_new_tokens=32, attention_mask=mask)   # greedy
+    out = pm.generate(input_ids, max_new_tokens=32, temperature=0.8, top_k=50, top_p=0.9, seed=1)
+
+What runs (pp == 1: data and tensor parallelism, any ZeRO stage):
+
+* **The model's own cache.** A Hugging Face decoder runs with ``use_cache=True`` and keeps its
+  ``past_key_values``; under tensor parallelism its attention modules run this rank's heads
+  (tensor_parallel_modules set their head counts), so the cache holds this rank's key/value
+  heads only (kv_heads / tp per layer). A model of one's own generates with a cache when its
+  forward takes ``cache=`` and it has ``new_cache()`` (examples/models.py: GPT-2 and Llama):
+  an object on which generate sets ``attention_mask`` (batch x every token so far, those fed
+  now included) and ``positions`` (batch x the tokens fed now) before each forward, and into
+  which the attention layers append their keys and values.
+* **Prompts of different lengths** are left-padded (Hugging Face's convention for decoder
+  models) with ``attention_mask`` 0 on the padding; positions count real tokens only
+  (``cumsum(mask) - 1``), so each row decodes as it would alone.
+* **Whole logits.** Only the last position's logits are used. A vocabulary-split head (our
+  models' ``VocabHead`` without ``gather_output``) gives [batch, vocab / tp] per rank: they are
+  all-gathered over tp (batch x vocab values per token: small next to a forward's all-reduces).
+* **One token on every tp rank.** The tp group's rank 0 chooses (greedy: argmax; sampled: one
+  ``torch.Generator`` seeded with ``seed``, temperature, then top-k, then top-p as Hugging Face
+  orders its warpers) and broadcasts the chosen ids over tp. Every rank also holds the same
+  logits and the same seeded generator, so it would choose the same; the broadcast makes that
+  a guarantee rather than an assumption about bitwise-equal collectives (NCCL's all-reduce need
+  not be), for the price of batch int64s per token.
+* **Data parallelism:** each dp rank generates its own prompts (its local batch, as
+  ``train_step`` takes). Under ZeRO-3 every forward gathers parameters over dp, so the dp ranks
+  run the same number of forwards: the "all sequences finished" test is agreed over dp.
+* **Stopping.** A sequence stops at its first ``eos_token_id`` (an int or a list); after that it
+  emits ``pad_token_id`` (default: the first EOS id). Generation ends after ``max_new_tokens``
+  or when every sequence has stopped (the output is then shorter, as Hugging Face's is).
+* **Modes.** The model is switched to eval for the call (dropout off) and back to what it was;
+  no gradients are kept; a trained model generates from the weights it holds (no reload).
+
+Returns [batch, prompt_len + generated] int64: the prompt (with its padding) followed by the
+generated tokens, as Hugging Face's ``generate`` returns them.
+
+Pipelines (pp > 1) and context parallelism (cp > 1) are refused with one error for now.
+"""
+
+import inspect
+
+import torch
+
+
+def _max_positions(pm, plain):
+    cfg = pm.hf_config
+    if cfg is not None:
+        for field in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, field, None)
+            if isinstance(value, int) and value > 0:
+                return value, f"{type(cfg).__name__}.{field}"
+        return None, None
+    limit = getattr(plain, "max_positions", None)
+    if callable(limit):
+        limit = limit()
+    return (limit, f"{type(plain).__name__}.max_positions()") if limit else (None, None)
+
+
+def _vocab_size(pm, plain):
+    if pm.hf_config is not None and isinstance(getattr(pm.hf_config, "vocab_size", None), int):
+        return pm.hf_config.vocab_size
+    from .tensor_parallel_modules import VocabParallelEmbedding
+    best = None
+    for m in plain.modules():
+        if isinstance(m, VocabParallelEmbedding):
+            rows = m.weight.shape[0] * m.group.size
+        elif isinstance(m, torch.nn.Embedding):
+            rows = m.num_embeddings
+        else:
+            continue
+        best = rows if best is None else max(best, rows)
+    return best
+
+
+def _filter_top_k_top_p(logits, top_k, top_p):
+    """Hugging Face's TopKLogitsWarper then TopPLogitsWarper (ties at the k-th value kept)."""
+    if top_k is not None and top_k > 0:
+        k = min(top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False  # the most likely token always stays
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p):
+    if pm.pp > 1:
+        raise ValueError(f"generate: pp={pm.pp} is not supported yet (the KV cache of pipeline stages is not "
+                         "built); lay the model out with pp=1 (tp and dp) to generate")
+    if pm.cp > 1:
+        raise ValueError(f"generate: cp={pm.cp} is not supported (the sequence would be cut over cp ranks)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
+                                                                                                 torch.int32):
+        raise ValueError("generate: input_ids must be an integer tensor [batch, prompt_len], got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("generate: the prompt is empty (input_ids has 0 columns)")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if temperature is None or temperature < 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"generate: top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
+
+
+@torch.no_grad()
+def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None, top_p=None,
+             eos_token_id=None, pad_token_id=None, seed=0):
+    """See the module's docstring."""
+    _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    plain, wrapped = pm._plain[0], pm._wrapped[0]
+    prompt_len = input_ids.shape[1]
+    limit, where = _max_positions(pm, plain)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise ValueError(f"generate: the prompt ({prompt_len} tokens) and max_new_tokens={max_new_tokens} need "
+                         f"{prompt_len + max_new_tokens} positions; the model has {limit} ({where})")
+    hf = pm.hf_config is not None
+    if not hf and not (hasattr(plain, "new_cache") and "cache" in inspect.signature(plain.forward).parameters):
+        raise ValueError(f"generate: {type(plain).__name__} has no KV cache interface (a Hugging Face model, or a "
+                         "forward taking cache= and a new_cache() method, as examples/models.py's GPT-2 and Llama)")
+    device = input_ids.device
+    ids = input_ids.long()
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
+    if eos_token_id is None:
+        eos = []
+    elif isinstance(eos_token_id, int):
+        eos = [eos_token_id]
+    else:
+        eos = list(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+
+    tp_group = pm.mesh.group("tp") if pm.tp > 1 else None
+    dp_sync = pm.dp > 1 and pm.zero_stage == 3  # every forward gathers over dp
+    dp_group = pm.mesh.group("dp") if dp_sync else None
+    vocab = _vocab_size(pm, plain)
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+
+    modes = [(m, m.training) for m in wrapped.modules()]
+    wrapped.eval()
+    try:
+        batch = ids.shape[0]
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        out = ids
+        cache = None if hf else plain.new_cache()
+        step_ids = ids
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        for step in range(max_new_tokens):
+            if hf:
+                res = wrapped(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=True)
+                cache = res.past_key_values
+                logits = res.logits[:, -1]
+            else:
+                cache.attention_mask, cache.positions = mask, positions
+                logits = wrapped(step_ids, cache=cache)[:, -1]
+            logits = _whole_logits(logits.float(), vocab, tp_group)
+            token = _choose(logits, temperature, top_k, top_p, generator)
+            if tp_group is not None:
+                tp_group.broadcast(token, 0).wait()
+            if eos:
+                token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+                finished |= torch.isin(token, eos_t)
+            out = torch.cat([out, token[:, None]], dim=1)
+            if step == max_new_tokens - 1:
+                break
+            if eos:
+                running = (~finished).any().to(torch.int64).reshape(1)
+                if dp_group is not None:
+                    dp_group.all_reduce_max(running).wait()
+                if not running.item():
+                    break
+            step_ids = token[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+        pm._generate_cache = cache  # the last cache, for tests (kv heads per rank)
+        return out
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _whole_logits(logits, vocab, tp_group):
+    if tp_group is None or vocab is None or logits.shape[-1] == vocab:
+        return logits
+    if logits.shape[-1] * tp_group.size != vocab:
+        raise RuntimeError(f"generate: the model's logits have {logits.shape[-1]} columns per rank, neither the "
+                           f"vocabulary ({vocab}) nor its 1/{tp_group.size} share")
+    parts = torch.empty(tp_group.size * logits.numel(), dtype=logits.dtype, device=logits.device)
+    tp_group.all_gather(parts, logits.contiguous().view(-1)).wait()
+    return torch.cat(list(parts.view((tp_group.size,) + tuple(logits.shape))), dim=-1)  # tp rank r holds vocabulary rows [r * V/tp, (r + 1) * V/tp)
+
+
+def _choose(logits, temperature, top_k, top_p, generator):
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = _filter_top_k_top_p(logits / temperature, top_k, top_p)
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
