@@ -101,7 +101,7 @@ def ours_reference(model, rows, width, args):
                     break
             out.append(gen)
     n = max(len(g) for g in out)
-    res = torch.full((len(rows), width + n), PAD if eos is None else eos, dtype=torch.long)
+    res = torch.full((len(rows), width + n), PAD, dtype=torch.long)  # finished rows emit PAD, as HF's
     for i, (r, g) in enumerate(zip(rows, out)):
         res[i, width - len(r):width] = r
         res[i, width:width + len(g)] = torch.tensor(g)
@@ -116,11 +116,7 @@ def run_case(name, spec, rank):
     mesh = torch_monarch.device_mesh(**mesh_kw)
     dp_rank = mesh.coordinate("dp")
     rows, ids, mask = prompts(100 if spec.get("same_prompts") else 100 + dp_rank)
-    pins = dict(mesh=mesh, zero_stage=zero)
-    if mesh_kw.get("pp", 1) > 1:
-        pins["example_input"] = {"input_ids": ids[:2], "attention_mask": mask[:2]} if not kind.startswith("ours") \
-            else ids[:2]
-    pm = torch_monarch.parallelize(model, **pins)
+    pm = torch_monarch.parallelize(model, mesh=mesh, zero_stage=zero)
     result = {"dp_rank": dp_rank, "tp_rank": mesh.coordinate("tp")}
     if spec.get("train_first"):
         # One AdamW step first (training mode), then generation from the trained weights, against
@@ -141,7 +137,8 @@ def run_case(name, spec, rank):
             result["error_raised"] = str(e)
         return result
     start = time.perf_counter()
-    out = pm.generate(ids, attention_mask=mask, max_new_tokens=args.pop("max_new_tokens", NEW), **args)
+    out = pm.generate(ids, attention_mask=mask, max_new_tokens=args.pop("max_new_tokens", NEW), pad_token_id=PAD,
+                      **args)
     result["seconds"] = time.perf_counter() - start
     args = dict(spec.get("args", {}))
     if spec.get("train_first"):
@@ -182,7 +179,7 @@ CASES = {
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},
     "too_long": {"model": "gpt2", "mesh": {"tp": 2}, "error_args": _too_long},
-    "pp2": {"model": "llama", "mesh": {"pp": 2, "tp": 2},
+    "pp2": {"model": "ours_llama", "mesh": {"pp": 2, "tp": 2},
             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=4)},
 }
 

@@ -1,0 +1,128 @@
+"""``ParallelModel.generate`` (torch_monarch/generate.py) on 4 ranks: one launch runs every case
+of generate_workers.py (each rank compares with one process itself; see its docstring).
+
+Greedy: token-for-token equal to Hugging Face's own ``generate(do_sample=False)`` (Llama, Qwen2,
+Qwen3, Mistral, GPT-2) or, for examples/models.py's GPT-2 and Llama, to a one-process loop without
+a cache, each prompt alone: 16 new tokens, 4 left-padded prompts of lengths 5, 11, 3, 8 per rank,
+on tp=2 (x dp=2, each dp replica its own prompts), tp=4, dp=4 under ZeRO-3. Sampled (temperature,
+top-k, top-p, seed): every rank the same, and equal to HF's sampling from the global RNG seeded
+alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
+"""
+
+import pytest
+import torch
+
+from dist_harness import launch
+
+NEW, WIDTH, PAD = 16, 11, 0
+GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
+          "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3"]
+# key/value heads each rank's cache holds: the model's kv heads / tp
+KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
+            "llama_kv4_tp4": 1, "llama_tp2_trained": 1, "ours_gpt2_tp4": 1, "ours_llama_tp2": 1,
+            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1}
+
+
+@pytest.fixture(scope="module")
+def results():
+    r = launch(4, "all", timeout=300, worker="generate_workers.py")
+    assert r.ok, r.describe()
+    return [torch.load(r.result_path(rank)) for rank in range(4)]
+
+
+def _no_errors(results, case):
+    for rank, res in enumerate(results):
+        assert "error" not in res[case], f"{case} on rank {rank}: {res[case]['error']}"
+
+
+@pytest.mark.parametrize("case", GREEDY)
+def test_greedy_generation_equals_one_process(results, case):
+    _no_errors(results, case)
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["out"].shape == (4, WIDTH + NEW), f"{case} rank {rank}"
+        assert r["equal"], f"{case} rank {rank}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
+        assert r["kv_heads"] == KV_HEADS[case], f"{case} rank {rank}: the cache holds {r['kv_heads']} kv heads"
+    # the tp ranks of one dp replica emit the same tokens (they are checked against the same reference)
+    by_dp = {}
+    for res in results:
+        by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
+    for outs in by_dp.values():
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    if len(by_dp) > 1:  # dp replicas had their own prompts
+        assert not torch.equal(by_dp[0][0], by_dp[1][0])
+
+
+def test_sampled_generation_is_the_same_on_every_rank_and_equals_hf_sampling(results):
+    case = "llama_tp2_sampled"
+    _no_errors(results, case)
+    outs = [res[case]["out"] for res in results]
+    assert all(torch.equal(o, outs[0]) for o in outs)  # same prompts and seed on all 4 ranks
+    assert all(res[case]["equal"] for res in results)  # HF's do_sample=True, torch.manual_seed(7)
+    greedy = [res["llama_tp2"]["out"] for res in results if res["llama_tp2"]["dp_rank"] == 0][0]
+    assert not torch.equal(outs[0], greedy)  # it did sample
+
+
+@pytest.mark.parametrize("case,stops_early", [("llama_tp2_eos", False), ("ours_gpt2_tp2_eos", True)])
+def test_sequences_stop_at_eos(results, case, stops_early):
+    _no_errors(results, case)
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["equal"], f"{case} rank {rank}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
+    # the EOS id is what dp rank 0's prompt 0 emits 4th: that row stops there and pads
+    r0 = results[0][case]["out"]
+    eos = int(r0[0, WIDTH + 3])
+    assert (r0[0, WIDTH:WIDTH + 3] != eos).all() and (r0[0, WIDTH + 4:] == PAD).all()
+    # ours_gpt2: dp rank 1's 4 sequences all finish within 6 tokens, and its loop stops there
+    assert stops_early == any(res[case]["out"].shape[1] < WIDTH + NEW for res in results), case
+
+
+def test_a_trained_model_generates_from_its_trained_weights(results):
+    """One train_step + AdamW step (training mode), then generate: equal to HF's generate on the
+    parallel model's whole state dict; the model is back in training mode afterwards."""
+    for res in results:
+        r = res["llama_tp2_trained"]
+        assert r["training_before"] and r["training_after"] and r["equal"]
+
+
+@pytest.mark.parametrize("case,message", [
+    ("negative_new_tokens", r"generate: max_new_tokens must be an int >= 0, got -1"),
+    ("too_long", r"generate: the prompt \(11 tokens\) and max_new_tokens=54 need 65 positions; the model has 64 "
+                 r"\(GPT2Config.max_position_embeddings\)"),
+    ("pp2", r"generate: pp=2 is not supported yet"),
+])
+def test_bad_input_is_one_clear_error(results, case, message):
+    import re
+    for res in results:
+        assert "error" not in res[case], res[case]["error"]
+        assert res[case]["error_raised"] and re.search(message, res[case]["error_raised"]), res[case]
+
+
+def test_examples_models_cache_path_matches_the_plain_forward():
+    """One process: examples/models.py's GPT-2 and Llama with a KVCache (prefill of a
+    left-padded batch, then one token at a time) give the plain forward's last logits for
+    each unpadded prompt; without cache= the forward is the same function as before."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import models as M
+    torch.manual_seed(0)
+    for model in (M.GPT2LMHeadModel(vocab=64, hidden=32, heads=4, layers=2, max_positions=32),
+                  M.LlamaForCausalLM(vocab=64, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2)):
+        model.eval()
+        rows = [torch.randint(0, 64, (n,)) for n in (3, 6)]
+        ids = torch.zeros(2, 6, dtype=torch.long)
+        mask = torch.zeros(2, 6, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, 6 - len(r):], mask[i, 6 - len(r):] = r, 1
+        cache = model.new_cache()
+        cache.attention_mask, cache.positions = mask, (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            last = model(ids, cache=cache)[:, -1]
+            nxt = torch.tensor([[5], [7]])
+            cache.attention_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            cache.positions = cache.positions[:, -1:] + 1
+            step = model(nxt, cache=cache)[:, -1]
+            for i, r in enumerate(rows):
+                torch.testing.assert_close(last[i], model(r[None])[0, -1], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(step[i], model(torch.cat([r, nxt[i]])[None])[0, -1], rtol=1e-5, atol=1e-5)
