@@ -5,7 +5,8 @@
     model.plan.summary(); model.plan.save("plan.json")
 
 Pins use the command line's names (``tp=2, pp=2, dp=1, zero_stage=3, micro_batch=2,
-schedule="1f1b", virtual_stages=2, sequence_parallel=True``). What the planner may choose
+schedule="1f1b", virtual_stages=2, sequence_parallel=True``, and ``ep=2`` / ``cp=2``: experts
+over ep ranks of dp x cp, the sequence over cp ranks). What the planner may choose
 is limited to what the runtime can build (``runtime_training``): the one place both agree.
 """
 
@@ -15,7 +16,8 @@ from . import planner as _planner
 from .graph import blocks_of, read_model
 
 _PIN_NAMES = {"tp", "pp", "dp", "zero_stage", "zero", "micro_batch", "micro_batch_size", "schedule",
-              "virtual_stages", "sequence_parallel", "recompute"}
+              "virtual_stages", "sequence_parallel", "recompute", "cp", "ep"}
+_INT_PINS = ("tp", "pp", "dp", "zero_stage", "zero", "micro_batch", "micro_batch_size", "virtual_stages", "cp", "ep")
 
 
 def _pins(pins):
@@ -23,8 +25,7 @@ def _pins(pins):
     if unknown:
         raise TypeError(f"plan: unknown pin(s) {unknown}; pins are {sorted(_PIN_NAMES)}")
     for key, value in pins.items():
-        if key in ("tp", "pp", "dp", "zero_stage", "zero", "micro_batch", "micro_batch_size", "virtual_stages") \
-                and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        if key in _INT_PINS and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise TypeError(f"plan: pin {key}={value!r} must be an int")
     out = dict(pins)
     if "zero_stage" in out:
@@ -32,6 +33,27 @@ def _pins(pins):
     if "micro_batch_size" in out:
         out["micro_batch"] = out.pop("micro_batch_size")
     return out
+
+
+def runtime_pins(model, pins, *, laid_out=False):
+    """``pins`` with what the runtime cannot build here turned off: context parallelism
+    (``cp=1``) for a model without attention ``context_parallel`` converts (Llama- or
+    GPT-2-style modules), and, when ``laid_out`` (parallelize lays out this very model), expert
+    parallelism (``ep=1``) for a model still on meta (expert_parallel splits materialized
+    experts). A pinned value is left for the planner and runtime to accept or refuse."""
+    out = dict(pins)
+    if out.get("cp") is None and not _cp_convertible(model):
+        out["cp"] = 1
+    if laid_out and out.get("ep") is None and any(p.is_meta for p in model.parameters()):
+        out["ep"] = 1
+    return out
+
+
+def _cp_convertible(model):
+    from .context_parallel import _GPT2, _LLAMA, _has
+    if any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()):
+        return False
+    return any((_has(m, _LLAMA) and hasattr(m.rotary_emb, "inv_freq")) or _has(m, _GPT2) for m in model.modules())
 
 
 def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None,
@@ -90,7 +112,7 @@ def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_pla
     (``torch_monarch.profile.measure``, a MeasuredProfile or its JSON path) instead of the
     analytic model's. ``compile``: plan for blocks under torch.compile (parallelize's
     ``compile=``). Returns a Plan."""
-    pins = _pins(pins)
+    pins = runtime_pins(model, _pins(pins))
     info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
     if cluster is None:
         from .cluster import detect
@@ -124,8 +146,9 @@ def check_plan(plan, model, example_input=None, *, info=None, world_size=None, t
     counts, heads / widths tp must divide, and stage cuts the runtime cannot make."""
     problems = []
     if world_size is not None and plan.mesh.world_size() != world_size:
+        cp = f" cp={plan.mesh.cp}" if plan.mesh.cp > 1 else ""
         problems.append(f"world size: the plan is for {plan.mesh.world_size()} ranks "
-                        f"(pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp}), the job has {world_size}")
+                        f"(pp={plan.mesh.pp} dp={plan.mesh.dp}{cp} tp={plan.mesh.tp}), the job has {world_size}")
     if info is None and example_input is not None:
         info = read_model(model, example_input, tp_plan=tp_plan)
     if info is not None:
@@ -136,6 +159,8 @@ def check_plan(plan, model, example_input=None, *, info=None, world_size=None, t
         if blocks != planned:
             problems.append(f"blocks: the plan has {planned}, the model has {blocks}")
     problems += _tp_problems(plan)
+    problems += _ep_problems(plan, model, info)
+    problems += _cp_problems(plan, model, info)
     problems += _stage_problems(plan, info)
     problems += _runtime_problems(plan)
     problems += _dtype_problems(plan)
@@ -248,6 +273,46 @@ def _tp_problems(plan):
     return out
 
 
+def _ep_problems(plan, model, info):
+    """Expert parallelism splits every experts module's experts evenly over ep ranks
+    (torch_monarch.experts): ep must divide each one's count, and a plan with ep > 1 needs
+    some. Each problem names the graph layer holding the module (or the module)."""
+    from .experts import is_experts_module
+    ep = plan.mesh.ep
+    if ep <= 1:
+        return []
+    layers = [layer.name for layer in (info.graph.layers if info is not None else plan.layers)]
+    out, found = [], False
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        found = True
+        experts = module.gate_up_proj.shape[0]
+        if experts % ep:
+            layer = next((n for n in layers if name == n or name.startswith(n + ".")), None)
+            where = f"layer {layer}" if layer else "module"
+            out.append(f"{where}: ep={ep} does not divide its {experts} experts ({name})")
+    if not found:
+        out.append(f"mesh.ep: ep={ep} needs experts modules (gate_up_proj [experts, 2 * ffn, hidden] and "
+                   f"down_proj [experts, hidden, ffn]); {type(model).__name__} has none")
+    return out
+
+
+def _cp_problems(plan, model, info):
+    """Context parallelism needs attention context_parallel converts and a sequence of 2 x cp
+    equal chunks."""
+    cp = plan.mesh.cp
+    if cp <= 1:
+        return []
+    out = []
+    if not _cp_convertible(model):
+        out.append(f"mesh.cp: cp={cp} needs attention context_parallel converts (Llama-style q/k/v/o_proj with "
+                   f"rotary_emb and head_dim, or GPT-2-style c_attn); {type(model).__name__} has none")
+    if info is not None and info.seq and info.seq % (2 * cp):
+        out.append(f"mesh.cp: cp={cp} needs the sequence ({info.seq}) to split into 2 x cp equal chunks")
+    return out
+
+
 def _stage_problems(plan, info):
     """The runtime cuts pipelines between blocks only (``pipeline.split_model``)."""
     if plan.num_stages() <= 1:
@@ -309,7 +374,8 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
             training = runtime_training(info, global_batch, dtype, _pins(pins), param_dtype=param,
                                         cut_problem=cut_problem, compiled=compile not in (None, False))
             with progress("api", "planning", layers=len(graph), devices=world.size):
-                p = _planner.plan(graph, cluster, training, profile=profile, **_pins(pins))
+                p = _planner.plan(graph, cluster, training, profile=profile,
+                                  **runtime_pins(model, _pins(pins), laid_out=True))
             get_log("api").info("plan: %s, predicted step %.4f s", p.summary(), p.prediction.step_time_s)
             text = _planner.dumps(p)
         except (ValueError, RuntimeError, TypeError) as e:

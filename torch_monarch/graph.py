@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import planner as _planner
+from .experts import is_experts_module
 from .selective import makes_core
 from .sharded import _default_units as blocks_of  # the one rule: the runtime cuts and shards by it
 from .tensor_parallel_modules import (Colwise, Heads, Replicate, Rowwise, head_counts, linear_dims,
@@ -137,6 +138,8 @@ class _Recorder:
         self.weight_ids = set()
         self.blocks = set()  # the runtime recomputes inside blocks, one block at a time
         self.gemms = []      # (module stack, M, N, K) of each weight GEMM (activation @ weight)
+        self.experts = set()         # names of the MoE experts modules (experts.is_experts_module)
+        self.experts_inputs = {}     # experts module name -> shapes of its tensor inputs, first call
 
     def is_core(self, t):
         return self.core.get(id(t)) is t
@@ -298,6 +301,9 @@ def _capture(model, example_input, recorder, tensors):
             recorder.order += 1
             first = _first_tensor((_inputs, _kwargs))  # keyword inputs too (HF calls by keyword)
             r.input_shape = tuple(first.shape) if first is not None else None
+            if name in recorder.experts:  # (hidden [tokens, h], top_k_index [tokens, k], weights)
+                recorder.experts_inputs[name] = [tuple(t.shape) for t in tree_flatten((_inputs, _kwargs))[0]
+                                                  if isinstance(t, torch.Tensor)]
 
     def post(module, _inputs, output):
         name = recorder.names.get(id(module))
@@ -392,8 +398,10 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     block_ids = {id(b) for b in blocks_of(model)}  # (once: finding them walks the whole model)
     recorder.blocks = {n for n, m in model.named_modules() if id(m) in block_ids}
     recorder.records = records
+    recorder.experts = {n for n, m in model.named_modules() if is_experts_module(m)}
     with _any_batch_size():
         _capture(model, example_input, recorder, tensors)
+    experts = _read_experts(model, records, recorder)
 
     plan = resolve_plan(model, tp_plan)
     info_layers = _layers(model, records)
@@ -405,10 +413,10 @@ def read_model(model: nn.Module, example_input, *, name=None, tp_plan=None, dtyp
     layers = []
     for lname, kind in info_layers:
         layers.append(_layer(model, lname, kind, records[lname], recorder, plan, batch, seq, hidden,
-                             compute_dtype, blocks))
+                             compute_dtype, blocks, experts))
     graph.layers = layers
     graph.tied_groups, graph.tied_group_params = _tied_groups(model, info_layers)
-    graph.transformer = _transformer_config(graph, plan, blocks, seq, hidden, compute_dtype)
+    graph.transformer = _transformer_config(graph, plan, blocks, seq, hidden, compute_dtype, model, experts)
     _planner.validate(graph)
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     return ModelInfo(graph=graph, modules=records, layer_modules=[n for n, _ in info_layers], blocks=blocks,
@@ -571,8 +579,8 @@ def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
     prefix = lname + "." if lname else ""
     a = _planner.ActivationBytes()
     for t, stack in recorder.saved_by:
-        if lname not in stack:
-            continue
+        if lname not in stack or any(n in recorder.experts for n in stack):
+            continue  # (an experts module's are counted from its routing: _moe_of)
         # Floating activations in the dtype the plan computes in (autocast); masks and
         # indices keep their own.
         size = act_bytes if t.is_floating_point() else t.element_size()
@@ -600,7 +608,7 @@ def _per_token(t, seq):
     return t.numel() // max(tokens, 1)
 
 
-def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, dtype, blocks):
+def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, dtype, blocks, experts=None):
     module = model.get_submodule(lname) if lname else model
     style_names = {n: type(s).__name__ for n, s in plan.items()}
     layer = _planner.Layer()
@@ -630,7 +638,161 @@ def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, 
     layer.tp, layer.tp_dims = pattern, dims
     layer.gemms = _gemms_of(recorder, lname, plan, batch, pattern != _planner.TpPattern.replicated)
     layer.recomputable = layer.kind != _planner.LayerKind.head
+    layer.kv_elements_per_token = _kv_elements_per_token(model, lname, plan, dims)
+    inside = [e for n, e in (experts or {}).items() if n == lname or not lname or n.startswith(lname + ".")]
+    if inside:
+        _moe_of(layer, inside, batch, elem)
     return layer
+
+
+@dataclass
+class ExpertsRecord:
+    """One MoE layer's routed experts as read: sizes from the experts module's parameters
+    (transformers 5's layout: gate_up_proj [experts, 2 ffn, hidden], down_proj [experts, hidden,
+    ffn]), top_k from its router, tokens from what the example batch sent it."""
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    gated: bool
+    params: int                  # every expert's parameters (elements): what ep divides
+    tokens: int                  # tokens of the example batch routed through the layer
+    capacity_factor: float = 0.0  # 0: dropless
+    shared_ffn: int = 0          # inner width of the shared (always-on) experts beside it, 0: none
+
+    @property
+    def matrices(self):
+        return 3 if self.gated else 2
+
+    @property
+    def routed_flops(self):
+        """Forward FLOPs of the example batch through its experts, balanced: each token through
+        top_k experts' matrices (not all of them)."""
+        return 2.0 * self.tokens * self.top_k * self.matrices * self.hidden * self.ffn
+
+
+def _top_k_of(model, name, observed):
+    """Experts per token for the experts module ``name``: its router's (a sibling with an
+    integer ``top_k``: HF's MixtralTopKRouter / Qwen2MoeTopKRouter, examples/models.py's
+    MoERouter), else the MoE block's own ``top_k`` / ``num_experts_per_tok`` (or its config's),
+    else the width of the routing indices the experts module was called with."""
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    leaf = name.rpartition(".")[2]
+    candidates = [c for n, c in parent.named_children() if n != leaf] + [parent, getattr(parent, "config", None)]
+    for c in candidates:
+        for attr in ("top_k", "num_experts_per_tok"):
+            k = getattr(c, attr, None)
+            if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+                return k
+    if len(observed) >= 2 and len(observed[1]) >= 1:
+        return int(observed[1][-1])
+    raise ValueError(f"read_model: found no top_k for the experts module '{name}' (no router with a top_k "
+                     "attribute beside it, and it was not called with routing indices)")
+
+
+def _shared_ffn(model, name, plan):
+    """Inner width of the shared experts beside the experts module ``name`` (a sibling whose
+    name says ``shared`` holding a row-parallel linear: Qwen2-MoE's shared_expert,
+    DeepSeek's shared_experts); 0 if none."""
+    parent_name = name.rpartition(".")[0]
+    prefix = parent_name + "." if parent_name else ""
+    widths = [linear_dims(model.get_submodule(n))[0] for n, style in plan.items()
+              if isinstance(style, Rowwise) and n.startswith(prefix) and "shared" in n[len(prefix):].split(".")[0]
+              and linear_dims(model.get_submodule(n)) is not None]
+    return sum(widths)
+
+
+def _read_experts(model, records, recorder):
+    """{name: ExpertsRecord} of the experts modules that ran, and the records' FLOPs set to
+    the routed experts' balanced count. On meta the routing is unknown (its ``nonzero`` reads
+    "every position"), so what the forward computed there is no measure: a loop over experts
+    sends every token to every expert, Hugging Face's skips them all. The FLOPs of each experts
+    module (and of the modules around it) become top_k of experts per token's; its weight
+    GEMMs and saved tensors are replaced by the grouped GEMMs and routed copies _moe_of adds."""
+    out = {}
+    for name in sorted(recorder.experts):
+        record = records.get(name)
+        if record is None or record.order < 0:
+            continue  # never ran
+        module = model.get_submodule(name)
+        e, two_f, h = (int(d) for d in module.gate_up_proj.shape)
+        f = int(module.down_proj.shape[-1])
+        gated = two_f == 2 * f
+        observed = recorder.experts_inputs.get(name, [])
+        tokens = _numel(observed[0][:-1]) if observed and observed[0] and observed[0][-1] == h else 0
+        params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+        cf = getattr(module, "capacity_factor", None)
+        parent_name = name.rpartition(".")[0]
+        if cf is None:
+            cf = getattr(model.get_submodule(parent_name) if parent_name else model, "capacity_factor", 0.0)
+        x = ExpertsRecord(name=name, experts=e, top_k=_top_k_of(model, name, observed), hidden=h, ffn=f, gated=gated,
+                          params=params, tokens=tokens, capacity_factor=float(cf or 0.0))
+        if not 1 <= x.top_k <= e:
+            raise ValueError(f"read_model: experts module '{name}' routes top_k={x.top_k} of {e} experts")
+        delta, attention = x.routed_flops - record.flops, record.attention_flops
+        for n, r in records.items():
+            if n == name or not n or name.startswith(n + "."):
+                r.flops += delta
+                r.attention_flops -= attention
+        out[name] = x
+    if out:
+        recorder.gemms = [g for g in recorder.gemms if not any(n in out for n in g[0])]
+    return out
+
+
+def _moe_of(layer, experts, batch, elem):
+    """A layer's MoE dims, grouped expert GEMMs and routed activations (as
+    build_transformer's MoE blocks: transformer_builder.cpp), from its experts modules. The
+    runtime keeps every expert whole on its ep rank (no expert tensor parallelism): the
+    GEMMs are not split, the routed activations are replicated over tp."""
+    x0 = experts[0]
+    m = layer.moe
+    m.experts, m.top_k = x0.experts, x0.top_k
+    m.expert_params = sum(x.params for x in experts)
+    m.routed_flops_per_sample = sum(x.routed_flops for x in experts) / batch
+    m.dispatch_bytes_per_sample = sum(elem * x.tokens * x.hidden * x.top_k for x in experts) / batch
+    m.capacity_factor = x0.capacity_factor
+    m.imbalance = 1.0
+    gemms = list(layer.gemms)
+    for x in experts:
+        rows = x.tokens * x.top_k / batch
+        copies = x.top_k * (x.capacity_factor if x.capacity_factor > 0 else 1.0)
+        gemms.append(_planner.Gemm(m_per_sample=rows, n=(2 if x.gated else 1) * x.ffn, k=x.hidden,
+                                   split=_planner.GemmSplit.none, experts=x.experts))
+        gemms.append(_planner.Gemm(m_per_sample=rows, n=x.hidden, k=x.ffn, split=_planner.GemmSplit.none,
+                                   experts=x.experts))
+        # Per routed copy: the dispatched row and the expert's inner activations.
+        layer.activations.replicated += elem * x.tokens * copies * (x.hidden + x.matrices * x.ffn) / batch
+    layer.gemms = gemms
+
+
+def _kv_elements_per_token(model, lname, plan, dims):
+    """Keys and values per token of a layer's attention (k and v, every kv head): what
+    context parallelism's ring sends. From the key / value projections' widths, a fused q|k|v
+    projection's (equal thirds), or kv_heads x head_dim; 0 without attention."""
+    if not dims.heads:
+        return 0.0
+    prefix = lname + "." if lname else ""
+    inside = {n: s for n, s in plan.items() if n == lname or n.startswith(prefix)}
+    kv = 0
+    for n, style in inside.items():
+        leaf = n.rpartition(".")[2].lower()
+        d = linear_dims(model.get_submodule(n))
+        if isinstance(style, Heads):
+            kv += 2 * model.get_submodule(n).embed_dim * dims.kv_heads // dims.heads
+        elif d is not None and leaf in ("k_proj", "v_proj", "wk", "wv", "key", "value", "k", "v"):
+            kv += d[1]
+        elif d is not None and leaf in ("qkv", "c_attn", "query_key_value", "wqkv") and dims.kv_heads == dims.heads:
+            kv += 2 * d[1] // 3  # [q; k; v] of equal widths (grouped kv heads: head_dim below)
+    if kv:
+        return float(kv)
+    for n in sorted({n.rpartition(".")[0] for n in inside}):
+        head_dim = getattr(model.get_submodule(n) if n else model, "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0:
+            return float(2 * dims.kv_heads * head_dim)
+    return 0.0
 
 
 def _gemms_of(recorder, lname, plan, batch, split):
@@ -679,7 +841,7 @@ def _tied_groups(model, layers):
 _GATE_NAMES = {"gate_proj", "gate", "w1", "w3", "gate_up_proj", "w13", "fc1_gate"}
 
 
-def _transformer_config(graph, plan, blocks, seq, hidden, dtype):
+def _transformer_config(graph, plan, blocks, seq, hidden, dtype, model=None, experts=None):
     """The hyperparameters, when the model reads as a transformer (blocks with attention
     heads and a vocabulary): plans record them, and tokens/s counts the sequence."""
     block_layers = [layer for layer in graph.layers if layer.name in set(blocks)]
@@ -699,4 +861,31 @@ def _transformer_config(graph, plan, blocks, seq, hidden, dtype):
     # fused kernel such as torch 2.x's scaled_dot_product_attention).
     c.attention = (_planner.AttentionKernel.materialized if block_layers[0].activations.attention_scores > 0
                    else _planner.AttentionKernel.flash)
+    # Per-head width where heads x head_dim is not the hidden size (Qwen3): from the keys.
+    kv = block_layers[0].kv_elements_per_token
+    if kv and c.kv_heads and kv % (2 * c.kv_heads) == 0 and kv // (2 * c.kv_heads) * c.heads != hidden:
+        c.head_dim = int(kv // (2 * c.kv_heads))
+    if experts:
+        _moe_config(c, graph, block_layers, plan, model, experts)
     return c
+
+
+def _moe_config(c, graph, block_layers, plan, model, experts):
+    """The transformer's MoeConfig from the blocks read: experts, top_k, expert width, shared
+    experts (their width in experts of that width), which blocks are MoE (first_dense_layers,
+    every), the capacity factor."""
+    moe_blocks = [i for i, layer in enumerate(block_layers) if layer.moe.experts > 0]
+    x = next(iter(experts.values()))
+    m = _planner.MoeConfig()
+    m.experts, m.top_k, m.expert_ffn = x.experts, x.top_k, x.ffn
+    shared = _shared_ffn(model, x.name, plan) if model is not None else 0
+    m.shared_experts = max(1, round(shared / x.ffn)) if shared else 0
+    m.first_dense_layers = moe_blocks[0]
+    m.every = moe_blocks[1] - moe_blocks[0] if len(moe_blocks) > 1 else 1
+    m.capacity_factor = x.capacity_factor
+    c.moe = m
+    if not c.ffn or c.ffn == shared:
+        # No dense MLP (every block is MoE): the blocks' ffn read is the shared experts'.
+        dense = [layer.tp_dims.ffn for i, layer in enumerate(block_layers) if i not in moe_blocks]
+        c.ffn = dense[0] if dense and dense[0] else x.ffn
+    c.gated_mlp = c.gated_mlp or x.gated

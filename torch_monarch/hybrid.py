@@ -627,13 +627,14 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
-                embeddings=None, profile=None, compile=None) -> ParallelModel:
+                embeddings=None, profile=None, compile=None, ep=None, cp=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
     model is read on the meta device, the machine detected and its links probed, rank 0 plans
     (``tp``, ``pp``, ``dp``, ``zero_stage``, ``micro_batch``, ``schedule``, ``virtual_stages``,
-    ``sequence_parallel`` pin choices) and broadcasts the plan, so every rank lays the model
+    ``sequence_parallel``, ``ep`` (experts over ep ranks of dp x cp), ``cp`` (the sequence over
+    cp ranks) pin choices) and broadcasts the plan, so every rank lays the model
     out alike. The plan is on the result as ``.plan``. ``profile``: per-layer times measured
     on this machine (``torch_monarch.profile.measure``; a MeasuredProfile or its JSON path)
     for the planner to use instead of its analytic model.
@@ -689,6 +690,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     compile_options = _compile.compile_options(compile)
     if any(isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) for m in model.modules()):
         ignored = {k: v for k, v in dict(mesh=mesh, example_input=example_input, dtype=dtype, tp=tp, pp=pp, dp=dp,
+                                         ep=ep, cp=cp,
                                          micro_batch=micro_batch, schedule=schedule, micro_batches=micro_batches,
                                          virtual_stages=virtual_stages, unit_stage=unit_stage, units=units,
                                          tp_plan=tp_plan, sequence_parallel=sequence_parallel, zero_stage=zero_stage,
@@ -717,14 +719,18 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
             raise ValueError("parallelize: planning needs global_batch= (samples per optimizer step, all ranks together)")
         pins = {k: v for k, v in dict(tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, micro_batch=micro_batch,
                                          schedule=schedule, virtual_stages=virtual_stages,
-                                         sequence_parallel=sequence_parallel, recompute=recompute).items()
+                                         sequence_parallel=sequence_parallel, recompute=recompute,
+                                         ep=ep, cp=cp).items()
                 if v is not None}
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
                                   tp_plan=tp_plan, profile=profile, compile=compile_options, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
-    elif plan is None and (tp, pp, dp, micro_batch) != (None, None, None, None):
-        raise ValueError("parallelize: tp / pp / dp / micro_batch pins need example_input= and global_batch= "
-                         "(to plan), or a mesh=")
+    elif plan is None and (tp, pp, dp, micro_batch, ep, cp) != (None,) * 6:
+        raise ValueError("parallelize: tp / pp / dp / ep / cp / micro_batch pins need example_input= and "
+                         "global_batch= (to plan), or a mesh=")
+    elif plan is not None and ((ep is not None and ep != plan.mesh.ep) or (cp is not None and cp != plan.mesh.cp)):
+        raise ValueError(f"parallelize: ep={ep} cp={cp} differ from the plan's mesh (ep={plan.mesh.ep}, "
+                         f"cp={plan.mesh.cp}); the mesh is the plan's")
     blocks = list(_default_units(model) if units is None else units)
     module_names = {id(m): n for n, m in model.named_modules()}
     block_names = [module_names.get(id(b), f"block {i}") for i, b in enumerate(blocks)]

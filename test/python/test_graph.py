@@ -141,6 +141,15 @@ def test_pins_are_checked_by_name_and_type():
         torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tpp=2)
     with pytest.raises(TypeError, match="pin tp='2' must be an int"):
         torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), tp="2")
+    with pytest.raises(TypeError, match="pin ep='2' must be an int"):
+        torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), ep="2")
+    # ep and cp are pins like the others: a model without experts or attention cannot take them.
+    with pytest.raises(ValueError, match="pins.ep: 2 needs a model with MoE layers"):
+        torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), ep=2)
+    with pytest.raises(ValueError, match="pins.cp: 2"):
+        torch_monarch.plan(model, torch.zeros(4, 32), 8, planner.cluster("cpu", 2), cp=2)
+    with pytest.raises(ValueError, match="ep / cp / micro_batch pins need example_input="):
+        torch_monarch.parallelize(model, ep=2)
 
 
 def test_custom_modules_say_how_they_split():
@@ -382,3 +391,63 @@ def test_a_sequential_model_s_run_of_blocks_is_its_units_and_a_resnet_s_stages_a
     assert _default_units(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))) == []
     info = read_model(model, torch.zeros(2, 5, dtype=torch.long))
     assert info.blocks == ["1", "2", "3"]
+
+
+def test_moe_decoder_is_read_with_its_experts_routed_flops_and_kv_widths():
+    """examples/models.py's MoE decoder on meta: every block a MoE layer (8 experts, top-2,
+    a shared expert, capacity 1.25 from the experts module), FLOPs of the active experts only
+    (on meta the routing is unknown and the experts' loop sends every token everywhere; the
+    reader counts top_k of them), parameters of all, keys and values per token for cp, and
+    each number equal to the planner's own MoE transformer of the same shape."""
+    with torch_monarch.meta_init():
+        model = models.MoEForCausalLM(vocab=128, hidden=64, heads=4, kv_heads=2, intermediate=32, layers=2,
+                                      num_experts=8, top_k=2, shared_intermediate=32, capacity_factor=1.25)
+    info = read_model(model, torch.zeros(2, 16, dtype=torch.long))
+    g = info.graph
+    assert g.total_params() == sum(p.numel() for p in model.parameters())
+    ref = planner.transformer(layers=2, hidden=64, heads=4, kv_heads=2, ffn=32, seq=16, vocab=128, gated_mlp=True,
+                              dtype="fp32", attention="materialized",
+                              moe=dict(experts=8, top_k=2, shared_experts=1, capacity_factor=1.25))
+    for name in ("model.layers.0", "model.layers.1"):
+        block = next(layer for layer in g.layers if layer.name == name)
+        ref_block = ref.layers[1]
+        m = block.moe
+        assert (m.experts, m.top_k, m.capacity_factor) == (8, 2, 1.25)
+        assert m.expert_params == ref_block.moe.expert_params == 8 * 3 * 64 * 32
+        assert m.routed_flops_per_sample == ref_block.moe.routed_flops_per_sample == 2 * 16 * 2 * 3 * 64 * 32
+        assert m.dispatch_bytes_per_sample == ref_block.moe.dispatch_bytes_per_sample
+        # Attention, router, shared expert and top-2 of 8 experts: the builder's count exactly.
+        assert block.forward_flops_per_sample == ref_block.forward_flops_per_sample == 1064960
+        assert block.kv_elements_per_token == ref_block.kv_elements_per_token == 2 * 2 * 16
+        grouped = [(gm.m_per_sample, gm.n, gm.k, gm.experts) for gm in block.gemms if gm.experts]
+        assert grouped == [(32.0, 64, 64, 8), (32.0, 64, 32, 8)]
+    t = g.transformer
+    assert (t.moe.experts, t.moe.top_k, t.moe.expert_ffn, t.moe.shared_experts, t.moe.every) == (8, 2, 32, 1, 1)
+    # A dense Llama's blocks carry their keys and values too (cp's ring bytes): 2 x kv_heads x head_dim.
+    llama = read_model(models.LlamaForCausalLM(vocab=128, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2),
+                       torch.zeros(2, 16, dtype=torch.long))
+    assert [layer.kv_elements_per_token for layer in llama.graph.layers if layer.name.startswith("model.layers.")] \
+        == [64.0, 64.0]
+
+
+def test_the_planner_splits_experts_over_ep_when_their_state_does_not_fit():
+    """A 3.7B-parameter MoE decoder (on meta, 99% of it experts) replicated over 8 A100-40GB
+    (zero=0, dp=8 pinned): with every expert on every rank its state (16 bytes a parameter,
+    58 GB) does not fit, so the planner splits the experts over ep ranks and says why; ep=1 pinned is
+    infeasible. A plan whose ep does not divide the experts is refused, naming the layers."""
+    with torch_monarch.meta_init():
+        model = models.MoEForCausalLM(vocab=1024, hidden=1024, heads=8, kv_heads=8, intermediate=12288, layers=6,
+                                      num_experts=16, top_k=2)
+    x = torch.zeros(1, 256, dtype=torch.long)
+    cluster = planner.cluster("a100-40gb", 8)
+    pins = dict(dtype="bf16", tp=1, pp=1, dp=8, zero_stage=0)
+    p = torch_monarch.plan(model, x, 64, cluster, **pins)
+    assert p.mesh.ep > 1, p.summary()
+    assert any(c.startswith(f"ep={p.mesh.ep} ") for c in p.choices), list(p.choices)
+    with pytest.raises(ValueError, match="no layout fits"):
+        torch_monarch.plan(model, x, 64, cluster, ep=1, **pins)
+    bad = planner.loads(planner.dumps(p))
+    bad.mesh.ep = 3
+    with pytest.raises(ValueError, match=r"layer model.layers.0: ep=3 does not divide its 16 experts "
+                                         r"\(model.layers.0.mlp.experts\)"):
+        torch_monarch.check_plan(bad, model)

@@ -52,6 +52,29 @@ def test_encoder_decoder_pipelines_are_refused_by_name():
         api.plan(build("t5"), batch("t5", 2), 8, planner.cluster("cpu", 4), pp=2)
 
 
+def test_hf_moe_models_are_read_with_their_experts_and_routers():
+    """Mixtral (4 experts, top-2, MixtralTopKRouter) and Qwen2-MoE (4 experts, top-2, a shared
+    expert of twice the experts' width): every block a MoE layer whose FLOPs count top_k of the
+    experts (HF's experts loop skips every expert on meta; the reader counts the routing), its
+    parameters all of them; ep divides the experts or is refused naming the layer."""
+    from torch_monarch import api, planner
+    for name, ffn, shared in (("mixtral", 128, 0), ("qwen2_moe", 32, 2)):
+        model = build(name)
+        info, graph = api.model_graph(model, batch(name, 2))
+        assert graph.total_params() == sum(p.numel() for p in model.parameters()), name
+        blocks = [layer for layer in graph.layers if layer.name.startswith("model.layers.")]
+        for block in blocks:
+            assert (block.moe.experts, block.moe.top_k) == (4, 2), name
+            assert block.moe.expert_params == 4 * 3 * 64 * ffn, name
+            assert block.moe.routed_flops_per_sample == 2 * 16 * 2 * 3 * 64 * ffn, name
+            assert block.forward_flops_per_sample > block.moe.routed_flops_per_sample, name
+            assert block.kv_elements_per_token == 2 * 2 * 16, name  # k and v, 2 kv heads of 16
+        moe = graph.transformer.moe
+        assert (moe.experts, moe.top_k, moe.expert_ffn, moe.shared_experts) == (4, 2, ffn, shared), name
+    with pytest.raises(ValueError, match=r"pins.ep: 3 "):
+        api.plan(build("mixtral"), batch("mixtral", 2), 8, planner.cluster("cpu", 4), ep=3)
+
+
 def test_every_architecture_is_read_and_planned():
     """One process: each model is read (its forward runs on meta parameters with the real
     padded batch: HF's mask checks read the attention mask's values) and planned for 4 CPU
@@ -92,6 +115,11 @@ PINNED = {
     "qwen2@pp2_tp2": {"pp": 2, "tp": 2},
     "bert@pp2_zero3": {"pp": 2, "zero_stage": 3},
     "mixtral@pp2": {"pp": 2},
+    # Experts split over ep ranks (torch_monarch.experts swaps HF's MixtralExperts /
+    # Qwen2MoeExperts; the router, the shared expert and HF's loss stay the model's).
+    "mixtral@ep2": {"dp": 4, "ep": 2},
+    "qwen2_moe@ep4_zero3": {"dp": 4, "ep": 4, "zero_stage": 3},
+    "mixtral@ep2_tp2": {"tp": 2, "ep": 2},
     # Blocks under torch.compile (torch_monarch.compile), inside tp, the hook-cut pipeline, ZeRO-3.
     "llama@tp2_compiled": {"tp": 2, "compile": True},
     "gpt2@pp2_compiled": {"pp": 2, "compile": True},
@@ -101,6 +129,7 @@ PINNED = {
     "llama@dp4_unlabelled_rank": {"dp": 4, "_unlabelled_rows": [2, 4]},
 }
 COMPILED = [k for k, pins in PINNED.items() if pins.get("compile")]
+EXPERT_PARALLEL = [k for k, pins in PINNED.items() if pins.get("ep", 1) > 1]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +141,15 @@ def pinned():
 @pytest.mark.parametrize("key", list(PINNED))
 def test_pinned_layout_trains_like_one_process(pinned, key):
     assert_parity(key, pinned[key])
+
+
+@pytest.mark.parametrize("key", EXPERT_PARALLEL)
+def test_hf_moe_models_run_their_experts_split_over_ep(pinned, key):
+    """The pinned ep is the plan's: graph.py reads HF's experts modules and routers into the
+    planner's MoE layers, and parallelize passes ep= to the planner."""
+    r = pinned[key]
+    assert "error" not in r, r.get("error")
+    assert f" ep={PINNED[key]['ep']} " in r["plan"], f"{key}: planned {r['plan']}"
 
 
 @pytest.mark.parametrize("key", COMPILED)
