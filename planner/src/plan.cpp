@@ -125,7 +125,7 @@ bool Plan::operator==(const Plan& o) const {
          dp_reduction == o.dp_reduction && inter_node_compression == o.inter_node_compression &&
          zero_overlap == o.zero_overlap && layers == o.layers && embeddings == o.embeddings && prediction == o.prediction &&
          alternatives == o.alternatives && tie_break == o.tie_break &&
-         choices == o.choices;
+         choices == o.choices && inference == o.inference;
 }
 
 // "pp=12 dp=4 tp=8 zero=1 mbs=1 m=384 1f1b recompute=full sp=on"

@@ -157,6 +157,33 @@ std::string diff_plans(const Plan& a, const Plan& b) {
   } else if (!p.ranks.empty() && !q.ranks.empty()) {
     o << "  memory per pipeline rank: " << memory_range(p.ranks) << " -> " << memory_range(q.ranks) << "\n";
   }
+  if (a.inference || b.inference) {
+    auto mode = [](const Plan& x) {
+      return x.inference ? "inference " + to_string(x.inference->config.objective) : std::string("training");
+    };
+    o << "inference\n";
+    if (mode(a) != mode(b)) o << "  mode: " << mode(a) << " -> " << mode(b) << "\n";
+    if (a.inference && b.inference) {
+      const InferencePlan& x = *a.inference;
+      const InferencePlan& y = *b.inference;
+      auto line = [&](const char* name, double u, double v, bool seconds) {
+        o << "  " << name << ": " << (seconds ? format_seconds(u) : format_bytes(u)) << " -> "
+          << (seconds ? format_seconds(v) : format_bytes(v)) << signed_percent(u, v) << "\n";
+      };
+      if (x.batch_per_replica != y.batch_per_replica || x.decode_micro_batches != y.decode_micro_batches) {
+        o << "  batch per replica: " << x.batch_per_replica << " (m=" << x.decode_micro_batches << ") -> "
+          << y.batch_per_replica << " (m=" << y.decode_micro_batches << ")\n";
+      }
+      line("time to first token", x.prediction.ttft_s, y.prediction.ttft_s, true);
+      line("per-token latency", x.prediction.per_token_s, y.prediction.per_token_s, true);
+      char tok[120];
+      std::snprintf(tok, sizeof tok, "  tokens/s: %.0f -> %.0f%s\n", x.prediction.tokens_per_s,
+                    y.prediction.tokens_per_s, signed_percent(x.prediction.tokens_per_s, y.prediction.tokens_per_s).c_str());
+      o << tok;
+      line("KV cache per device", x.prediction.kv_cache_bytes, y.prediction.kv_cache_bytes, false);
+      line("weights per device", x.prediction.weights_bytes, y.prediction.weights_bytes, false);
+    }
+  }
   if (a == b) return "plans are identical\n";
   return o.str();
 }

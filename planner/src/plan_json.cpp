@@ -231,6 +231,43 @@ Json alternative_to_json(const Alternative& a) {
   return j;
 }
 
+// The inference section (docs/plan_format.md): the ask, the layout's own choices, the prediction.
+Json inference_to_json(const InferencePlan& inf) {
+  const InferenceConfig& c = inf.config;
+  Json j;
+  j["objective"] = to_string(c.objective);
+  j["batch"] = c.batch;
+  j["prompt_len"] = c.prompt_len;
+  j["max_new_tokens"] = c.max_new_tokens;
+  j["latency_target_s"] = c.latency_target_s;
+  j["max_batch"] = c.max_batch;
+  j["weight_bytes"] = c.weight_bytes;
+  j["kv_bytes"] = c.kv_bytes;
+  j["hbm_efficiency"] = c.hbm_efficiency;
+  j["batch_per_replica"] = inf.batch_per_replica;
+  j["decode_micro_batches"] = inf.decode_micro_batches;
+  const InferencePrediction& p = inf.prediction;
+  Json q;
+  q["ttft_s"] = p.ttft_s;
+  q["per_token_s"] = p.per_token_s;
+  q["tokens_per_s"] = p.tokens_per_s;
+  q["request_s"] = p.request_s;
+  q["weights_bytes"] = p.weights_bytes;
+  q["kv_cache_bytes"] = p.kv_cache_bytes;
+  q["activation_bytes"] = p.activation_bytes;
+  q["memory_bytes"] = p.memory_bytes;
+  q["decode_weights_s"] = p.decode_weights_s;
+  q["decode_kv_s"] = p.decode_kv_s;
+  q["decode_compute_s"] = p.decode_compute_s;
+  q["decode_tp_comm_s"] = p.decode_tp_comm_s;
+  q["decode_pp_comm_s"] = p.decode_pp_comm_s;
+  q["prefill_compute_s"] = p.prefill_compute_s;
+  q["prefill_tp_comm_s"] = p.prefill_tp_comm_s;
+  q["prefill_pp_comm_s"] = p.prefill_pp_comm_s;
+  j["prediction"] = q;
+  return j;
+}
+
 Json plan_to_json_value(const Plan& p) {
   Json j;
   j["version"] = p.version;
@@ -253,6 +290,7 @@ Json plan_to_json_value(const Plan& p) {
   for (const auto& l : p.layers) layers.push_back(layer_to_json(l));
   j["layers"] = layers;
   if (p.embeddings) j["embeddings"] = json_detail::embeddings_to_json_value(*p.embeddings);
+  if (p.inference) j["inference"] = inference_to_json(*p.inference);  // only inference plans
   j["prediction"] = prediction_to_json(p.prediction);
   Json alternatives = Json::array();
   for (const auto& a : p.alternatives) alternatives.push_back(alternative_to_json(a));
@@ -552,6 +590,44 @@ Json parse_text(const std::string& text) {
   return root;
 }
 
+InferencePlan inference_from_json(const Fields& f) {
+  InferencePlan inf;
+  InferenceConfig& c = inf.config;
+  c.objective = inference_objective_from_string(f.string("objective"), f.path("objective"));
+  c.batch = f.integer("batch");
+  c.prompt_len = f.integer("prompt_len");
+  c.max_new_tokens = f.integer("max_new_tokens");
+  c.latency_target_s = f.number("latency_target_s");
+  c.max_batch = f.integer("max_batch");
+  c.weight_bytes = f.number("weight_bytes");
+  c.kv_bytes = f.number("kv_bytes");
+  c.hbm_efficiency = f.number("hbm_efficiency");
+  inf.batch_per_replica = f.integer("batch_per_replica");
+  inf.decode_micro_batches = f.integer("decode_micro_batches");
+  const Fields q = f.object("prediction", {"ttft_s", "per_token_s", "tokens_per_s", "request_s", "weights_bytes",
+                                           "kv_cache_bytes", "activation_bytes", "memory_bytes", "decode_weights_s",
+                                           "decode_kv_s", "decode_compute_s", "decode_tp_comm_s", "decode_pp_comm_s",
+                                           "prefill_compute_s", "prefill_tp_comm_s", "prefill_pp_comm_s"});
+  InferencePrediction& p = inf.prediction;
+  p.ttft_s = q.number("ttft_s");
+  p.per_token_s = q.number("per_token_s");
+  p.tokens_per_s = q.number("tokens_per_s");
+  p.request_s = q.number("request_s");
+  p.weights_bytes = q.number("weights_bytes");
+  p.kv_cache_bytes = q.number("kv_cache_bytes");
+  p.activation_bytes = q.number("activation_bytes");
+  p.memory_bytes = q.number("memory_bytes");
+  p.decode_weights_s = q.number("decode_weights_s");
+  p.decode_kv_s = q.number("decode_kv_s");
+  p.decode_compute_s = q.number("decode_compute_s");
+  p.decode_tp_comm_s = q.number("decode_tp_comm_s");
+  p.decode_pp_comm_s = q.number("decode_pp_comm_s");
+  p.prefill_compute_s = q.number("prefill_compute_s");
+  p.prefill_tp_comm_s = q.number("prefill_tp_comm_s");
+  p.prefill_pp_comm_s = q.number("prefill_pp_comm_s");
+  return inf;
+}
+
 Plan plan_from_value(const Json& root) {
   if (!root.is_object()) {
     throw FormatError("plan JSON: expected an object at the top level, got " + type_name(root));
@@ -562,7 +638,7 @@ Plan plan_from_value(const Json& root) {
                  {"version", "model", "cluster", "training", "mesh", "zero_stage",
                   "micro_batch_size", "num_micro_batches", "schedule", "virtual_stages",
                   "recompute", "sequence_parallel", "dp_bucket_bytes", "dp_reduction",
-                  "inter_node_compression", "zero_overlap", "layers", "embeddings",
+                  "inter_node_compression", "zero_overlap", "layers", "embeddings", "inference",
                   "prediction", "alternatives", "tie_break", "choices"});
   model_from_json(f.object("model", {"name", "params", "transformer"}), p);
   p.cluster = cluster_from_json(f.object(
@@ -601,6 +677,12 @@ Plan plan_from_value(const Json& root) {
   }
   if (f.has("embeddings")) {  // optional: models without embedding tables
     p.embeddings = json_detail::embeddings_from_fields(f.object("embeddings", json_detail::kEmbeddingKeys));
+  }
+  if (f.has("inference")) {  // optional: inference plans only
+    p.inference = inference_from_json(f.object(
+        "inference", {"objective", "batch", "prompt_len", "max_new_tokens", "latency_target_s", "max_batch",
+                      "weight_bytes", "kv_bytes", "hbm_efficiency", "batch_per_replica",
+                      "decode_micro_batches", "prediction"}));
   }
   p.prediction = prediction_from_json(f.object(
       "prediction", {"step_time_s", "tflops_per_device", "mfu", "memory_bytes_per_device",

@@ -1,5 +1,6 @@
 // Consistency checks of a Plan (docs/plan_format.md, "Validation rules"). Each rule throws
 // ValidationError naming the field path, with the numbers that broke it.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -327,6 +328,57 @@ void check_prediction(const Plan& p) {
   }
 }
 
+// An inference plan: a valid ask, the layout's batch and micro-batches consistent with the
+// mesh fields, nothing training-only, finite predictions.
+void check_inference(const Plan& p) {
+  const InferencePlan& inf = *p.inference;
+  validate(inf.config);
+  if (inf.batch_per_replica < inf.config.batch) {
+    throw ValidationError("inference.batch_per_replica", "must be >= inference.batch (" + str(inf.config.batch) +
+                                                             "), got " + str(inf.batch_per_replica));
+  }
+  if (inf.config.objective == InferenceObjective::latency && inf.batch_per_replica != inf.config.batch) {
+    throw ValidationError("inference.batch_per_replica", "the latency objective serves exactly inference.batch (" +
+                                                             str(inf.config.batch) + "), got " +
+                                                             str(inf.batch_per_replica));
+  }
+  if (inf.decode_micro_batches != p.num_micro_batches ||
+      inf.decode_micro_batches * p.micro_batch_size != inf.batch_per_replica) {
+    throw ValidationError("inference.decode_micro_batches",
+                          str(inf.decode_micro_batches) + " micro-batches of micro_batch_size " +
+                              str(p.micro_batch_size) + " must hold batch_per_replica " +
+                              str(inf.batch_per_replica) + " (and equal num_micro_batches " +
+                              str(p.num_micro_batches) + ")");
+  }
+  if (inf.decode_micro_batches > std::max<int64_t>(p.mesh.pp, 1)) {
+    throw ValidationError("inference.decode_micro_batches", "at most pp=" + str(p.mesh.pp) + ", got " +
+                                                                str(inf.decode_micro_batches));
+  }
+  if (p.zero_stage != 0) throw ValidationError("zero_stage", "an inference plan has no optimizer state: must be 0");
+  if (p.recompute != Recompute::none) throw ValidationError("recompute", "an inference plan recomputes nothing: must be none");
+  if (p.sequence_parallel) throw ValidationError("sequence_parallel", "not used by an inference plan");
+  if (p.mesh.cp != 1 || p.mesh.ep != 1) throw ValidationError("mesh", "an inference plan has cp = ep = 1");
+  if (p.schedule != ScheduleKind::none && p.schedule != ScheduleKind::gpipe) {
+    throw ValidationError("schedule", "an inference plan decodes forward only: none or gpipe, got '" +
+                                          to_string(p.schedule) + "'");
+  }
+  const InferencePrediction& q = inf.prediction;
+  const std::pair<const char*, double> fields[] = {
+      {"ttft_s", q.ttft_s}, {"per_token_s", q.per_token_s}, {"tokens_per_s", q.tokens_per_s},
+      {"request_s", q.request_s}, {"weights_bytes", q.weights_bytes}, {"kv_cache_bytes", q.kv_cache_bytes},
+      {"activation_bytes", q.activation_bytes}, {"memory_bytes", q.memory_bytes},
+      {"decode_weights_s", q.decode_weights_s}, {"decode_kv_s", q.decode_kv_s},
+      {"decode_compute_s", q.decode_compute_s}, {"decode_tp_comm_s", q.decode_tp_comm_s},
+      {"decode_pp_comm_s", q.decode_pp_comm_s}, {"prefill_compute_s", q.prefill_compute_s},
+      {"prefill_tp_comm_s", q.prefill_tp_comm_s}, {"prefill_pp_comm_s", q.prefill_pp_comm_s}};
+  for (const auto& [name, value] : fields) {
+    if (!std::isfinite(value) || value < 0) {
+      throw ValidationError(std::string("inference.prediction.") + name,
+                            "must be a finite number >= 0, got " + std::to_string(value));
+    }
+  }
+}
+
 }  // namespace
 
 void validate(const Plan& plan) {
@@ -345,6 +397,7 @@ void validate(const Plan& plan) {
   check_param_total(plan);
   check_transformer(plan);
   check_prediction(plan);
+  if (plan.inference) check_inference(plan);
   if (plan.embeddings) {
     // The tables are sharded over every rank of the plan; evaluate_embeddings checks each
     // placement covers its table exactly once and fits the device memory.

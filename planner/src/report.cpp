@@ -46,6 +46,41 @@ std::string format_seconds(double s) {
   return fmt("%.3f us", s * 1e6);
 }
 
+std::string format_inference_report(const Plan& plan) {
+  const InferencePlan& inf = *plan.inference;
+  const InferenceConfig& k = inf.config;
+  const InferencePrediction& q = inf.prediction;
+  std::ostringstream out;
+  out << "inference " << to_string(k.objective) << ": batch " << inf.batch_per_replica << " per replica x "
+      << plan.mesh.dp << " replicas (asked " << k.batch << "), prompt " << k.prompt_len << " + "
+      << k.max_new_tokens << " new tokens";
+  if (k.latency_target_s > 0) out << ", per-token target " << format_seconds(k.latency_target_s);
+  if (inf.decode_micro_batches > 1) out << ", " << inf.decode_micro_batches << " decode micro-batches";
+  out << "\n";
+  out << "  time to first token  " << format_seconds(q.ttft_s) << "  (prefill: compute "
+      << format_seconds(q.prefill_compute_s) << ", tp comm " << format_seconds(q.prefill_tp_comm_s)
+      << ", pp comm " << format_seconds(q.prefill_pp_comm_s) << ")\n";
+  out << "  per-token latency    " << format_seconds(q.per_token_s) << "  (weights read "
+      << format_seconds(q.decode_weights_s) << ", KV read " << format_seconds(q.decode_kv_s) << ", compute beyond "
+      << format_seconds(q.decode_compute_s) << ", tp all-reduces " << format_seconds(q.decode_tp_comm_s)
+      << ", pp hops " << format_seconds(q.decode_pp_comm_s) << ")\n";
+  out << "  tokens/s             " << fmt("%.0f", q.tokens_per_s) << "  (all replicas; request "
+      << format_seconds(q.request_s) << ")\n";
+  out << "memory per device (most loaded stage)  " << format_bytes(q.memory_bytes) << " of "
+      << format_bytes(plan.cluster.usable_memory_bytes()) << " usable\n";
+  out << "  weights      " << format_bytes(q.weights_bytes) << "\n";
+  out << "  KV cache     " << format_bytes(q.kv_cache_bytes) << "\n";
+  out << "  activations  " << format_bytes(q.activation_bytes) << "\n";
+  for (const auto& c : plan.choices) out << "why         " << c << "\n";
+  if (!plan.alternatives.empty()) {
+    out << "\nalternatives\n";
+    for (const auto& a : plan.alternatives) {
+      out << "  " << a.summary << "  " << format_bytes(a.memory_bytes_per_device) << "  -- " << a.reason << "\n";
+    }
+  }
+  return out.str();
+}
+
 std::string format_report(const Plan& plan) {
   const Prediction& p = plan.prediction;
   const Cluster& c = plan.cluster;
@@ -90,6 +125,10 @@ std::string format_report(const Plan& plan) {
   if (printed < shown) flush(static_cast<int64_t>(plan.layers.size()) - 1);
   if (printed >= shown) out << "... (" << plan.num_stages() << " stages)";
   out << "\n\n";
+  if (plan.inference) {
+    out << format_inference_report(plan);
+    return out.str();
+  }
 
   const MemoryBreakdown& m = p.memory;
   out << "memory per device (most loaded rank)     " << format_bytes(m.total()) << " of "

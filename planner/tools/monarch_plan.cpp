@@ -41,6 +41,9 @@ const char* kUsage = R"(usage:
                            [--experts E --top-k K [--expert-ffn F] [--shared-experts S]
                             [--first-dense-layers N] [--moe-every N] [--capacity-factor C]
                             [--moe-imbalance I]]
+                           [--mode training|inference --batch B --prompt-len P
+                            --max-new-tokens N [--objective latency|throughput]
+                            [--latency-target-ms T] [--max-batch M] [--hbm-efficiency E]]
       Plans the model (or, with --tp --pp --dp --zero --micro-batch --schedule all given,
       scores exactly that layout) and prints a summary; -o writes the plan as JSON.
       --profile: per-layer times measured on the machine (torch_monarch.profile) instead
@@ -49,6 +52,12 @@ const char* kUsage = R"(usage:
       --hierarchical-dp: may reduce dp in two levels where a dp group spans nodes with
       several ranks on each (default on); --inter-node-compression: the lossy compression
       its inter-node hop may use when faster (default none).
+      --mode inference: plans generation instead of training (docs/cost_model.md,
+      "Inference"): tp x pp with dp replicas for the lowest per-token latency at batch B
+      (--objective latency, the default without --latency-target-ms) or the most tokens/s
+      (--objective throughput, the default with it; batch per replica up to --max-batch,
+      default 256) with per-token latency under T ms. --seq defaults to P + N;
+      --global-batch is not used; --tp / --pp pin.
   monarch-plan show plan.json       print the summary of a saved plan
   monarch-plan report plan.json -o plan.html [--trace trace.json] [--trace-step K]
       one self-contained HTML page: mesh, pipeline timeline, memory per rank, step
@@ -132,6 +141,43 @@ bool on_off(const std::string& flag, const std::string& value) {
   throw UsageError(flag + ": expected on or off, got '" + value + "'");
 }
 
+template <typename Number>
+int run_inference(const Args& args, const mp::ModelGraph& graph, const mp::Cluster& cluster, Number number) {
+  for (const char* flag : {"--global-batch", "--dp", "--zero", "--micro-batch", "--schedule", "--virtual-stages",
+                           "--recompute", "--sequence-parallel", "--profile", "--cp", "--ep", "--tie-tolerance",
+                           "--hierarchical-dp", "--inter-node-compression"}) {
+    if (args.has(flag)) throw UsageError(std::string(flag) + " is a training option (not with --mode inference)");
+  }
+  mp::InferenceConfig config;
+  config.batch = args.required("--batch");
+  config.prompt_len = args.required("--prompt-len");
+  config.max_new_tokens = args.required("--max-new-tokens");
+  config.latency_target_s = number("--latency-target-ms", 0.0) / 1000.0;
+  config.max_batch = args.integer("--max-batch").value_or(0);
+  config.hbm_efficiency = number("--hbm-efficiency", config.hbm_efficiency);
+  const std::string objective =
+      args.str("--objective", config.latency_target_s > 0 || args.has("--max-batch") ? "throughput" : "latency");
+  config.objective = mp::inference_objective_from_string(objective, "--objective");
+  if (config.objective == mp::InferenceObjective::latency && args.has("--latency-target-ms")) {
+    throw UsageError("--latency-target-ms: a target bounds the throughput objective (--objective throughput)");
+  }
+  mp::InferenceOptions options;
+  options.tp = args.integer("--tp").value_or(0);
+  options.pp = args.integer("--pp").value_or(0);
+  options.alternatives = args.integer("--alternatives").value_or(5);
+  const mp::Plan plan = mp::plan_inference(graph, cluster, config, options);
+  if (args.has("--json")) {
+    std::cout << mp::to_json(plan) << "\n";
+  } else {
+    std::cout << mp::format_report(plan);
+  }
+  if (args.has("--output")) {
+    mp::save_plan(plan, args.str("--output"));
+    if (!args.has("--json")) std::cout << "\nwrote " << args.str("--output") << "\n";
+  }
+  return 0;
+}
+
 int cmd_transformer(int argc, char** argv) {
   const Args args(argc, argv, 2,
                   {"--layers", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--vocab",
@@ -141,7 +187,8 @@ int cmd_transformer(int argc, char** argv) {
                    "--profile", "--tie-tolerance", "--hierarchical-dp", "--inter-node-compression",
                    "--head-dim", "--attention-params", "--cp", "--ep", "--experts", "--top-k", "--expert-ffn",
                    "--shared-experts", "--first-dense-layers", "--moe-every", "--capacity-factor",
-                   "--moe-imbalance"},
+                   "--moe-imbalance", "--mode", "--batch", "--prompt-len", "--max-new-tokens",
+                   "--objective", "--latency-target-ms", "--max-batch", "--hbm-efficiency"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -150,7 +197,24 @@ int cmd_transformer(int argc, char** argv) {
   tc.heads = args.required("--heads");
   tc.kv_heads = args.integer("--kv-heads").value_or(0);
   tc.ffn = args.integer("--ffn").value_or(0);
-  tc.seq = args.required("--seq");
+  const std::string mode = args.str("--mode", "training");
+  if (mode != "training" && mode != "inference") {
+    throw UsageError("--mode: expected training or inference, got '" + mode + "'");
+  }
+  const bool inference = mode == "inference";
+  if (inference) {
+    if (!args.has("--seq")) {
+      tc.seq = args.required("--prompt-len") + args.required("--max-new-tokens");
+    } else {
+      tc.seq = args.required("--seq");
+    }
+  } else {
+    for (const char* flag : {"--batch", "--prompt-len", "--max-new-tokens", "--objective", "--latency-target-ms",
+                             "--max-batch", "--hbm-efficiency"}) {
+      if (args.has(flag)) throw UsageError(std::string(flag) + " needs --mode inference");
+    }
+    tc.seq = args.required("--seq");
+  }
   tc.vocab = args.required("--vocab");
   tc.gated_mlp = args.has("--gated-mlp");
   tc.tied_embeddings = args.has("--tied-embeddings");
@@ -178,6 +242,7 @@ int cmd_transformer(int argc, char** argv) {
   const mp::ModelGraph graph = mp::build_transformer(tc);
 
   const mp::Cluster cluster = mp::cluster_preset(args.str("--cluster", "a100-80gb"), args.required("--gpus"));
+  if (inference) return run_inference(args, graph, cluster, number);
   mp::TrainingConfig training;
   training.global_batch = args.required("--global-batch");
   training.compute_dtype = tc.dtype;

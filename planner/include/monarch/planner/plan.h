@@ -8,6 +8,7 @@
 
 #include "monarch/planner/cluster.h"
 #include "monarch/planner/embeddings.h"
+#include "monarch/planner/inference.h"
 #include "monarch/planner/model_graph.h"
 #include "monarch/planner/schedule.h"
 #include "monarch/planner/training_config.h"
@@ -173,6 +174,10 @@ struct Plan {
   // Why the search chose this ep and cp (e.g. "ep=8: expert state needs it: ep=4 needs 95.1 GiB
   // per device, 78.0 GiB usable"), one line each; empty when neither was a choice.
   std::vector<std::string> choices;
+  // Set for an inference plan (plan_inference, inference.h): what it serves (objective, batch,
+  // prompt and new tokens), the batch per replica, decode micro-batches, and the prediction
+  // (time to first token, per-token latency, tokens/s, KV cache). Absent in training plans.
+  std::optional<InferencePlan> inference;
 
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
   std::string summary() const;  // one line: mesh, zero, mbs, schedule, recompute
