@@ -197,5 +197,26 @@ sed 's/"inter_node_compression": "none",/"inter_node_compression": "bf16",/' "$T
 expect_error "compression without hierarchical" "inter_node_compression: bf16 compresses the inter-node hop" \
   "$MP" validate "$TMP/one_node_bf16.json"
 
+# Inference: latency and throughput plans of Llama-3-8B on 8 H100s, saved, validated, shown and
+# diffed; a model that does not fit is one error naming the memory; training-only flags refused.
+L8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --gated-mlp --vocab 128256 --cluster h100-80gb"
+"$MP" transformer $L8B --gpus 8 --mode inference --batch 1 --prompt-len 1024 --max-new-tokens 256 \
+  -o "$TMP/lat.json" >"$TMP/out" 2>"$TMP/err" && grep -q "why         latency: tp=8" "$TMP/out" && ok ||
+  bad "inference latency: $(cat "$TMP/out" "$TMP/err")"
+"$MP" transformer $L8B --gpus 8 --mode inference --batch 1 --prompt-len 1024 --max-new-tokens 256 \
+  --latency-target-ms 50 -o "$TMP/thr.json" >"$TMP/out" 2>"$TMP/err" && grep -q "tokens/s" "$TMP/out" && ok ||
+  bad "inference throughput: $(cat "$TMP/out" "$TMP/err")"
+"$MP" validate "$TMP/thr.json" >"$TMP/out" 2>&1 && grep -q "valid plan" "$TMP/out" && ok || bad "validate inference: $(cat "$TMP/out")"
+"$MP" show "$TMP/lat.json" >"$TMP/out" 2>&1 && grep -q "time to first token" "$TMP/out" && ok || bad "show inference: $(cat "$TMP/out")"
+"$MP" diff "$TMP/lat.json" "$TMP/thr.json" >"$TMP/out" 2>&1 && grep -q "mode: inference latency -> inference throughput" "$TMP/out" && ok ||
+  bad "diff inference: $(cat "$TMP/out")"
+expect_error "inference does not fit" "inference: no layout fits in memory: the smallest need is" \
+  "$MP" transformer --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 --gated-mlp --vocab 128256 \
+  --cluster h100-80gb --gpus 1 --mode inference --batch 1 --prompt-len 1024 --max-new-tokens 256
+expect_error "inference flag without the mode" "--batch needs --mode inference" \
+  "$MP" transformer $L8B --seq 1024 --global-batch 8 --gpus 8 --batch 4
+expect_error "training flag with inference" "--zero is a training option" \
+  "$MP" transformer $L8B --gpus 8 --mode inference --batch 1 --prompt-len 16 --max-new-tokens 16 --zero 1
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
