@@ -73,6 +73,10 @@ ProfilePoint = _P.ProfilePoint
 LayerProfile = _P.LayerProfile
 LinkProfile = _P.LinkProfile
 MeasuredProfile = _P.MeasuredProfile
+InferenceConfig = _P.InferenceConfig
+InferencePrediction = _P.InferencePrediction
+InferencePlan = _P.InferencePlan
+InferenceOptions = _P.InferenceOptions
 
 PLAN_FORMAT_VERSION = _P.PLAN_FORMAT_VERSION
 
@@ -95,6 +99,8 @@ tp_bytes_per_step = _P.tp_bytes_per_step
 evaluate_embeddings = _P.evaluate_embeddings
 format_embedding_report = _P.format_embedding_report
 embedding_placement_loads = _P.embedding_placement_loads
+evaluate_inference = _P.evaluate_inference
+kv_cache_bytes_per_sequence = _P.kv_cache_bytes_per_sequence
 bytes_per_step = _P.bytes_per_step  # (graph, plan) -> per pipeline rank {'dp', 'tp', 'pp', 'ends', 'total'}
 
 
@@ -249,6 +255,42 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
     if profile is not None:
         return _P.search_with_profile(graph, cluster, _training(training), options, profile)
     return search(graph, cluster, _training(training), options)
+
+
+def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objective=None,
+                   latency_target=None, max_batch=None, tp=None, pp=None, alternatives=5,
+                   hbm_efficiency=None, weight_bytes=None, kv_bytes=None):
+    """Plans generation (docs/cost_model.md, "Inference"): tp x pp with dp = world / (tp pp)
+    replicas, for the lowest per-token latency at `batch` sequences per replica
+    (``objective="latency"``, the default without a target) or the most tokens/s with
+    per-token latency under ``latency_target`` seconds (``objective="throughput"``, the default
+    with one; the batch per replica grows up to ``max_batch``, default 256). ``tp`` / ``pp``
+    pin. The plan's ``inference.prediction`` has ``ttft_s``, ``per_token_s``,
+    ``tokens_per_s``, ``kv_cache_bytes``, ``weights_bytes``; ``choices`` says why.
+    InfeasibleError (a ValueError) names the memory when nothing fits.
+    """
+    config = InferenceConfig()
+    config.batch = int(batch)
+    config.prompt_len = int(prompt_len)
+    config.max_new_tokens = int(max_new_tokens)
+    if latency_target is not None:
+        config.latency_target_s = float(latency_target)
+    if objective is None:
+        objective = "throughput" if latency_target or max_batch else "latency"
+    config.objective = objective
+    if max_batch is not None:
+        config.max_batch = int(max_batch)
+    if hbm_efficiency is not None:
+        config.hbm_efficiency = float(hbm_efficiency)
+    if weight_bytes is not None:
+        config.weight_bytes = float(weight_bytes)
+    if kv_bytes is not None:
+        config.kv_bytes = float(kv_bytes)
+    options = InferenceOptions()
+    options.tp = 0 if tp is None else int(tp)
+    options.pp = 0 if pp is None else int(pp)
+    options.alternatives = int(alternatives)
+    return _P.plan_inference(graph, cluster, config, options)
 
 
 def evaluate(graph, cluster, training, *, tp, pp, dp, zero, micro_batch, schedule,

@@ -616,6 +616,7 @@ void bind_plan(py::module_& m) {
       .def_readwrite("alternatives", &Plan::alternatives)
       .def_readwrite("tie_break", &Plan::tie_break)
       .def_readwrite("choices", &Plan::choices)
+      .def_readwrite("inference", &Plan::inference, "InferencePlan of an inference plan; None for training plans.")
       .def("num_stages", &Plan::num_stages)
       .def("summary", &Plan::summary, "One line: mesh, zero, micro-batch size, schedule, recompute.")
       .def(
@@ -828,6 +829,7 @@ void bind_schedule(py::module_& m) {
 
 void bind_embeddings(py::module_& m);  // embedding_bindings.cpp
 void bind_profiles(py::module_& m);    // profile_bindings.cpp
+void bind_inference(py::module_& m);   // inference_bindings.cpp
 
 void bind_planner(py::module_& m) {
   bind_exceptions(m);
@@ -839,6 +841,7 @@ void bind_planner(py::module_& m) {
   bind_schedule(m);
   bind_embeddings(m);
   bind_profiles(m);
+  bind_inference(m);
 }
 
 }  // namespace monarch::python

@@ -311,3 +311,37 @@ def test_llama3_405b_production_layout_fits_with_flash_attention():
     # With FlashAttention (what it ran with) it fits; costed with materialized s x s scores
     # (the 5as/h term) it would need several times the memory.
     assert fits == {"flash": True, "materialized": False}
+
+
+def _llama3_8b(seq):
+    # Llama-3-8B (Meta's config.json): 32 layers, hidden 4096, 32 heads, 8 kv heads, SwiGLU 14336.
+    return planner.transformer(32, 4096, 32, seq, 128256, kv_heads=8, ffn=14336, gated_mlp=True)
+
+
+def test_inference_latency_and_throughput_choose_differently():
+    graph = _llama3_8b(1280)
+    cluster = planner.cluster("h100-80gb", 8)
+    fast = planner.plan_inference(graph, cluster, batch=1, prompt_len=1024, max_new_tokens=256)
+    many = planner.plan_inference(graph, cluster, batch=1, prompt_len=1024, max_new_tokens=256,
+                                  latency_target=0.05)
+    assert fast.inference.config.objective == "latency"
+    assert many.inference.config.objective == "throughput"
+    assert fast.mesh.tp == 8 and many.mesh.tp < 8 and many.mesh.dp > 1
+    assert "weights read per token" in fast.choices[0]
+    assert "tokens/s" in many.choices[0] and "replicas" in many.choices[0]
+    p = many.inference.prediction
+    assert p.per_token_s <= 0.05 and p.tokens_per_s > fast.inference.prediction.tokens_per_s
+    assert p.ttft_s > 0 and p.kv_cache_bytes > 0 and p.weights_bytes > 0
+    # KV cache by hand: 2 x 32 layers x 8 kv heads x 128 x 1280 tokens x 2 bytes = 160 MiB.
+    assert planner.kv_cache_bytes_per_sequence(graph, 1280, 2.0) == 160 * 2**20
+    # The plan round-trips through JSON with its inference section; training plans have none.
+    back = planner.loads(planner.dumps(many))
+    assert back == many and back.inference.batch_per_replica == many.inference.batch_per_replica
+    assert "time to first token" in planner.report(many)
+
+
+def test_inference_infeasible_names_the_memory():
+    graph = planner.transformer(80, 8192, 64, 1280, 128256, kv_heads=8, ffn=28672, gated_mlp=True)
+    with pytest.raises(planner.InfeasibleError, match="no layout fits in memory.*GiB per device"):
+        planner.plan_inference(graph, planner.cluster("h100-80gb", 1), batch=1, prompt_len=1024,
+                               max_new_tokens=256)
