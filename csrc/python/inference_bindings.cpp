@@ -85,7 +85,8 @@ void bind_inference(py::module_& m) {
   add_copy<InferenceOptions>(options);
   options.def_readwrite("tp", &InferenceOptions::tp)
       .def_readwrite("pp", &InferenceOptions::pp)
-      .def_readwrite("alternatives", &InferenceOptions::alternatives);
+      .def_readwrite("alternatives", &InferenceOptions::alternatives)
+      .def_readwrite("tie_tolerance", &InferenceOptions::tie_tolerance);
 
   m.def("plan_inference", &plan_inference, py::arg("graph"), py::arg("cluster"), py::arg("config"),
         py::arg("options") = InferenceOptions{}, py::call_guard<py::gil_scoped_release>(),

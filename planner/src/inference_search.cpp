@@ -27,6 +27,8 @@ std::string fmt(const char* f, double v) {
 
 std::string ms(double s) { return format_seconds(s); }
 
+std::string replicas(int64_t n) { return std::to_string(n) + (n == 1 ? " replica" : " replicas"); }
+
 struct Candidate {
   int64_t tp = 1, pp = 1, dp = 1, batch = 1;
   InferencePlan plan;
@@ -140,6 +142,16 @@ std::string alternative_reason(const Candidate& a, const Candidate& best, Infere
   if (!a.meets_target) {
     return "per-token " + ms(a.p().per_token_s) + " over the " + ms(target) + " target";
   }
+  if (objective == InferenceObjective::latency && a.p().per_token_s < best.p().per_token_s) {
+    return fmt("%.1f%%", 100 * (1 - a.p().per_token_s / best.p().per_token_s)) +
+           " faster per token, within the tie tolerance, with " + std::to_string(a.tp * a.pp) +
+           " devices per replica instead of " + std::to_string(best.tp * best.pp);
+  }
+  if (objective == InferenceObjective::throughput && a.p().tokens_per_s > best.p().tokens_per_s) {
+    return fmt("%.0f", a.p().tokens_per_s) + " vs " + fmt("%.0f", best.p().tokens_per_s) +
+           " tokens/s, within the tie tolerance, at per-token " + ms(a.p().per_token_s) + " vs " +
+           ms(best.p().per_token_s);
+  }
   if (objective == InferenceObjective::latency) {
     return fmt("%.3fx", a.p().per_token_s / best.p().per_token_s) + " slower per token: " +
            ms(a.p().per_token_s) + " vs " + ms(best.p().per_token_s) + " (weights + KV read " +
@@ -147,8 +159,7 @@ std::string alternative_reason(const Candidate& a, const Candidate& best, Infere
            ms(a.p().decode_tp_comm_s) + " vs " + ms(best.p().decode_tp_comm_s) + ")";
   }
   return fmt("%.0f", a.p().tokens_per_s) + " vs " + fmt("%.0f", best.p().tokens_per_s) +
-         " tokens/s (batch " + std::to_string(a.batch) + " x " + std::to_string(a.dp) +
-         " replicas, per-token " + ms(a.p().per_token_s) + ")";
+         " tokens/s (batch " + std::to_string(a.batch) + " x " + replicas(a.dp) + ", per-token " + ms(a.p().per_token_s) + ")";
 }
 
 }  // namespace
@@ -257,8 +268,42 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
                           std::to_string(fastest_fitting->batch) + ")");
   }
 
+  // Ties: layouts within the tie tolerance of the best are not told apart by the model (what it
+  // leaves out: kernel launches, pipeline scheduling). Latency: the fewest devices per replica
+  // among them (more replicas serve more requests at that latency); throughput: the lowest
+  // per-token latency among them.
+  const Candidate* fastest = best;
+  if (options.tie_tolerance > 0) {
+    for (const Candidate& c : all) {
+      if (!c.ok() || &c == best) continue;
+      if (objective == InferenceObjective::latency) {
+        if (c.p().per_token_s > fastest->p().per_token_s * (1 + options.tie_tolerance)) continue;
+        const int64_t dc = c.tp * c.pp, db = best->tp * best->pp;
+        if (dc < db || (dc == db && c.p().per_token_s < best->p().per_token_s)) best = &c;
+      } else {
+        if (c.p().tokens_per_s < fastest->p().tokens_per_s / (1 + options.tie_tolerance)) continue;
+        if (c.p().per_token_s < best->p().per_token_s) best = &c;
+      }
+    }
+  }
+
   Plan plan = build_plan(graph, cluster, costs.at(best->tp), *best);
   const InferencePrediction& bp = best->p();
+  if (best != fastest) {
+    if (objective == InferenceObjective::latency) {
+      plan.tie_break = "preferred over " + fastest->mesh() + " (per-token " + ms(fastest->p().per_token_s) + ", " +
+                       fmt("%.1f%%", 100 * (bp.per_token_s / fastest->p().per_token_s - 1)) +
+                       " faster, within the " + fmt("%.0f%%", 100 * options.tie_tolerance) +
+                       " tie tolerance): " + std::to_string(best->tp * best->pp) + " devices per replica instead of " +
+                       std::to_string(fastest->tp * fastest->pp) + ", " + replicas(best->dp) + " instead of " +
+                       std::to_string(fastest->dp);
+    } else {
+      plan.tie_break = "preferred over " + fastest->mesh() + " batch " + std::to_string(fastest->batch) + " (" +
+                       fmt("%.0f", fastest->p().tokens_per_s) + " tokens/s, within the " +
+                       fmt("%.0f%%", 100 * options.tie_tolerance) + " tie tolerance): per-token " + ms(bp.per_token_s) +
+                       " instead of " + ms(fastest->p().per_token_s);
+    }
+  }
 
   // Why: the headline names the deciding quantity, then the best layout of each other tp (and
   // pp) with the same quantity.
@@ -267,7 +312,7 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
     auto& slot = per_mesh[{c.tp, c.pp}];
     if (!slot || (c.ok() && !slot->ok()) || (c.ok() == slot->ok() && better(c, *slot, objective))) slot = &c;
   }
-  const double tp_ar_each = best->tp > 1 && bp.decode_tp_comm_s > 0 ? bp.decode_tp_comm_s : 0.0;
+  const double tp_comm = best->tp > 1 && bp.decode_tp_comm_s > 0 ? bp.decode_tp_comm_s : 0.0;
   int64_t reduces = 0;
   for (const auto& l : graph.layers) {
     if (best->tp > 1 && l.tp != TpPattern::replicated) reduces += l.kind == LayerKind::block ? 2 : 1;
@@ -279,14 +324,19 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
                        fmt("%.2f", cluster.hbm_bytes_per_s * config.hbm_efficiency / 1e12) + " TB/s)";
     if (best->tp > 1) {
       head += ", tp=" + std::to_string(best->tp) + " cuts them " + std::to_string(best->tp) +
-              "x; tp all-reduces " + std::to_string(reduces) + " per token cost " + ms(tp_ar_each);
+              "x; its " + std::to_string(reduces) + " tp collectives per token (all-reduces of " +
+              std::to_string(best->batch) + " x hidden values, latency-bound) cost " + ms(tp_comm);
     } else {
       head += "; tp=1: splitting the weights would cost more in all-reduce latency than it saves in reads";
     }
-    if (best->pp > 1) head += "; pp=" + std::to_string(best->pp) + " because fewer stages do not fit (stages run one after another)";
+    if (best->pp > 1) {
+      head += "; pp=" + std::to_string(best->pp) +
+              (options.pp > 0 ? " (pinned)" : " because fewer stages do not fit") +
+              " (a token passes the stages one after another: pp adds hops, never shortens it)";
+    }
     plan.choices.push_back(head);
   } else {
-    std::string head = "throughput: " + best->mesh() + " = " + std::to_string(best->dp) + " replicas x batch " +
+    std::string head = "throughput: " + best->mesh() + " = " + replicas(best->dp) + " x batch " +
                        std::to_string(best->batch) + ": " + fmt("%.0f", bp.tokens_per_s) + " tokens/s; per-token " +
                        ms(bp.per_token_s) +
                        (target > 0 ? " under the " + ms(target) + " target" : " (no latency target)") +
@@ -323,7 +373,7 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
       line += "per-token " + ms(p.per_token_s) + " (weights read per device " + format_bytes(p.weights_bytes) +
               " in " + ms(p.decode_weights_s) + ", tp all-reduces " + ms(p.decode_tp_comm_s) + ")";
     } else {
-      line += fmt("%.0f", p.tokens_per_s) + " tokens/s with " + std::to_string(c->dp) + " replicas x batch " +
+      line += fmt("%.0f", p.tokens_per_s) + " tokens/s with " + replicas(c->dp) + " x batch " +
               std::to_string(c->batch) + " (per-token " + ms(p.per_token_s) + ")";
       if (!c->meets_target) line += ", over the target";
     }

@@ -52,7 +52,7 @@ std::string format_inference_report(const Plan& plan) {
   const InferencePrediction& q = inf.prediction;
   std::ostringstream out;
   out << "inference " << to_string(k.objective) << ": batch " << inf.batch_per_replica << " per replica x "
-      << plan.mesh.dp << " replicas (asked " << k.batch << "), prompt " << k.prompt_len << " + "
+      << plan.mesh.dp << (plan.mesh.dp == 1 ? " replica" : " replicas") << " (asked " << k.batch << "), prompt " << k.prompt_len << " + "
       << k.max_new_tokens << " new tokens";
   if (k.latency_target_s > 0) out << ", per-token target " << format_seconds(k.latency_target_s);
   if (inf.decode_micro_batches > 1) out << ", " << inf.decode_micro_batches << " decode micro-batches";
@@ -72,6 +72,7 @@ std::string format_inference_report(const Plan& plan) {
   out << "  KV cache     " << format_bytes(q.kv_cache_bytes) << "\n";
   out << "  activations  " << format_bytes(q.activation_bytes) << "\n";
   for (const auto& c : plan.choices) out << "why         " << c << "\n";
+  if (!plan.tie_break.empty()) out << "tie break   " << plan.tie_break << "\n";
   if (!plan.alternatives.empty()) {
     out << "\nalternatives\n";
     for (const auto& a : plan.alternatives) {

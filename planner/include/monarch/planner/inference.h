@@ -100,6 +100,10 @@ struct InferenceOptions {
   // Pins: 0 = searched.
   int64_t tp = 0, pp = 0;
   int64_t alternatives = 5;  // runners-up kept in Plan::alternatives
+  // Layouts within this fraction of the best (per-token latency, or tokens/s) count as tied:
+  // latency then takes the fewest devices per replica, throughput the lowest per-token latency
+  // (Plan::tie_break says so). 0: always the best.
+  double tie_tolerance = 0.03;
 };
 
 // The layout for the objective: every tp (dividing heads, kv heads, ffn, vocab) x pp (at most
