@@ -98,6 +98,9 @@ def _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, to
                          "built); lay the model out with pp=1 (tp and dp) to generate")
     if pm.cp > 1:
         raise ValueError(f"generate: cp={pm.cp} is not supported (the sequence would be cut over cp ranks)")
+    if pm.tp > 1 and pm.layout.sequence_parallel:
+        raise ValueError("generate: a sequence-parallel layout cuts each sequence over the tp ranks between blocks; "
+                         "a decode step's one token cannot be cut (lay it out with sequence_parallel=False)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
@@ -155,6 +158,7 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
     wrapped.eval()
     try:
         batch = ids.shape[0]
+        done_at = None  # the step at which all of this rank's sequences had finished
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         out = ids
         cache = None if hf else plain.new_cache()
@@ -177,10 +181,12 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
                 token = torch.where(finished, torch.full_like(token, pad_token_id), token)
                 finished |= torch.isin(token, eos_t)
             out = torch.cat([out, token[:, None]], dim=1)
+            if eos and done_at is None and bool(finished.all()):
+                done_at = step
             if step == max_new_tokens - 1:
                 break
             if eos:
-                running = (~finished).any().to(torch.int64).reshape(1)
+                running = (~finished).any().to(torch.float32).reshape(1)  # all_reduce_max: fp32
                 if dp_group is not None:
                     dp_group.all_reduce_max(running).wait()
                 if not running.item():
@@ -189,8 +195,13 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
         pm._generate_cache = cache  # the last cache, for tests (kv heads per rank)
+        if done_at is not None:
+            # Under ZeRO-3 a rank whose sequences all finished keeps stepping with the others
+            # (their forwards gather over dp); its output ends where it would alone.
+            out = out[:, :prompt_len + done_at + 1]
         return out
     finally:
+        pm.release_cast_copies()  # mixed precision's per-forward copies
         for m, training in modes:
             m.training = training
 

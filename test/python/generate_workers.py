@@ -175,6 +175,10 @@ CASES = {
     "ours_llama_tp2": {"model": "ours_llama", "mesh": {"tp": 2}},
     "ours_llama_dp4_zero3": {"model": "ours_llama", "mesh": {"tp": 1}, "zero_stage": 3},
     "ours_gpt2_tp2_eos": {"model": "ours_gpt2", "mesh": {"tp": 2}, "args": {"eos_token_id": "auto"}},
+    # ZeRO-3 gathers in every forward: dp ranks whose sequences finish at different steps keep
+    # stepping together, and each returns what it would alone
+    "ours_gpt2_dp4_zero3_eos": {"model": "ours_gpt2", "mesh": {"tp": 1}, "zero_stage": 3,
+                                "args": {"eos_token_id": "auto"}},
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},

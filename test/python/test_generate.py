@@ -126,3 +126,18 @@ def test_examples_models_cache_path_matches_the_plain_forward():
             for i, r in enumerate(rows):
                 torch.testing.assert_close(last[i], model(r[None])[0, -1], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(step[i], model(torch.cat([r, nxt[i]])[None])[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_zero3_ranks_step_together_and_each_returns_its_own_length(results):
+    """dp=4 under ZeRO-3, EOS: the dp ranks' sequences finish at different steps (outputs of
+    17, 19, 24 and 27 columns), every rank ran all 16 forwards (each gathers parameters over
+    dp, so none may stop alone), and each returns what one process returns for its prompts."""
+    case = "ours_gpt2_dp4_zero3_eos"
+    _no_errors(results, case)
+    widths = set()
+    for res in results:
+        r = res[case]
+        assert r["equal"], f"{case}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
+        assert r["cache_len"] == WIDTH + NEW - 1
+        widths.add(r["out"].shape[1])
+    assert len(widths) > 1 and min(widths) < WIDTH + NEW
