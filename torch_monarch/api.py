@@ -103,15 +103,38 @@ def model_graph(model, example_input, *, name=None, dtype=None, tp_plan=None):
     return info, _planner.restrict_cuts_to_blocks(info.graph)
 
 
-def plan(model, example_input, global_batch, cluster=None, *, dtype=None, tp_plan=None, name=None,
-         alternatives=5, profile=None, compile=False, **pins):
+def plan(model, example_input, global_batch=None, cluster=None, *, dtype=None, tp_plan=None, name=None,
+         alternatives=5, profile=None, compile=False, mode="training", batch=None, prompt_len=None,
+         max_new_tokens=None, latency_target=None, objective=None, **pins):
     """Plans ``model`` (any ``nn.Module``, on any device including ``meta``) for
     ``global_batch`` samples per step on ``cluster`` (a planner Cluster, e.g.
     ``torch_monarch.planner.cluster("a100-80gb", 1024)``; default: this job's machine,
     ``cluster.detect()``). ``profile``: per-layer times measured on the machine
     (``torch_monarch.profile.measure``, a MeasuredProfile or its JSON path) instead of the
     analytic model's. ``compile``: plan for blocks under torch.compile (parallelize's
-    ``compile=``). Returns a Plan."""
+    ``compile=``). Returns a Plan.
+
+    ``mode="inference"`` plans generation instead (``planner.plan_inference``): ``batch``
+    sequences per replica, ``prompt_len`` and ``max_new_tokens``; the lowest per-token latency,
+    or (``latency_target`` in seconds, or ``objective="throughput"``) the most tokens/s under it;
+    ``tp`` / ``pp`` may be pinned; ``global_batch`` is not used."""
+    if mode == "inference":
+        _, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
+        if cluster is None:
+            from .cluster import detect
+            cluster = detect()
+        unknown = sorted(set(pins) - {"tp", "pp"})
+        if unknown:
+            raise ValueError(f"plan: {unknown[0]} is not an inference pin (tp and pp are)")
+        if batch is None or prompt_len is None or max_new_tokens is None:
+            raise ValueError("plan: mode='inference' needs batch=, prompt_len= and max_new_tokens=")
+        return _planner.plan_inference(graph, cluster, batch=batch, prompt_len=prompt_len,
+                                       max_new_tokens=max_new_tokens, latency_target=latency_target,
+                                       objective=objective, alternatives=alternatives, **pins)
+    if mode != "training":
+        raise ValueError(f"plan: mode must be 'training' or 'inference', got {mode!r}")
+    if global_batch is None:
+        raise TypeError("plan: global_batch is required for mode='training'")
     pins = runtime_pins(model, _pins(pins))
     info, graph = model_graph(model, example_input, name=name, dtype=dtype, tp_plan=tp_plan)
     if cluster is None:
