@@ -162,7 +162,7 @@ CASES = {
     # Hugging Face models against HF's own generate
     "llama_tp2": {"model": "llama", "mesh": {"tp": 2}},
     "qwen2_tp2_zero3": {"model": "qwen2", "mesh": {"tp": 2}, "zero_stage": 3},
-    "qwen3_tp2": {"model": "qwen3", "mesh": {"tp": 2}},
+    "qwen3_tp2_zero1": {"model": "qwen3", "mesh": {"tp": 2}, "zero_stage": 1},
     "mistral_dp4_zero3": {"model": "mistral", "mesh": {"tp": 1}, "zero_stage": 3},
     "gpt2_tp4": {"model": "gpt2", "mesh": {"tp": 4}},
     "llama_kv4_tp4": {"model": "llama_kv4", "mesh": {"tp": 4}},

@@ -15,10 +15,10 @@ import torch
 from dist_harness import launch
 
 NEW, WIDTH, PAD = 16, 11, 0
-GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
+GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
           "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3"]
 # key/value heads each rank's cache holds: the model's kv heads / tp
-KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
+KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
             "llama_kv4_tp4": 1, "llama_tp2_trained": 1, "ours_gpt2_tp4": 1, "ours_llama_tp2": 1,
             "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1}
 
