@@ -150,6 +150,21 @@ std::string summary_section(const Plan& plan) {
   row("memory (most loaded rank)", format_bytes(p.memory_bytes_per_device) + " of " +
                                        format_bytes(c.usable_memory_bytes()) + " usable");
   row("times from", p.estimator);
+  if (plan.inference) {  // an inference plan: what it serves and the generation prediction
+    const InferencePlan& inf = *plan.inference;
+    const InferencePrediction& q = inf.prediction;
+    row("inference", to_string(inf.config.objective) + ": batch " + std::to_string(inf.batch_per_replica) +
+                         " per replica x " + std::to_string(plan.mesh.dp) + ", prompt " +
+                         std::to_string(inf.config.prompt_len) + " + " + std::to_string(inf.config.max_new_tokens) +
+                         " new tokens");
+    row("time to first token", format_seconds(q.ttft_s));
+    row("per-token latency", format_seconds(q.per_token_s) + " (weights read " + format_seconds(q.decode_weights_s) +
+                                 ", KV read " + format_seconds(q.decode_kv_s) + ", tp " +
+                                 format_seconds(q.decode_tp_comm_s) + ", pp " + format_seconds(q.decode_pp_comm_s) + ")");
+    row("tokens/s", num(q.tokens_per_s, 0) + " (all replicas)");
+    row("per device", "weights " + format_bytes(q.weights_bytes) + ", KV cache " + format_bytes(q.kv_cache_bytes) +
+                          ", activations " + format_bytes(q.activation_bytes));
+  }
   if (!plan.tie_break.empty()) row("tie break", plan.tie_break);
   for (const auto& why : plan.choices) row("why", why);  // ep and cp (Plan::choices)
   o << "</table>";

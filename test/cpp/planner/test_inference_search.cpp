@@ -203,6 +203,10 @@ TEST_CASE("an inference plan round-trips through JSON, validates, reports and di
   CHECK(contains(report, "per-token latency"));
   CHECK(contains(report, "KV cache"));
   CHECK(contains(report, "why         latency: tp=8"));
+  const std::string html = html_report(b);
+  CHECK(contains(html, "time to first token"));
+  CHECK(contains(html, "per-token latency"));
+  CHECK(contains(html, "throughput: tp="));
   const std::string diff = diff_plans(a, b);
   CHECK(contains(diff, "mode: inference latency -> inference throughput"));
   CHECK(contains(diff, "per-token latency: "));
