@@ -108,11 +108,16 @@ _CLASSES = {}
 
 def _converted(module, kind, forward, group):
     cls = type(module)
+    if getattr(cls, "_monarch_context_parallel", None) == kind:
+        return  # shared by several converted modules (one rotary table for every layer): once
     key = (cls, kind)
     sub = _CLASSES.get(key)
     if sub is None:
+        # `_monarch_original`: the class whose forward the converted one calls (never the MRO's
+        # next entry, which a second conversion would make the converted class itself).
         sub = _CLASSES[key] = type(f"ContextParallel{cls.__name__}", (cls,),
-                                   {"forward": forward, "_monarch_context_parallel": kind})
+                                   {"forward": forward, "_monarch_context_parallel": kind,
+                                    "_monarch_original": cls})
     module._monarch_cp_group = group
     module.__class__ = sub
 
@@ -152,7 +157,7 @@ def _gpt2_attention_forward(self, x):
 def _rotary_forward(self, seq_len, device):
     # The model's own rotary table for the whole sequence, rows at this rank's positions.
     group = self._monarch_cp_group
-    cos, sin = type(self).__mro__[1].forward(self, seq_len * group.size, device)
+    cos, sin = type(self)._monarch_original.forward(self, seq_len * group.size, device)
     positions = _runtime.cp_local_sequence_positions(seq_len, group.rank, group.size).to(cos.device)
     return cos[positions], sin[positions]
 

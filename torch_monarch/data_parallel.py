@@ -63,6 +63,10 @@ class DataParallel(nn.Module):
         self._engine = _runtime.DataParallelEngine(params, list(module.buffers()), self.mesh, "dp_cp", options)
         self._engines = [self._engine]
         if experts:
+            # Flat over edp: a split by node is collective over the whole world, and a pipeline
+            # stage without experts would never join it.
+            options.hierarchical = False
+            options.inter_node_compression = "none"
             self._engines.append(_runtime.DataParallelEngine(experts, [], self.mesh, "edp", options))
 
     def forward(self, *args, **kwargs):

@@ -75,11 +75,18 @@ class ExpertParallelExperts(nn.Module):
     of every rank of the mesh's dp x cp group), first choices first, then earlier tokens in
     rank order (the rule ``examples/models.py``'s MoEExperts applies on one process)."""
 
-    def __init__(self, experts: nn.Module, mesh, capacity_factor=None):
+    def __init__(self, experts: nn.Module, mesh, capacity_factor=None, name=None):
         super().__init__()
+        where = f"'{name}' ({type(experts).__name__})" if name else type(experts).__name__
         if not is_experts_module(experts):
-            raise ValueError(f"expert_parallel: {type(experts).__name__} has no gate_up_proj [experts, 2 * ffn, "
+            raise ValueError(f"expert_parallel: {where} has no gate_up_proj [experts, 2 * ffn, "
                              "hidden] and down_proj [experts, hidden, ffn] parameters")
+        # What this module computes is the gated MLP of those two tensors: anything else the
+        # replaced module holds (biases, other weights) would be silently dropped.
+        others = [n for n, _ in experts.named_parameters() if n not in ("gate_up_proj", "down_proj")]
+        if others:
+            raise ValueError(f"expert_parallel: {where} also holds {others}; only experts made of gate_up_proj "
+                             "and down_proj (a gated MLP without biases) are split")
         self.mesh = mesh
         ep = mesh.axis_size("ep")
         if ep < 2:
@@ -87,7 +94,7 @@ class ExpertParallelExperts(nn.Module):
                              "replicates the experts; build the mesh with ep > 1)")
         num_experts = experts.gate_up_proj.shape[0]
         if num_experts % ep:
-            raise ValueError(f"expert_parallel: {num_experts} experts do not split over ep={ep} ranks "
+            raise ValueError(f"expert_parallel: {where}: {num_experts} experts do not split over ep={ep} ranks "
                              "(ep must divide the number of experts)")
         self.num_experts = num_experts
         self.local_experts = num_experts // ep
@@ -100,7 +107,9 @@ class ExpertParallelExperts(nn.Module):
                                       requires_grad=experts.down_proj.requires_grad)
         for p in (self.gate_up_proj, self.down_proj):
             p._monarch_expert = True  # DataParallel averages these over the mesh's edp group
-        self.act_fn = getattr(experts, "act_fn", nn.SiLU())
+        if not hasattr(experts, "act_fn"):
+            raise ValueError(f"expert_parallel: {where} has no act_fn (the activation between gate and up)")
+        self.act_fn = experts.act_fn
         self.activation = _activation_name(self.act_fn)
         if capacity_factor is None:
             capacity_factor = float(getattr(experts, "capacity_factor", 0.0) or 0.0)
@@ -164,7 +173,7 @@ def expert_parallel(model: nn.Module, mesh, capacity_factor=None):
         for child_name, child in module.named_children():
             full = f"{name}.{child_name}" if name else child_name
             if is_experts_module(child):
-                swaps.append((module, child_name, ExpertParallelExperts(child, mesh, capacity_factor)))
+                swaps.append((module, child_name, ExpertParallelExperts(child, mesh, capacity_factor, name=full)))
             elif _is_balance_loss(child) and mesh.axis_size("dp_cp") > 1:
                 swaps.append((module, child_name, GlobalLoadBalancingLoss(child.num_experts, mesh)))
     if not any(isinstance(new, ExpertParallelExperts) for _, _, new in swaps):

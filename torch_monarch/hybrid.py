@@ -86,8 +86,13 @@ class ParallelModel(nn.Module):
         # Experts first (expert parallelism takes each rank's experts from the whole model),
         # then tensor parallelism splits what is left of the blocks.
         self.ep, self.cp = layout.ep, layout.cp
+        from .experts import expert_parallel, is_experts_module
+        if layout.sequence_parallel and any(is_experts_module(m) for m in model.modules()):
+            # The router, the capacity and the load-balancing loss would see one tp rank's part
+            # of the sequence, and the tp ranks' expert gradients would be summed.
+            raise ValueError("parallelize: sequence_parallel with MoE layers is not supported (the router and "
+                             "experts need every token of the sequence on each tp rank): plan with it off")
         if self.ep > 1:
-            from .experts import expert_parallel
             if self.deferred:
                 raise ValueError("parallelize: ep > 1 needs the model's weights (expert parallelism keeps each rank's "
                                  "experts of the whole tensors); build it without meta_init")
@@ -227,7 +232,7 @@ class ParallelModel(nn.Module):
         self.mixed_precision = mixed_precision
         self._casts = []
         if mixed_precision is not None:
-            zero_casts = self.dp > 1 and zero_stage > 0
+            zero_casts = self.dp * self.cp > 1 and zero_stage > 0
             for s, m in modules.items():
                 only = {id(p) for p in m.parameters() if id(p) in tied_ids} if zero_casts else None
                 self._casts.append(CastParameters(m, mixed_precision, only=only))
@@ -407,7 +412,12 @@ class ParallelModel(nn.Module):
             if targets is None and loss_fn is None:
                 raise ValueError("parallelize: under cp > 1 train_step needs targets and loss_fn (a model's own "
                                  "loss would shift labels inside the model, across the chunks)")
-            inputs, targets = self._cut_sequences(inputs), self._cut_sequences(targets)
+            length = self._sequence_length(inputs)
+            if isinstance(targets, torch.Tensor) and (targets.dim() <= self._sequence_dim
+                                                      or targets.size(self._sequence_dim) != length):
+                raise ValueError(f"parallelize: under cp > 1 targets must be per token, with the inputs' sequence "
+                                 f"length {length} along dim {self._sequence_dim}; got shape {tuple(targets.shape)}")
+            inputs, targets = self._cut_sequences(inputs, length), self._cut_sequences(targets, length)
         xs = _split(inputs, m, "inputs")
         ys = _split(targets, m, "targets") if targets is not None else [None] * m
         counts = _label_tokens(self._causal_lm, xs) if targets is None and loss_fn is None else None
@@ -454,19 +464,39 @@ class ParallelModel(nn.Module):
         for cast in self._casts:
             cast.release()
 
-    def _cut_sequences(self, x):
-        """Under cp: this rank's chunks (along the sequence dimension) of every tensor of
-        ``x`` with one (a tensor, or the tensors of a tuple / dict)."""
+    def _cut_sequences(self, x, length=None):
+        """Under cp: this rank's chunks (along the sequence dimension) of the tensors of ``x``
+        (a tensor, or the tensors of a tuple / dict) whose ``sequence_dim`` has the inputs'
+        sequence length (``length``, default: the first such tensor's); other tensors (per
+        sample) stay whole. A ``labels`` entry is refused: a model shifting its labels inside
+        would pair the end of one chunk with the start of another."""
         from .context_parallel import shard_sequence
         dim = self._sequence_dim
+        tensors = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (tuple, list)) else [x]
+        if isinstance(x, dict) and "labels" in x:
+            raise ValueError("parallelize: under cp > 1 pass labels as train_step's targets with a loss_fn, not "
+                             "as the model's 'labels' input (the model would shift them across chunks)")
+        if length is None:
+            length = next((t.size(dim) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > dim), None)
 
         def cut(t):
-            return shard_sequence(t, self.mesh, dim=dim) if isinstance(t, torch.Tensor) and t.dim() > dim else t
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.size(dim) == length:
+                return shard_sequence(t, self.mesh, dim=dim)
+            return t
         if isinstance(x, dict):
             return {k: cut(v) for k, v in x.items()}
         if isinstance(x, (tuple, list)):
             return type(x)(cut(t) for t in x)
         return cut(x)
+
+    def _sequence_length(self, x):
+        dim = self._sequence_dim
+        tensors = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (tuple, list)) else [x]
+        length = next((t.size(dim) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > dim), None)
+        if length is None:
+            raise ValueError(f"parallelize: under cp > 1 the inputs need a sequence dimension (dim {dim}); "
+                             "none of them has one")
+        return length
 
     @torch.no_grad()
     def predict(self, inputs):
@@ -476,8 +506,14 @@ class ParallelModel(nn.Module):
         if self.pp == 1:
             if self.cp > 1:
                 from .context_parallel import gather_sequence
-                out = _call(self.stages[0], self._cut_sequences(inputs))
-                return gather_sequence(out, self.mesh, dim=self._sequence_dim) if isinstance(out, torch.Tensor) else out
+                length = self._sequence_length(inputs)
+                out = _call(self.stages[0], self._cut_sequences(inputs, length))
+                dim = self._sequence_dim
+                if not isinstance(out, torch.Tensor) or out.dim() <= dim:
+                    raise ValueError("parallelize: under cp > 1 predict gathers a tensor output along the sequence; "
+                                     f"the model returned {type(out).__name__}"
+                                     + (f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""))
+                return gather_sequence(out, self.mesh, dim=dim)
             return _call(self.stages[0], inputs)
         xs = _split(inputs, self.micro_batches, "inputs")
         outputs = {}

@@ -137,6 +137,10 @@ class FullyShardedModule(nn.Module):
             expert_groups = [[]] + [[p for p in m._parameters.values() if p is not None and id(p) in by_id]
                                     for m in owners]
             expert_names = [by_id[id(p)] for group in expert_groups for p in group]
+            # Flat over edp: a split by node is collective over the whole world, and a pipeline
+            # stage without experts would never join it.
+            options.hierarchical = False
+            options.inter_node_compression = "none"
             engine = _runtime.FullyShardEngine(expert_groups, mesh, "edp", options, None)
             self._engines.append((engine, expert_names, owners))
         self._names = [n for _, engine_names, _ in self._engines for n in engine_names]  # the engines' order
@@ -240,14 +244,24 @@ class FullyShardedModule(nn.Module):
     def sharded_state_dict(self):
         """This rank's fp32 shards by parameter name, with where they belong: each rank
         saves and loads only its own rows."""
-        return {"rank": self.mesh.coordinate("dp"), "world": self.mesh.axis_size("dp"),
+        # The engine shards over dp x cp (experts over edp: a second engine's shards, keyed by
+        # the global rank and mesh so a checkpoint of another layout is refused).
+        group = self.mesh.group("dp_cp")
+        return {"rank": group.rank, "world": group.size, "global_rank": self.mesh.rank,
+                "mesh": repr(self.mesh.shape),
                 "shards": OrderedDict((n, s.detach().clone()) for n, s in zip(self._names, self._shards))}
 
     def load_sharded_state_dict(self, state):
-        rank, world = self.mesh.coordinate("dp"), self.mesh.axis_size("dp")
+        group = self.mesh.group("dp_cp")
+        rank, world = group.rank, group.size
         if state.get("world") != world or state.get("rank") != rank:
             raise ValueError(f"sharded state dict: saved by rank {state.get('rank')} of "
                              f"{state.get('world')}, loading on rank {rank} of {world}")
+        if len(self._engines) > 1 and (state.get("global_rank"), state.get("mesh")) != (self.mesh.rank,
+                                                                                        repr(self.mesh.shape)):
+            raise ValueError(f"sharded state dict: saved by global rank {state.get('global_rank')} on mesh "
+                             f"{state.get('mesh')}, loading on rank {self.mesh.rank} of {self.mesh.shape!r} (expert "
+                             "shards belong to one rank of one mesh)")
         saved = state.get("shards", {})
         problems = [f"{n}: missing" for n in self._names if n not in saved]
         problems += [f"{n}: not in the model" for n in saved if n not in self._names]

@@ -717,6 +717,37 @@ Handle Communicator::recv(at::Tensor buffer, int peer, int tag) {
   return make(group_->recv(tensors, peer, tag), describe(CollectiveKind::recv, buffer)).traced("recv", 0, name_);
 }
 
+std::vector<Handle> Communicator::send_recv(at::Tensor send_buffer, int send_peer, at::Tensor recv_buffer,
+                                            int recv_peer, int tag) {
+#ifdef MONARCH_WITH_NCCL
+  if (send_buffer.is_cuda() || recv_buffer.is_cuda()) {
+    check_usable();
+    require_flat(send_buffer, "send buffer");
+    require_flat(recv_buffer, "recv buffer");
+    TORCH_CHECK(send_peer >= 0 && send_peer < size() && send_peer != group_rank_ && recv_peer >= 0 &&
+                    recv_peer < size() && recv_peer != group_rank_,
+                "monarch: bad send_recv peers ", send_peer, " / ", recv_peer);
+    on_cuda("send_recv", {&send_buffer, &recv_buffer});
+    counters_.add(CollectiveKind::send, bytes_of(send_buffer));
+    const std::string what = describe(CollectiveKind::send, send_buffer);
+    auto backend = nccl(send_buffer, what);
+    std::vector<NcclP2P> ops{
+        {true, send_buffer.data_ptr(), static_cast<size_t>(send_buffer.numel()), nccl_dtype(send_buffer.scalar_type()),
+         send_peer},
+        {false, recv_buffer.data_ptr(), static_cast<size_t>(recv_buffer.numel()), nccl_dtype(recv_buffer.scalar_type()),
+         recv_peer}};
+    std::vector<Handle> out;
+    out.push_back(nccl_handle(failure_, what, [&] { return backend->send_recv_group(ops, as_stream(cuda_stream_)); })
+                      .traced("send", bytes_of(send_buffer), name_));
+    return out;
+  }
+#endif
+  std::vector<Handle> out;
+  out.push_back(send(std::move(send_buffer), send_peer, tag));
+  out.push_back(recv(std::move(recv_buffer), recv_peer, tag));
+  return out;
+}
+
 Handle Communicator::all_to_all(at::Tensor output, at::Tensor input) {
   check_usable();
   require_flat(output, "all_to_all output");

@@ -1,5 +1,7 @@
 #include "monarch/runtime/composition.h"
 
+#include <algorithm>
+
 #include <torch/csrc/autograd/autograd.h>
 
 #include <set>
@@ -381,13 +383,26 @@ void Composition::predict(const ForwardFn& forward) {
   stats_ = executor_->run(work, /*forward_only=*/true);
 }
 
+std::vector<Communicator*> Composition::groups() {
+  // Each group once (dp_cp is dp without cp; edp is dp_cp with ep 1).
+  std::vector<std::string> names{"pp", "dp", "tp"};
+  if (layout_.mesh.cp > 1) names.insert(names.end(), {"cp", "dp_cp"});
+  if (layout_.mesh.ep > 1) names.insert(names.end(), {"ep", "edp"});
+  std::vector<Communicator*> out;
+  for (const auto& name : names) {
+    Communicator* g = &mesh_->group(name);
+    if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
+  }
+  return out;
+}
+
 void Composition::advance_steps() {
-  for (const char* axis : {"pp", "dp", "tp"}) mesh_->group(axis).advance_step();
+  for (Communicator* g : groups()) g->advance_step();
   if (mesh_->has_pipeline_ends_group() && layout_.mesh.pp > 2) mesh_->pipeline_ends_group().advance_step();
 }
 
 void Composition::expect_all(const std::string& what) {
-  for (const char* axis : {"pp", "dp", "tp"}) mesh_->group(axis).expect_all(what);
+  for (Communicator* g : groups()) g->expect_all(what);
 }
 
 double Composition::global_mean(double value) {

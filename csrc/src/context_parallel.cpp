@@ -246,18 +246,19 @@ std::pair<at::Tensor, at::Tensor> unpack(const at::Tensor& flat, const Shape& s)
 // One hop of the ring, both directions at once: `out` to the next rank, a buffer like it from
 // the previous one. The caller keeps both until wait().
 struct Hop {
-  Handle send, recv;
+  std::vector<Handle> handles;
   at::Tensor sent, received;
   void start(Communicator& group, at::Tensor buffer, int tag) {
     const int n = group.size(), r = group.group_rank();
     sent = std::move(buffer);
     received = at::empty_like(sent);
-    send = group.send(sent, (r + 1) % n, tag);
-    recv = group.recv(received, (r + n - 1) % n, tag);
+    // One grouped call (Communicator::send_recv): over NCCL a ring of separate sends and
+    // receives deadlocks once a hop outgrows NCCL's buffers.
+    handles = group.send_recv(sent, (r + 1) % n, received, (r + n - 1) % n, tag);
   }
   at::Tensor finish() {
-    send.wait();
-    recv.wait();
+    for (auto& h : handles) h.wait();
+    handles.clear();
     sent = at::Tensor();
     return std::move(received);
   }

@@ -38,6 +38,10 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
                   sorted == std::vector<std::string>({"cp", "dp", "pp", "tp"}),
               "monarch: mesh.order must be a permutation of pp, dp, tp (and cp)");
   TORCH_CHECK(cp_axis || mesh.cp == 1, "monarch: mesh cp=", mesh.cp, " needs cp in mesh.order");
+  // The ep / edp groups (planner::expert_groups) and the cost model assume the standard order.
+  TORCH_CHECK((mesh.cp == 1 && mesh.ep == 1) || mesh.order == std::vector<std::string>({"pp", "dp", "cp", "tp"}) ||
+                  (mesh.cp == 1 && mesh.order == std::vector<std::string>({"pp", "dp", "tp"})),
+              "monarch: a mesh with cp or ep > 1 needs the order [pp, dp, cp, tp] (or [pp, dp, tp] without cp)");
   TORCH_CHECK(mesh.pp >= 1 && mesh.dp >= 1 && mesh.tp >= 1 && mesh.cp >= 1 && mesh.ep >= 1,
               "monarch: mesh sizes must be >= 1");
   TORCH_CHECK(mesh.world_size() == world_->size(), "monarch: the plan's mesh ", planner::mesh_summary(mesh),

@@ -134,6 +134,13 @@ class Communicator {
   Handle broadcast(at::Tensor buffer, int root_group_rank);
   Handle send(at::Tensor buffer, int peer_group_rank, int tag = 0);
   Handle recv(at::Tensor buffer, int peer_group_rank, int tag = 0);
+  // `send_buffer` to one peer and `recv_buffer` from another (maybe the same), started
+  // together: over NCCL one grouped ncclSend/ncclRecv (two separate calls deadlock once a
+  // message outgrows NCCL's buffers: every rank's send waits for a receive its peer queued
+  // behind its own send, as in a ring); over Gloo two asynchronous operations. Wait on every
+  // returned handle.
+  std::vector<Handle> send_recv(at::Tensor send_buffer, int send_peer, at::Tensor recv_buffer, int recv_peer,
+                                int tag = 0);
   // Equal splits: chunk j of `input` goes to rank j; chunk j of `output` comes from rank j.
   Handle all_to_all(at::Tensor output, at::Tensor input);
   // Uneven splits: input_splits[j] elements of the flat `input` go to rank j (in order);

@@ -202,6 +202,8 @@ class Composition {
   double global_mean(double value);
   // Counts a train step or predict in every group's step (see Communicator::advance_step).
   void advance_steps();
+  // The mesh's groups a step uses, each once: pp, dp, tp, and cp, dp_cp, ep, edp when used.
+  std::vector<Communicator*> groups();
   double sample_weight(int64_t samples);
   void set_sync(bool sync);
   Layout layout_;

@@ -33,6 +33,8 @@ struct DispatchOptions {
   // whole token group (the global micro-batch); the rest are dropped (their slot adds nothing
   // to the output), first choices before second ones, earlier tokens first, ranks in group
   // order: the rule one process applies to the whole batch (GShard's capacity, Sec. 2.2).
+  // (Under context parallelism a rank's tokens are chunks i and 2cp-1-i of each sequence, so
+  // "earlier tokens" follows that order, not the sequence's.)
   double capacity_factor = 0;
 };
 
