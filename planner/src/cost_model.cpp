@@ -212,10 +212,14 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     // large-GEMM rate. `effective` = the FLOPs one tp rank runs, each divided by its
     // utilization.
     double effective = layer.forward_flops_per_sample * b / t / cp;
+    // The routed experts are whole on every tp rank, which runs them on all its tokens (the
+    // runtime has no expert tensor parallelism): their FLOPs are not divided by tp.
+    if (layer.moe.experts > 0) effective += layer.moe.routed_flops_per_sample * b / cp * (1.0 - 1.0 / t);
     for (const Gemm& g : layer.gemms) {
       const double m = g.m_per_sample * b / cp;
-      const double n = g.split == GemmSplit::n && t > 1 ? g.n / t : g.n;
-      const double k = g.split == GemmSplit::k && t > 1 ? g.k / t : g.k;
+      const bool split = t > 1 && g.experts == 0;
+      const double n = g.split == GemmSplit::n && split ? g.n / t : g.n;
+      const double k = g.split == GemmSplit::k && split ? g.k / t : g.k;
       if (g.experts > 0) {
         // Routed experts (moe_cost.h): the ep group's rows for this rank's experts / ep
         // experts, each getting (rows x ep / experts) x the load factor (imbalance, or the
@@ -285,11 +289,12 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     c.cp_comm_s = fwd_cp + bwd_cp;
     c.params = layer_params_per_tp_rank(layer, layout.tp);
     if (layer.moe.experts > 0) {
-      // Routed experts are split over ep (each rank holds experts / ep of them) and over tp
-      // (expert tensor parallelism = tp, Megatron-Core's default).
-      const double experts = static_cast<double>(layer.moe.expert_params) / split_divisor(layer, layout.tp);
+      // Routed experts are split over ep (each rank holds experts / ep of them) and whole on
+      // every tp rank (the runtime has no expert tensor parallelism; Megatron-Core's would
+      // divide them by tp too).
+      const double experts = static_cast<double>(layer.moe.expert_params);
       c.expert_params = experts / static_cast<double>(layout.ep);
-      c.params -= experts - c.expert_params;
+      c.params += c.expert_params - experts / split_divisor(layer, layout.tp);
     }
     c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
                                                             layout.sequence_parallel, layout.recompute) / cp;

@@ -19,8 +19,9 @@ double moe_all_to_all_bytes(const Layer& layer, const TrainingConfig& training, 
   if (layer.moe.experts <= 0 || layout.ep <= 1) return 0.0;
   const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
   const double ep = static_cast<double>(layout.ep);
-  const double tokens_share = static_cast<double>(layout.micro_batch_size) /
-                              (static_cast<double>(layout.cp) * static_cast<double>(layout.tp));
+  // Every tp rank routes all of its tokens (the runtime keeps experts whole per tp rank, no
+  // expert tensor parallelism): the tokens are the micro-batch's share of this cp rank.
+  const double tokens_share = static_cast<double>(layout.micro_batch_size) / static_cast<double>(layout.cp);
   return act_scale * layer.moe.dispatch_bytes_per_sample * tokens_share * (ep - 1.0) / ep *
          layer.moe.load_factor();
 }

@@ -195,6 +195,10 @@ void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingC
   if (pins.sequence_parallel && *pins.sequence_parallel && world == 1) {
     fail("pins.sequence_parallel", "needs tp > 1, and the cluster has one device");
   }
+  if (pins.sequence_parallel && *pins.sequence_parallel && moe_experts_gcd(graph) > 0) {
+    fail("pins.sequence_parallel", "is not run with MoE layers (their router and experts need every token of the "
+                                   "sequence on each tp rank)");
+  }
 }
 
 struct Candidate {
@@ -462,6 +466,12 @@ class Searcher {
     // Pinned on, it pins tp > 1 too: meshes with tp=1 are not candidates (never a plan that
     // silently dropped the pin; pinning tp=1 with it is refused up front).
     if (tp == 1) {
+      if (pins_.sequence_parallel && *pins_.sequence_parallel) return {};
+      return {false};
+    }
+    // MoE layers need every token of the sequence on each tp rank (the router, the capacity,
+    // the load-balancing loss; the runtime refuses sequence parallelism with experts).
+    if (moe_experts_gcd(graph_) > 0) {
       if (pins_.sequence_parallel && *pins_.sequence_parallel) return {};
       return {false};
     }

@@ -181,8 +181,11 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
     // expert's inner activations (as a dense MLP's); the shared experts' as a dense MLP's;
     // the router's fp32 logits (4 bytes x experts per token).
     const double copies = c.moe.top_k * (c.moe.capacity_factor > 0 ? c.moe.capacity_factor : c.moe.imbalance);
-    l.activations.replicated += act * s * h * copies + 4 * s * static_cast<double>(c.moe.experts);
-    l.activations.tp_sharded += mlp_matrices * act * s * fe * (copies + static_cast<double>(c.moe.shared_experts));
+    // The routed experts are whole on each tp rank (the runtime does not split them; every tp
+    // rank routes all its tokens): their inner activations do not shrink with tp.
+    l.activations.replicated += act * s * h * copies + 4 * s * static_cast<double>(c.moe.experts) +
+                                mlp_matrices * act * s * fe * copies;
+    l.activations.tp_sharded += mlp_matrices * act * s * fe * static_cast<double>(c.moe.shared_experts);
   } else {
     l.activations.tp_sharded += mlp_matrices * act * s * f;
   }

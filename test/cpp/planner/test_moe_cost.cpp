@@ -36,11 +36,14 @@ TEST_CASE("all-to-all bytes: tokens x hidden x top_k x bytes x (ep-1)/ep x load 
   l.tp = 2;
   l.ep = 4;
   TrainingConfig t = global_batch(8);
-  // Each tp rank dispatches its half of 2 x 4096 tokens: 4096 tokens x 4096 x top-2 x 2 bytes,
-  // 3/4 of it to the other ep ranks.
-  CHECK(moe_all_to_all_bytes(moe, t, l) == Approx(4096.0 * 4096 * 2 * 2 * 3 / 4));
+  // Every tp rank dispatches all 2 x 4096 tokens (experts are whole per tp rank, as the runtime
+  // runs them): 8192 tokens x 4096 x top-2 x 2 bytes, 3/4 of it to the other ep ranks.
+  CHECK(moe_all_to_all_bytes(moe, t, l) == Approx(8192.0 * 4096 * 2 * 2 * 3 / 4));
+  l.tp = 1;  // the same: tp does not divide the routed tokens
+  CHECK(moe_all_to_all_bytes(moe, t, l) == Approx(8192.0 * 4096 * 2 * 2 * 3 / 4));
+  l.tp = 2;
   l.cp = 2;  // half the tokens
-  CHECK(moe_all_to_all_bytes(moe, t, l) == Approx(2048.0 * 4096 * 2 * 2 * 3 / 4));
+  CHECK(moe_all_to_all_bytes(moe, t, l) == Approx(4096.0 * 4096 * 2 * 2 * 3 / 4));
   l.ep = 1;
   CHECK(moe_all_to_all_bytes(moe, t, l) == 0);
   CHECK(moe_all_to_all_bytes(g.layers[0], t, l) == 0);  // the embedding
@@ -49,10 +52,10 @@ TEST_CASE("all-to-all bytes: tokens x hidden x top_k x bytes x (ep-1)/ep x load 
   const ModelGraph skewed = build_transformer(c);
   l.cp = 1;
   l.ep = 4;
-  CHECK(moe_all_to_all_bytes(skewed.layers[1], t, l) == Approx(1.25 * 4096.0 * 4096 * 2 * 2 * 3 / 4));
+  CHECK(moe_all_to_all_bytes(skewed.layers[1], t, l) == Approx(1.25 * 8192.0 * 4096 * 2 * 2 * 3 / 4));
   c.moe.imbalance = 1.0;
   c.moe.capacity_factor = 2.0;
-  CHECK(moe_all_to_all_bytes(build_transformer(c).layers[1], t, l) == Approx(2.0 * 4096.0 * 4096 * 2 * 2 * 3 / 4));
+  CHECK(moe_all_to_all_bytes(build_transformer(c).layers[1], t, l) == Approx(2.0 * 8192.0 * 4096 * 2 * 2 * 3 / 4));
   // Four all-to-alls per step and layer (dispatch, combine, and their gradients), six with
   // full recompute.
   CHECK(moe_all_to_alls(Recompute::none).forward == 2);
@@ -161,4 +164,40 @@ TEST_CASE("routed experts' compute grows with the load factor; grouped GEMMs fil
   // Expert parameters on the rank: 1/ep of the experts.
   CHECK(e8[1].expert_params == Approx(static_cast<double>(even.layers[1].moe.expert_params) / 8));
   CHECK(e1[1].params - e8[1].params == Approx(static_cast<double>(even.layers[1].moe.expert_params) * 7 / 8));
+}
+
+TEST_CASE("tp does not split the routed experts: they are whole on every tp rank, as the runtime runs them",
+          "[moe][cost]") {
+  // torch_monarch.expert_parallel keeps each ep rank's experts whole and every tp rank routes
+  // all of its tokens (no expert tensor parallelism): tp divides the attention, the shared
+  // experts and the router's neighbours, never the routed experts' weights, FLOPs or rows.
+  Cluster c = cluster_preset("h100-80gb", 8);
+  c.sm_count = 0;
+  const TrainingConfig t = global_batch(8);
+  const ModelGraph g = build_transformer(mixtral_8x7b_config(4096));
+  const Layer& moe = g.layers[1];
+  Layout tp1;
+  tp1.dp = 4;
+  tp1.ep = 4;
+  Layout tp2 = tp1;
+  tp2.tp = 2;
+  const auto a = layer_costs(g, c, t, tp1);
+  const auto b = layer_costs(g, c, t, tp2);
+  const double experts = static_cast<double>(moe.moe.expert_params);
+  CHECK(a[1].expert_params == Approx(experts / 4));
+  CHECK(b[1].expert_params == Approx(experts / 4));
+  // The rest of the block halves with tp.
+  CHECK(b[1].params - b[1].expert_params == Approx((a[1].params - a[1].expert_params) / 2));
+  // Forward: the routed FLOPs stay whole, the rest halves (no GEMM shapes: FLOPs at one rate).
+  const double rate = c.peak_flops(DType::bf16) * c.matmul_efficiency;
+  const double other = (moe.forward_flops_per_sample - moe.moe.routed_flops_per_sample) / rate;
+  const double ratio = c.backward_forward_ratio;
+  CHECK(a[1].backward_compute_s / ratio - b[1].backward_compute_s / ratio ==
+        Approx(other / 2 + (layer_activation_bytes(moe, 1, 1, false, Recompute::none) -
+                            layer_activation_bytes(moe, 1, 2, false, Recompute::none)) *
+                               2 / c.hbm_bytes_per_s)
+            .epsilon(1e-6));
+  // The routed rows' activations do not shrink with tp.
+  CHECK(layer_activation_bytes(moe, 1, 2, false, Recompute::none) >
+        layer_activation_bytes(moe, 1, 1, false, Recompute::none) / 2);
 }
