@@ -307,6 +307,9 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
 
   // Why: the headline names the deciding quantity, then the best layout of each other tp (and
   // pp) with the same quantity.
+  // Bytes a decode step reads = its read time x the achieved bandwidth (embedding tables and
+  // experts no token picked are held, not read).
+  const double bw = cluster.hbm_bytes_per_s * config.hbm_efficiency;
   std::map<std::pair<int64_t, int64_t>, const Candidate*> per_mesh;  // best of each (tp, pp)
   for (const Candidate& c : all) {
     auto& slot = per_mesh[{c.tp, c.pp}];
@@ -319,8 +322,8 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
   }
   if (objective == InferenceObjective::latency) {
     std::string head = "latency: " + best->mesh() + " at batch " + std::to_string(best->batch) + ": per-token " +
-                       ms(bp.per_token_s) + "; weights read per token per device " +
-                       format_bytes(bp.weights_bytes) + " (" + ms(bp.decode_weights_s) + " at " +
+                       ms(bp.per_token_s) + "; weights read per token per tp rank " +
+                       format_bytes(bp.decode_weights_s * bw) + " (" + ms(bp.decode_weights_s) + " at " +
                        fmt("%.2f", cluster.hbm_bytes_per_s * config.hbm_efficiency / 1e12) + " TB/s)";
     if (best->tp > 1) {
       head += ", tp=" + std::to_string(best->tp) + " cuts them " + std::to_string(best->tp) +
@@ -370,7 +373,7 @@ Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const Infer
     if (!c->fits) {
       line += "over memory, needs " + memory_parts(*c);
     } else if (objective == InferenceObjective::latency) {
-      line += "per-token " + ms(p.per_token_s) + " (weights read per device " + format_bytes(p.weights_bytes) +
+      line += "per-token " + ms(p.per_token_s) + " (weights read per token per tp rank " + format_bytes(p.decode_weights_s * bw) +
               " in " + ms(p.decode_weights_s) + ", tp all-reduces " + ms(p.decode_tp_comm_s) + ")";
     } else {
       line += fmt("%.0f", p.tokens_per_s) + " tokens/s with " + replicas(c->dp) + " x batch " +

@@ -147,6 +147,29 @@ TEST_CASE("decode tp all-reduces: 2 per block per token, tree latency; pp: one h
   CHECK_THROWS_AS(evaluate_inference(g, c, ask(16, 1024, 256), 1, 1, 16, 2), ValidationError);
 }
 
+TEST_CASE("MoE decode reads the experts its tokens pick: 1 - (1 - k/E)^batch of them", "[inference][cost]") {
+  // Mixtral 8x7B (top-2 of 8): at batch 1 a step reads 2 of 8 experts per layer, at batch 16
+  // 1 - 0.75^16 = 99% of them; the memory holds all of them.
+  const ModelGraph g = build_transformer(mixtral_8x7b_config(640));
+  Cluster one = cluster_preset("h100-80gb", 1);
+  one.device_memory_bytes = 1e12;  // room for all 46.7B parameters
+  InferenceConfig c = ask(1, 512, 128);
+  const double bw = one.hbm_bytes_per_s * c.hbm_efficiency;
+  double experts = 0, embedding = 0;
+  for (const Layer& l : g.layers) {
+    experts += static_cast<double>(l.moe.expert_params);
+    if (l.kind == LayerKind::embedding) embedding = static_cast<double>(l.params);
+  }
+  const double total = static_cast<double>(g.total_params());
+  const InferencePlan b1 = evaluate_inference(g, one, c, 1, 1, 1);
+  CHECK(b1.prediction.decode_weights_s * bw == Approx((total - embedding - 0.75 * experts) * 2).epsilon(1e-9));
+  CHECK(b1.prediction.weights_bytes == total * 2);
+  c.batch = 16;
+  const InferencePlan b16 = evaluate_inference(g, one, c, 1, 1, 16);
+  CHECK(b16.prediction.decode_weights_s * bw ==
+        Approx((total - embedding - std::pow(0.75, 16) * experts) * 2).epsilon(1e-9));
+}
+
 TEST_CASE("inference config is checked field by field", "[inference][cost]") {
   InferenceConfig c = ask(1, 16, 16);
   c.prompt_len = 0;
