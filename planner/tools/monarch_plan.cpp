@@ -57,7 +57,7 @@ const char* kUsage = R"(usage:
       (--objective latency, the default without --latency-target-ms) or the most tokens/s
       (--objective throughput, the default with it; batch per replica up to --max-batch,
       default 256) with per-token latency under T ms. --seq defaults to P + N;
-      --global-batch is not used; --tp / --pp pin.
+      --global-batch is not used; --tp / --pp pin; --tie-tolerance (default 0.03).
   monarch-plan show plan.json       print the summary of a saved plan
   monarch-plan report plan.json -o plan.html [--trace trace.json] [--trace-step K]
       one self-contained HTML page: mesh, pipeline timeline, memory per rank, step
@@ -144,7 +144,7 @@ bool on_off(const std::string& flag, const std::string& value) {
 template <typename Number>
 int run_inference(const Args& args, const mp::ModelGraph& graph, const mp::Cluster& cluster, Number number) {
   for (const char* flag : {"--global-batch", "--dp", "--zero", "--micro-batch", "--schedule", "--virtual-stages",
-                           "--recompute", "--sequence-parallel", "--profile", "--cp", "--ep", "--tie-tolerance",
+                           "--recompute", "--sequence-parallel", "--profile", "--cp", "--ep",
                            "--hierarchical-dp", "--inter-node-compression"}) {
     if (args.has(flag)) throw UsageError(std::string(flag) + " is a training option (not with --mode inference)");
   }
@@ -165,6 +165,7 @@ int run_inference(const Args& args, const mp::ModelGraph& graph, const mp::Clust
   options.tp = args.integer("--tp").value_or(0);
   options.pp = args.integer("--pp").value_or(0);
   options.alternatives = args.integer("--alternatives").value_or(5);
+  options.tie_tolerance = number("--tie-tolerance", options.tie_tolerance);
   const mp::Plan plan = mp::plan_inference(graph, cluster, config, options);
   if (args.has("--json")) {
     std::cout << mp::to_json(plan) << "\n";
