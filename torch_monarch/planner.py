@@ -259,13 +259,14 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
 
 def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objective=None,
                    latency_target=None, max_batch=None, tp=None, pp=None, alternatives=5,
-                   hbm_efficiency=None, weight_bytes=None, kv_bytes=None):
+                   hbm_efficiency=None, weight_bytes=None, kv_bytes=None, tie_tolerance=None):
     """Plans generation (docs/cost_model.md, "Inference"): tp x pp with dp = world / (tp pp)
     replicas, for the lowest per-token latency at `batch` sequences per replica
     (``objective="latency"``, the default without a target) or the most tokens/s with
     per-token latency under ``latency_target`` seconds (``objective="throughput"``, the default
     with one; the batch per replica grows up to ``max_batch``, default 256). ``tp`` / ``pp``
-    pin. The plan's ``inference.prediction`` has ``ttft_s``, ``per_token_s``,
+    pin; ``tie_tolerance`` (default 0.03): layouts this close to the best are tied (latency
+    then takes the fewest devices per replica). The plan's ``inference.prediction`` has ``ttft_s``, ``per_token_s``,
     ``tokens_per_s``, ``kv_cache_bytes``, ``weights_bytes``; ``choices`` says why.
     InfeasibleError (a ValueError) names the memory when nothing fits.
     """
@@ -290,6 +291,8 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
     options.tp = 0 if tp is None else int(tp)
     options.pp = 0 if pp is None else int(pp)
     options.alternatives = int(alternatives)
+    if tie_tolerance is not None:
+        options.tie_tolerance = float(tie_tolerance)
     return _P.plan_inference(graph, cluster, config, options)
 
 
