@@ -119,17 +119,21 @@ ModelCosts model_costs(const ModelGraph& graph, const InferenceConfig& config, i
     LayerCost c;
     const bool split = tp > 1 && l.tp != TpPattern::replicated;
     const double t = split ? static_cast<double>(tp) : 1.0;
-    c.weight_bytes = static_cast<double>(l.params) * m.weight_bytes / t;
+    // Routed experts stay whole on every tp rank (the runtime does not split them, as the
+    // training cost model says: cost_model.cpp); the rest of a split layer is 1/tp.
+    const double expert_params = static_cast<double>(l.moe.experts > 0 ? l.moe.expert_params : 0);
+    c.weight_bytes = ((static_cast<double>(l.params) - expert_params) / t + expert_params) * m.weight_bytes;
     // An embedding lookup reads the batch's rows, not the table (a tied head reads it as the head).
     c.read_bytes = l.kind == LayerKind::embedding ? 0.0 : c.weight_bytes;
     if (l.moe.experts > 0) {
-      c.expert_weight_bytes = static_cast<double>(l.moe.expert_params) * m.weight_bytes / t;
+      c.expert_weight_bytes = expert_params * m.weight_bytes;
       c.experts = l.moe.experts;
       c.top_k = l.moe.top_k;
     }
     c.head = l.kind == LayerKind::head;
     const double dense = std::max(0.0, l.forward_flops_per_sample - l.attention_flops_per_sample) / s;
-    c.dense_flops_per_token = dense / t;
+    const double routed = l.moe.experts > 0 ? l.moe.routed_flops_per_sample / s : 0.0;
+    c.dense_flops_per_token = (dense - routed) / t + routed;
     c.attention_flops_per_token_ctx = l.attention_flops_per_sample / (s * s) / t;
     c.kv_bytes_per_token = l.kv_elements_per_token * m.kv_bytes / t;
     c.hidden_bytes_per_token = l.output_bytes_per_sample / s;

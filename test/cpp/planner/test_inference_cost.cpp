@@ -168,6 +168,12 @@ TEST_CASE("MoE decode reads the experts its tokens pick: 1 - (1 - k/E)^batch of 
   const InferencePlan b16 = evaluate_inference(g, one, c, 1, 1, 16);
   CHECK(b16.prediction.decode_weights_s * bw ==
         Approx((total - embedding - std::pow(0.75, 16) * experts) * 2).epsilon(1e-9));
+  // tp=2: the routed experts stay whole on each rank (the runtime does not split them).
+  Cluster two = cluster_preset("h100-80gb", 2);
+  two.device_memory_bytes = 1e12;
+  const InferencePlan t2 = evaluate_inference(g, two, c, 2, 1, 16);
+  // (1e-6: the replicated final norm is not halved.)
+  CHECK(t2.prediction.weights_bytes == Approx(((total - experts) / 2 + experts) * 2).epsilon(1e-6));
 }
 
 TEST_CASE("inference config is checked field by field", "[inference][cost]") {
