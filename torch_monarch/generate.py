@@ -4,7 +4,7 @@
     out = pm.generate(input_ids, max_new_tokens=32, attention_mask=mask)   # greedy
     out = pm.generate(input_ids, max_new_tokens=32, temperature=0.8, top_k=50, top_p=0.9, seed=1)
 
-What runs (pp == 1: data and tensor parallelism, any ZeRO stage):
+What runs (data and tensor parallelism, any ZeRO stage; pipelines below):
 
 * **The model's own cache.** A Hugging Face decoder runs with ``use_cache=True`` and keeps its
   ``past_key_values``; under tensor parallelism its attention modules run this rank's heads
@@ -38,7 +38,14 @@ What runs (pp == 1: data and tensor parallelism, any ZeRO stage):
 Returns [batch, prompt_len + generated] int64: the prompt (with its padding) followed by the
 generated tokens, as Hugging Face's ``generate`` returns them.
 
-Pipelines (pp > 1) and context parallelism (cp > 1) are refused with one error for now.
+Pipelines (pp > 1, one stage per rank) generate Hugging Face models, whose stages are cut by
+module hooks (pipeline_hooks.py): every stage runs the model's forward with its own cache, which
+fills only its layers (Hugging Face reads the cache's length from layer 0, another stage's: the
+stage's cache answers from its first layer); stage s receives the hidden state from s - 1 over
+the pp group and sends its own on; the last stage chooses the tokens and broadcasts them over
+pp. Prefill and decode run stage after stage (no micro-batching: one sequence batch in flight).
+Models whose stages torch.fx cut (examples/models.py's) are refused under pp > 1, as are
+virtual stages and context parallelism (cp > 1).
 """
 
 import inspect
@@ -93,9 +100,13 @@ def _filter_top_k_top_p(logits, top_k, top_p):
 
 
 def _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p):
-    if pm.pp > 1:
-        raise ValueError(f"generate: pp={pm.pp} is not supported yet (the KV cache of pipeline stages is not "
-                         "built); lay the model out with pp=1 (tp and dp) to generate")
+    if pm.pp > 1 and not pm._hook_stages:
+        raise ValueError(f"generate: pp={pm.pp} generates Hugging Face models only (stages cut by module hooks run "
+                         "the model's own forward with its cache); this model's stages were cut by torch.fx, whose "
+                         "stage graphs call the blocks without a cache: lay it out with pp=1 (tp and dp) to generate")
+    if pm.pp > 1 and len(pm._local) != 1:
+        raise ValueError(f"generate: {len(pm._local)} stages on one rank (virtual stages) are not supported; "
+                         "lay the pipeline out with one stage per rank")
     if pm.cp > 1:
         raise ValueError(f"generate: cp={pm.cp} is not supported (the sequence would be cut over cp ranks)")
     if pm.tp > 1 and pm.layout.sequence_parallel:
@@ -125,7 +136,8 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
              eos_token_id=None, pad_token_id=None, seed=0):
     """See the module's docstring."""
     _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
-    plain, wrapped = pm._plain[0], pm._wrapped[0]
+    stage = pm._local[0]
+    plain, wrapped = pm._plain[stage], pm._wrapped[stage]
     prompt_len = input_ids.shape[1]
     limit, where = _max_positions(pm, plain)
     if limit is not None and prompt_len + max_new_tokens > limit:
@@ -162,10 +174,16 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         out = ids
         cache = None if hf else plain.new_cache()
+        pipeline = _Pipeline(pm, stage, batch) if pm.pp > 1 else None
+        if pipeline is not None:
+            cache = pipeline.cache
         step_ids = ids
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         for step in range(max_new_tokens):
-            if hf:
+            if pipeline is not None:
+                logits = pipeline.forward(dict(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                                               past_key_values=cache, use_cache=True))
+            elif hf:
                 res = wrapped(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                               past_key_values=cache, use_cache=True)
                 cache = res.past_key_values
@@ -173,10 +191,15 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
             else:
                 cache.attention_mask, cache.positions = mask, positions
                 logits = wrapped(step_ids, cache=cache)[:, -1]
-            logits = _whole_logits(logits.float(), vocab, tp_group)
-            token = _choose(logits, temperature, top_k, top_p, generator)
-            if tp_group is not None:
-                tp_group.broadcast(token, 0).wait()
+            if logits is not None:  # the last stage (every rank without a pipeline)
+                logits = _whole_logits(logits.float(), vocab, tp_group)
+                token = _choose(logits, temperature, top_k, top_p, generator)
+                if tp_group is not None:
+                    tp_group.broadcast(token, 0).wait()
+            else:
+                token = torch.empty(batch, dtype=torch.long, device=device)
+            if pipeline is not None:  # the last stage's tokens to every stage
+                pipeline.group.broadcast(token, pm.num_stages - 1).wait()
             if eos:
                 token = torch.where(finished, torch.full_like(token, pad_token_id), token)
                 finished |= torch.isin(token, eos_t)
@@ -222,3 +245,51 @@ def _choose(logits, temperature, top_k, top_p, generator):
         return logits.argmax(dim=-1)
     scores = _filter_top_k_top_p(logits / temperature, top_k, top_p)
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+class _Pipeline:
+    """Generation over pp stages cut by module hooks (one stage per rank): every stage runs the
+    model's own forward with its own cache (which fills only its layers' entries); stage s > 0
+    receives the running hidden state [batch, tokens, hidden] from stage s - 1 over the pp group,
+    a stage that is not the last sends its last block's output on, and the last stage's chosen
+    tokens are broadcast over pp to every stage."""
+
+    def __init__(self, pm, stage, batch):
+        from transformers import DynamicCache
+        self.pm, self.stage, self.batch = pm, stage, batch
+        self.last = pm.num_stages - 1
+        self.group = pm.mesh.group("pp")
+        local = [i for i, s in enumerate(pm.layout.block_stage) if s == stage]
+        params = [p for p in pm._plain[stage].parameters() if p.is_floating_point()]
+        self.dtype = params[0].dtype if params else torch.float32
+        if pm.mixed_precision is not None:
+            self.dtype = pm.mixed_precision
+        self.hidden = pm.hf_config.hidden_size
+
+        class StageCache(DynamicCache):
+            """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, which
+            another stage holds: this stage's first layer answers instead."""
+
+            def get_seq_length(self, layer_idx=0):
+                return super().get_seq_length(layer_idx if layer_idx in local else local[0])
+
+            def get_mask_sizes(self, query_length, layer_idx=0):
+                return super().get_mask_sizes(query_length, layer_idx if layer_idx in local else local[0])
+
+        self.cache = StageCache(config=pm.hf_config)
+
+    def forward(self, inputs):
+        pm, stage = self.pm, self.stage
+        received = []
+        if stage > 0:
+            buf = torch.empty(self.batch, inputs["input_ids"].shape[1], self.hidden, dtype=self.dtype)
+            self.group.recv(buf, stage - 1).wait()
+            received = [buf]
+        out = pm._run_stage(stage, 0, received, [inputs])
+        if stage == self.last:
+            return out.logits[:, -1]
+        if len(out) != 1:
+            raise RuntimeError(f"generate: stage {stage}'s last block gives {len(out)} tensors; a pipelined generate "
+                               "passes one (the hidden state)")
+        self.group.send(out[0].contiguous(), stage + 1).wait()
+        return None

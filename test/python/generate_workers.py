@@ -7,7 +7,8 @@ left-padded prompts of different lengths, and compares with one process on this 
   * examples/models.py's GPT-2 and Llama: a one-process greedy loop without any cache, each
     prompt alone and unpadded (the full forward over the sequence so far, argmax of the last
     position).
-Every dp rank has its own prompts (seeded by its dp coordinate) unless the case says
+Pipelines (HF models, stages cut by hooks) are laid out by the planner with pins (the hook cut
+needs the model read on an example batch). Every dp rank has its own prompts (seeded by its dp coordinate) unless the case says
 ``same_prompts``; the tp ranks of one dp replica have the same. Each rank writes
 MONARCH_TEST_OUTPUT/rank<r>.pt: {case: {"out", "ref", "equal", "kv_heads", "seconds", "error"}}.
 """
@@ -110,14 +111,22 @@ def ours_reference(model, rows, width, args):
 
 def run_case(name, spec, rank):
     import torch_monarch
-    kind, mesh_kw, zero, args = spec["model"], spec["mesh"], spec.get("zero_stage", 0), dict(spec.get("args", {}))
+    kind, mesh_kw, zero, args = spec["model"], spec.get("mesh"), spec.get("zero_stage", 0), dict(spec.get("args", {}))
+    result = {}
     model = build_case(kind)
     reference = copy.deepcopy(model).eval()
-    mesh = torch_monarch.device_mesh(**mesh_kw)
+    if "plan" in spec:  # hook-cut pipelines need the model read on an example batch: planned with pins
+        _, ids, mask = prompts(100)
+        pm = torch_monarch.parallelize(model, example_input={"input_ids": ids[:2], "attention_mask": mask[:2]},
+                                       global_batch=8, **spec["plan"])
+        mesh = pm.mesh
+    else:
+        mesh = torch_monarch.device_mesh(**mesh_kw)
+        pm = torch_monarch.parallelize(model, mesh=mesh, zero_stage=zero)
     dp_rank = mesh.coordinate("dp")
     rows, ids, mask = prompts(100 if spec.get("same_prompts") else 100 + dp_rank)
-    pm = torch_monarch.parallelize(model, mesh=mesh, zero_stage=zero)
-    result = {"dp_rank": dp_rank, "tp_rank": mesh.coordinate("tp")}
+    result["pp_rank"] = mesh.coordinate("pp")
+    result.update(dp_rank=dp_rank, tp_rank=mesh.coordinate("tp"))
     if spec.get("train_first"):
         # One AdamW step first (training mode), then generation from the trained weights, against
         # one process holding the parallel model's whole state dict.
@@ -147,7 +156,10 @@ def run_case(name, spec, rank):
         else hf_reference(reference, ids, mask, args)
     cache = getattr(pm, "_generate_cache", None)
     if cache is not None:
-        keys = cache.keys[0] if isinstance(cache, ours.KVCache) else cache.layers[0].keys
+        first = [i for i, s in enumerate(pm.layout.block_stage) if s == pm.local_stages[0]][0] if pm.pp > 1 else 0
+        keys = cache.keys[0] if isinstance(cache, ours.KVCache) else cache.layers[first].keys
+        result["filled_layers"] = [i for i, layer in enumerate(getattr(cache, "layers", []))
+                                   if getattr(layer, "keys", None) is not None and layer.keys.numel()]
         result["kv_heads"] = keys.shape[1]
         result["cache_len"] = keys.shape[2]
     result.update(out=out, ref=ref, equal=torch.equal(out, ref))
@@ -179,11 +191,15 @@ CASES = {
     # stepping together, and each returns what it would alone
     "ours_gpt2_dp4_zero3_eos": {"model": "ours_gpt2", "mesh": {"tp": 1}, "zero_stage": 3,
                                 "args": {"eos_token_id": "auto"}},
+    # pipelines (hook-cut HF stages): each stage its layers' cache, tokens back from the last stage
+    "llama_tp2_pp2": {"model": "llama", "plan": {"pp": 2, "tp": 2}},
+    "qwen2_pp2_dp2_eos": {"model": "qwen2", "plan": {"pp": 2, "dp": 2}, "args": {"eos_token_id": "auto"}},
+    "gpt2_pp2_dp2": {"model": "gpt2", "plan": {"pp": 2, "dp": 2}},  # embedding tied to the head across stages
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},
     "too_long": {"model": "gpt2", "mesh": {"tp": 2}, "error_args": _too_long},
-    "pp2": {"model": "ours_llama", "mesh": {"pp": 2, "tp": 2},
+    "ours_pp2": {"model": "ours_llama", "mesh": {"pp": 2, "tp": 2},
             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=4)},
 }
 

@@ -4,7 +4,9 @@ of generate_workers.py (each rank compares with one process itself; see its docs
 Greedy: token-for-token equal to Hugging Face's own ``generate(do_sample=False)`` (Llama, Qwen2,
 Qwen3, Mistral, GPT-2) or, for examples/models.py's GPT-2 and Llama, to a one-process loop without
 a cache, each prompt alone: 16 new tokens, 4 left-padded prompts of lengths 5, 11, 3, 8 per rank,
-on tp=2 (x dp=2, each dp replica its own prompts), tp=4, dp=4 under ZeRO-3. Sampled (temperature,
+on tp=2 (x dp=2, each dp replica its own prompts), tp=4, dp=4 under ZeRO-3, and pipelines of
+Hugging Face models: tp=2 x pp=2 (Llama), pp=2 x dp=2 (GPT-2, its tied embedding and head on the
+two stages; Qwen2 with EOS), each stage holding its own layers' cache. Sampled (temperature,
 top-k, top-p, seed): every rank the same, and equal to HF's sampling from the global RNG seeded
 alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
 """
@@ -16,11 +18,12 @@ from dist_harness import launch
 
 NEW, WIDTH, PAD = 16, 11, 0
 GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
-          "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3"]
+          "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3", "llama_tp2_pp2",
+          "gpt2_pp2_dp2"]
 # key/value heads each rank's cache holds: the model's kv heads / tp
 KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
             "llama_kv4_tp4": 1, "llama_tp2_trained": 1, "ours_gpt2_tp4": 1, "ours_llama_tp2": 1,
-            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1}
+            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1, "llama_tp2_pp2": 1, "gpt2_pp2_dp2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def test_greedy_generation_equals_one_process(results, case):
     by_dp = {}
     for res in results:
         by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
+        if "pp2" in case:  # each stage's cache holds its own layer (of 2) only
+            assert res[case]["filled_layers"] == [res[case]["pp_rank"]], res[case]
     for outs in by_dp.values():
         assert all(torch.equal(o, outs[0]) for o in outs)
     if len(by_dp) > 1:  # dp replicas had their own prompts
@@ -63,7 +68,8 @@ def test_sampled_generation_is_the_same_on_every_rank_and_equals_hf_sampling(res
     assert not torch.equal(outs[0], greedy)  # it did sample
 
 
-@pytest.mark.parametrize("case,stops_early", [("llama_tp2_eos", False), ("ours_gpt2_tp2_eos", True)])
+@pytest.mark.parametrize("case,stops_early", [("llama_tp2_eos", False), ("ours_gpt2_tp2_eos", True),
+                                              ("qwen2_pp2_dp2_eos", False)])
 def test_sequences_stop_at_eos(results, case, stops_early):
     _no_errors(results, case)
     for rank, res in enumerate(results):
@@ -89,7 +95,7 @@ def test_a_trained_model_generates_from_its_trained_weights(results):
     ("negative_new_tokens", r"generate: max_new_tokens must be an int >= 0, got -1"),
     ("too_long", r"generate: the prompt \(11 tokens\) and max_new_tokens=54 need 65 positions; the model has 64 "
                  r"\(GPT2Config.max_position_embeddings\)"),
-    ("pp2", r"generate: pp=2 is not supported yet"),
+    ("ours_pp2", r"generate: pp=2 generates Hugging Face models only \(stages cut by module hooks"),
 ])
 def test_bad_input_is_one_clear_error(results, case, message):
     import re
