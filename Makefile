@@ -75,6 +75,7 @@ bench: build python
 	$(VENV)/bin/python bench/dlrm.py --out bench/results/dlrm.json
 	$(VENV)/bin/python bench/context_parallel.py --out bench/results/context_parallel.json
 	$(VENV)/bin/python bench/experts.py --out bench/results/experts.json
+	$(VENV)/bin/python bench/generate.py --out bench/results/generate.json
 	$(VENV)/bin/python bench/checkpoint.py --out bench/results/checkpoint.json
 	$(VENV)/bin/python bench/peers.py --out bench/results/peers.json
 	$(VENV)/bin/python bench/memory_prediction.py --out bench/results/memory_prediction.json
