@@ -179,13 +179,17 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
             cache = pipeline.cache
         step_ids = ids
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        keeps_logits = hf and "logits_to_keep" in inspect.signature(type(plain).forward).parameters
         for step in range(max_new_tokens):
             if pipeline is not None:
                 logits = pipeline.forward(dict(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                                past_key_values=cache, use_cache=True))
             elif hf:
+                # Only the last position's logits (as HF's own generate asks): the prefill's head
+                # and its tp gather then cover one position, not the whole prompt.
+                keep = {"logits_to_keep": 1} if keeps_logits else {}
                 res = wrapped(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=True)
+                              past_key_values=cache, use_cache=True, **keep)
                 cache = res.past_key_values
                 logits = res.logits[:, -1]
             else:
