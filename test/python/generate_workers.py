@@ -62,6 +62,14 @@ def build_case(kind):
     if kind == "ours_llama":
         torch.manual_seed(0)
         return spread(ours.LlamaForCausalLM(vocab=VOCAB, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
+    if kind == "llama_long":  # 128 positions: room for 64 new tokens after the 11-token prompts
+        import transformers as T
+        from hf_models import _small
+        torch.manual_seed(0)
+        model = spread(T.LlamaForCausalLM(_small(T.LlamaConfig, num_key_value_heads=2, max_position_embeddings=128)))
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = PAD
+        return model
     if kind == "llama_kv4":  # 4 kv heads: tp=4 divides them
         import transformers as T
         from hf_models import _small
@@ -195,6 +203,10 @@ CASES = {
     "llama_tp2_pp2": {"model": "llama", "plan": {"pp": 2, "tp": 2}},
     "qwen2_pp2_dp2_eos": {"model": "qwen2", "plan": {"pp": 2, "dp": 2}, "args": {"eos_token_id": "auto"}},
     "gpt2_pp2_dp2": {"model": "gpt2", "plan": {"pp": 2, "dp": 2}},  # embedding tied to the head across stages
+    # 64 new tokens (the length): HF Llama on tp=2 and tp=2 x pp=2, our Llama on tp=2
+    "llama_long_tp2_64": {"model": "llama_long", "mesh": {"tp": 2}, "args": {"max_new_tokens": 64}},
+    "llama_long_tp2_pp2_64": {"model": "llama_long", "plan": {"pp": 2, "tp": 2}, "args": {"max_new_tokens": 64}},
+    "ours_llama_tp2_64": {"model": "ours_llama", "mesh": {"tp": 2}, "args": {"max_new_tokens": 64}},
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},

@@ -3,7 +3,8 @@ of generate_workers.py (each rank compares with one process itself; see its docs
 
 Greedy: token-for-token equal to Hugging Face's own ``generate(do_sample=False)`` (Llama, Qwen2,
 Qwen3, Mistral, GPT-2) or, for examples/models.py's GPT-2 and Llama, to a one-process loop without
-a cache, each prompt alone: 16 new tokens, 4 left-padded prompts of lengths 5, 11, 3, 8 per rank,
+a cache, each prompt alone: 16 new tokens (64 on HF Llama tp=2 and tp=2 x pp=2 and our Llama
+tp=2), 4 left-padded prompts of lengths 5, 11, 3, 8 per rank,
 on tp=2 (x dp=2, each dp replica its own prompts), tp=4, dp=4 under ZeRO-3, and pipelines of
 Hugging Face models: tp=2 x pp=2 (Llama), pp=2 x dp=2 (GPT-2, its tied embedding and head on the
 two stages; Qwen2 with EOS), each stage holding its own layers' cache. Sampled (temperature,
@@ -20,10 +21,13 @@ NEW, WIDTH, PAD = 16, 11, 0
 GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
           "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3", "llama_tp2_pp2",
           "gpt2_pp2_dp2"]
+# 64 new tokens (Llama with 128 positions; ours has no limit)
+LONG = ["llama_long_tp2_64", "llama_long_tp2_pp2_64", "ours_llama_tp2_64"]
 # key/value heads each rank's cache holds: the model's kv heads / tp
 KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
             "llama_kv4_tp4": 1, "llama_tp2_trained": 1, "ours_gpt2_tp4": 1, "ours_llama_tp2": 1,
-            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1, "llama_tp2_pp2": 1, "gpt2_pp2_dp2": 4}
+            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1, "llama_tp2_pp2": 1, "gpt2_pp2_dp2": 4,
+            "llama_long_tp2_64": 1, "llama_long_tp2_pp2_64": 1, "ours_llama_tp2_64": 1}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +42,13 @@ def _no_errors(results, case):
         assert "error" not in res[case], f"{case} on rank {rank}: {res[case]['error']}"
 
 
-@pytest.mark.parametrize("case", GREEDY)
+@pytest.mark.parametrize("case", GREEDY + LONG)
 def test_greedy_generation_equals_one_process(results, case):
     _no_errors(results, case)
+    new = 64 if case in LONG else NEW
     for rank, res in enumerate(results):
         r = res[case]
-        assert r["out"].shape == (4, WIDTH + NEW), f"{case} rank {rank}"
+        assert r["out"].shape == (4, WIDTH + new), f"{case} rank {rank}"
         assert r["equal"], f"{case} rank {rank}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
         assert r["kv_heads"] == KV_HEADS[case], f"{case} rank {rank}: the cache holds {r['kv_heads']} kv heads"
     # the tp ranks of one dp replica emit the same tokens (they are checked against the same reference)
