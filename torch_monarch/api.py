@@ -42,18 +42,12 @@ def runtime_pins(model, pins, *, laid_out=False):
     parallelism (``ep=1``) for a model still on meta (expert_parallel splits materialized
     experts). A pinned value is left for the planner and runtime to accept or refuse."""
     out = dict(pins)
-    if out.get("cp") is None and not _cp_convertible(model):
+    from .context_parallel import convertible
+    if out.get("cp") is None and not convertible(model):
         out["cp"] = 1
     if laid_out and out.get("ep") is None and any(p.is_meta for p in model.parameters()):
         out["ep"] = 1
     return out
-
-
-def _cp_convertible(model):
-    from .context_parallel import _GPT2, _LLAMA, _has
-    if any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()):
-        return False
-    return any((_has(m, _LLAMA) and hasattr(m.rotary_emb, "inv_freq")) or _has(m, _GPT2) for m in model.modules())
 
 
 def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None,

@@ -183,6 +183,26 @@ def _has(module, names):
     return all(hasattr(module, n) for n in names) and isinstance(getattr(module, "head_dim", None), int)
 
 
+def attention_kind(module):
+    """'llama' or 'gpt2' for an attention module ``context_parallel`` converts (by structure,
+    see its docstring), else None."""
+    if _has(module, _LLAMA):
+        return "llama"
+    if _has(module, _GPT2):
+        return "gpt2"
+    return None
+
+
+def convertible(model: nn.Module) -> bool:
+    """Whether ``context_parallel(model, mesh)`` would convert the model (what the planner may
+    pick cp > 1 for): some attention it recognises, with a rotary table called as
+    rotary_emb(seq_len, device), and no nn.MultiheadAttention."""
+    if any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        return False
+    return any(attention_kind(m) == "gpt2" or (attention_kind(m) == "llama" and hasattr(m.rotary_emb, "inv_freq"))
+               for m in model.modules())
+
+
 def context_parallel(model: nn.Module, mesh):
     """Makes ``model`` run with its sequence split over the mesh's ``cp`` axis, in place, and
     returns it. Recognised by structure (examples/models.py's names, Hugging Face's):
@@ -211,13 +231,12 @@ def context_parallel(model: nn.Module, mesh):
     for name, module in model.named_modules():
         if getattr(type(module), "_monarch_context_parallel", None):
             raise ValueError(f"context_parallel: module '{name}' is already converted")
-        if _has(module, _LLAMA):
-            if not hasattr(module.rotary_emb, "inv_freq"):
-                raise ValueError(f"context_parallel: '{name}.rotary_emb' is {type(module.rotary_emb).__name__}, "
-                                 "expected a rotary embedding called as rotary_emb(seq_len, device)")
-            attention.append((name, module, "llama"))
-        elif _has(module, _GPT2):
-            attention.append((name, module, "gpt2"))
+        kind = attention_kind(module)
+        if kind == "llama" and not hasattr(module.rotary_emb, "inv_freq"):
+            raise ValueError(f"context_parallel: '{name}.rotary_emb' is {type(module.rotary_emb).__name__}, "
+                             "expected a rotary embedding called as rotary_emb(seq_len, device)")
+        if kind is not None:
+            attention.append((name, module, kind))
     if not attention:
         raise ValueError("context_parallel: found no attention module it can convert in "
                          f"{type(model).__name__} (Llama-style: {', '.join(_LLAMA)}, head_dim; GPT-2-style: "

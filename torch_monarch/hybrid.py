@@ -464,20 +464,17 @@ class ParallelModel(nn.Module):
         for cast in self._casts:
             cast.release()
 
-    def _cut_sequences(self, x, length=None):
+    def _cut_sequences(self, x, length):
         """Under cp: this rank's chunks (along the sequence dimension) of the tensors of ``x``
         (a tensor, or the tensors of a tuple / dict) whose ``sequence_dim`` has the inputs'
-        sequence length (``length``, default: the first such tensor's); other tensors (per
-        sample) stay whole. A ``labels`` entry is refused: a model shifting its labels inside
-        would pair the end of one chunk with the start of another."""
+        sequence ``length``; other tensors (per sample) stay whole. A ``labels`` entry is
+        refused: a model shifting its labels inside would pair the end of one chunk with the
+        start of another."""
         from .context_parallel import shard_sequence
         dim = self._sequence_dim
-        tensors = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (tuple, list)) else [x]
         if isinstance(x, dict) and "labels" in x:
             raise ValueError("parallelize: under cp > 1 pass labels as train_step's targets with a loss_fn, not "
                              "as the model's 'labels' input (the model would shift them across chunks)")
-        if length is None:
-            length = next((t.size(dim) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > dim), None)
 
         def cut(t):
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.size(dim) == length:
@@ -490,6 +487,7 @@ class ParallelModel(nn.Module):
         return cut(x)
 
     def _sequence_length(self, x):
+        """The length along ``sequence_dim`` of the first input tensor that has that dimension."""
         dim = self._sequence_dim
         tensors = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (tuple, list)) else [x]
         length = next((t.size(dim) for t in tensors if isinstance(t, torch.Tensor) and t.dim() > dim), None)

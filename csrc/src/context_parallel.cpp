@@ -1,5 +1,7 @@
 #include "monarch/runtime/context_parallel.h"
 
+#include "group_handle.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -17,10 +19,8 @@ using torch::autograd::tensor_list;
 
 namespace {
 
-// The group travels through autograd contexts as an address; the mesh owning it outlives
-// the graph (see the header).
-int64_t as_handle(Communicator& group) { return reinterpret_cast<int64_t>(&group); }
-Communicator& from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(handle); }
+using detail::as_handle;  // group_handle.h
+using detail::from_handle;
 
 // Point-to-point tags of the ring's three kinds of messages. Between two ranks the forward's
 // k/v, the backward's k/v and the backward's gradient accumulators may be in flight at once

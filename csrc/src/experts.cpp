@@ -1,5 +1,7 @@
 #include "monarch/runtime/experts.h"
 
+#include "group_handle.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -15,8 +17,8 @@ using torch::autograd::tensor_list;
 
 namespace {
 
-int64_t as_handle(Communicator& group) { return reinterpret_cast<int64_t>(&group); }
-Communicator& from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(handle); }
+using detail::as_handle;  // group_handle.h
+using detail::from_handle;
 
 // Rows of a [rows, hidden] tensor exchanged over the ep group: rank j gets send_rows[j] rows.
 at::Tensor exchange_rows(const at::Tensor& x, Communicator& group, const std::vector<int64_t>& send_rows,

@@ -1,5 +1,7 @@
 #include "monarch/runtime/tensor_parallel.h"
 
+#include "group_handle.h"
+
 #include <sstream>
 
 #include <ATen/WrapDimUtils.h>
@@ -13,10 +15,8 @@ using torch::autograd::tensor_list;
 
 namespace {
 
-// The group travels through autograd contexts as an address; the mesh owning it outlives
-// the graph (see the header).
-int64_t as_handle(Communicator& group) { return reinterpret_cast<int64_t>(&group); }
-Communicator& from_handle(int64_t handle) { return *reinterpret_cast<Communicator*>(handle); }
+using detail::as_handle;  // group_handle.h
+using detail::from_handle;
 Communicator& group_of(AutogradContext* ctx) { return from_handle(ctx->saved_data["group"].toInt()); }
 
 std::string divisors_of(int64_t n) {

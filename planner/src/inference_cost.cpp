@@ -230,6 +230,15 @@ std::vector<StageCost> stage_costs(const ModelCosts& m, const std::vector<int64_
   return stages;
 }
 
+DType checked_inputs(const ModelGraph& graph, const Cluster& cluster, const InferenceConfig& config) {
+  validate(graph);
+  validate(cluster);
+  validate(config);
+  const DType dtype = graph.layers.front().param_dtype;
+  require_peak_flops(cluster, dtype);
+  return dtype;
+}
+
 }  // namespace inference_detail
 
 using namespace inference_detail;
@@ -332,11 +341,7 @@ InferencePlan evaluate_stages(const ModelCosts& m, const std::vector<StageCost>&
 InferencePlan evaluate_inference(const ModelGraph& graph, const Cluster& cluster,
                                  const InferenceConfig& config, int64_t tp, int64_t pp,
                                  int64_t batch_per_replica, int64_t decode_micro_batches) {
-  validate(graph);
-  validate(cluster);
-  validate(config);
-  const DType dtype = graph.layers.front().param_dtype;
-  require_peak_flops(cluster, dtype);
+  const DType dtype = checked_inputs(graph, cluster, config);
   const int64_t world = cluster.world_size();
   if (tp < 1 || world % tp != 0) {
     throw ValidationError("tp", std::to_string(tp) + " does not divide the world size " + std::to_string(world));

@@ -65,6 +65,8 @@ std::vector<int64_t> partition_stages(const ModelCosts& m, int64_t pp, double kv
 std::vector<StageCost> stage_costs(const ModelCosts& m, const std::vector<int64_t>& first);
 // "" when tp can split the graph, else why not.
 std::string tp_infeasible(const ModelGraph& graph, int64_t tp);
+// Validates the three inputs and the cluster's peak FLOP/s in the model's dtype; returns that dtype.
+DType checked_inputs(const ModelGraph& graph, const Cluster& cluster, const InferenceConfig& config);
 
 }  // namespace inference_detail
 

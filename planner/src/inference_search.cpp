@@ -166,11 +166,7 @@ std::string alternative_reason(const Candidate& a, const Candidate& best, Infere
 
 Plan plan_inference(const ModelGraph& graph, const Cluster& cluster, const InferenceConfig& config,
                     const InferenceOptions& options) {
-  validate(graph);
-  validate(cluster);
-  validate(config);
-  const DType dtype = graph.layers.front().param_dtype;
-  require_peak_flops(cluster, dtype);
+  const DType dtype = checked_inputs(graph, cluster, config);
   const int64_t world = cluster.world_size();
   const InferenceObjective objective = config.objective;
   const double usable = cluster.usable_memory_bytes();

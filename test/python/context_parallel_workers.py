@@ -19,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 
 import models  # noqa: E402
+from dist_harness import error_of  # noqa: E402
 
 STEPS = 6
 BATCH, SEQ = 4, 16   # SEQ divides by 2*cp for cp = 2 and 4
@@ -80,12 +81,6 @@ def reference_attention(q, k, v, causal):
 # ---------------------------------------------------------------------------------------
 # Worker side
 
-def error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # the message is what the test checks
-        return str(e)
-    return None
 
 
 def ring_checks(world):

@@ -139,6 +139,15 @@ def vm(field):
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def error_of(fn):
+    """The message of what ``fn()`` raises (what a test checks), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what the test checks
+        return str(e)
+    return None
+
+
 def run_worker(main, *args):
     """A worker script's entry: exits with main(*args), or on an exception prints its
     traceback and one line naming it ("worker error: ..."), the line tests read, and exits 1."""

@@ -65,7 +65,7 @@ ARCHITECTURES = {
     "bart": lambda: T.BartForConditionalGeneration(_no_dropout(T.BartConfig(
         d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=64))),
-    # mixtures of experts (data / sharded parallelism until experts are sharded)
+    # mixtures of experts (expert parallelism: test_hf_models.py's ep pins)
     "mixtral": lambda: T.MixtralForCausalLM(_small(T.MixtralConfig, num_key_value_heads=2, num_local_experts=4,
                                                    num_experts_per_tok=2)),
     "qwen2_moe": lambda: T.Qwen2MoeForCausalLM(_small(T.Qwen2MoeConfig, num_key_value_heads=2, num_experts=4,

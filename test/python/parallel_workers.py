@@ -12,7 +12,7 @@ import sys
 import torch
 
 import torch_monarch
-from dist_harness import run_worker
+from dist_harness import error_of, run_worker
 
 from torch_monarch.tensor_parallel_modules import vocab_parallel_cross_entropy
 from tiny_gpt import GLOBAL_BATCH, STEPS, batch, loss_fn, make_model, make_optimizer
@@ -31,12 +31,6 @@ def save(result):
     torch.save(result, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{os.environ['RANK']}.pt"))
 
 
-def error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # the message is what the test checks
-        return str(e)
-    return None
 
 
 def bad_schedule(world):
