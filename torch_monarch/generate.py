@@ -38,14 +38,13 @@ What runs (data and tensor parallelism, any ZeRO stage; pipelines below):
 Returns [batch, prompt_len + generated] int64: the prompt (with its padding) followed by the
 generated tokens, as Hugging Face's ``generate`` returns them.
 
-Pipelines (pp > 1, one stage per rank) generate Hugging Face models, whose stages are cut by
-module hooks (pipeline_hooks.py): every stage runs the model's forward with its own cache, which
-fills only its layers (Hugging Face reads the cache's length from layer 0, another stage's: the
-stage's cache answers from its first layer); stage s receives the hidden state from s - 1 over
-the pp group and sends its own on; the last stage chooses the tokens and broadcasts them over
-pp. Prefill and decode run stage after stage (no micro-batching: one sequence batch in flight).
-Models whose stages torch.fx cut (examples/models.py's) are refused under pp > 1, as are
-virtual stages and context parallelism (cp > 1).
+Pipelines (pp > 1, one stage per rank): every stage runs the model's own forward with its own
+cache, which fills only its layers, the blocks of earlier stages stubbed by what the stage
+received (_Pipeline says how, for stages cut by module hooks (Hugging Face models) and by
+torch.fx (examples/models.py's)); stage s receives the hidden state from s - 1 over the pp group
+and sends its own on; the last stage chooses the tokens and broadcasts them over pp. Prefill and
+decode run stage after stage (no micro-batching: one batch of sequences in flight). Virtual
+stages and context parallelism (cp > 1) are refused.
 """
 
 import inspect
@@ -100,10 +99,6 @@ def _filter_top_k_top_p(logits, top_k, top_p):
 
 
 def _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p):
-    if pm.pp > 1 and not pm._hook_stages:
-        raise ValueError(f"generate: pp={pm.pp} generates Hugging Face models only (stages cut by module hooks run "
-                         "the model's own forward with its cache); this model's stages were cut by torch.fx, whose "
-                         "stage graphs call the blocks without a cache: lay it out with pp=1 (tp and dp) to generate")
     if pm.pp > 1 and len(pm._local) != 1:
         raise ValueError(f"generate: {len(pm._local)} stages on one rank (virtual stages) are not supported; "
                          "lay the pipeline out with one stage per rank")
@@ -137,7 +132,10 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
     """See the module's docstring."""
     _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     stage = pm._local[0]
-    plain, wrapped = pm._plain[stage], pm._wrapped[stage]
+    wrapped = pm._wrapped[stage]
+    # The model as the user wrote it: a stage cut by torch.fx is a graph of its modules, and
+    # generation runs the model's own forward (its cache path) instead (_Pipeline).
+    plain = pm._root if pm.pp > 1 and not pm._hook_stages else pm._plain[stage]
     prompt_len = input_ids.shape[1]
     limit, where = _max_positions(pm, plain)
     if limit is not None and prompt_len + max_new_tokens > limit:
@@ -166,15 +164,19 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
     vocab = _vocab_size(pm, plain)
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
 
-    modes = [(m, m.training) for m in wrapped.modules()]
+    # The model's own forward runs on an fx-cut stage: its modules outside the stage too.
+    modules = {id(m): m for m in list(wrapped.modules()) + list(plain.modules())}
+    modes = [(m, m.training) for m in modules.values()]
     wrapped.eval()
+    for m in plain.modules():
+        m.training = False
     try:
         batch = ids.shape[0]
         done_at = None  # the step at which all of this rank's sequences had finished
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         out = ids
         cache = None if hf else plain.new_cache()
-        pipeline = _Pipeline(pm, stage, batch) if pm.pp > 1 else None
+        pipeline = _Pipeline(pm, stage, batch, device) if pm.pp > 1 else None
         if pipeline is not None:
             cache = pipeline.cache
         step_ids = ids
@@ -182,8 +184,11 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
         keeps_logits = hf and "logits_to_keep" in inspect.signature(type(plain).forward).parameters
         for step in range(max_new_tokens):
             if pipeline is not None:
-                logits = pipeline.forward(dict(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                                               past_key_values=cache, use_cache=True))
+                if not hf:
+                    cache.attention_mask, cache.positions = mask, positions
+                logits = pipeline.forward(step_ids, dict(input_ids=step_ids, attention_mask=mask,
+                                                         position_ids=positions, past_key_values=cache,
+                                                         use_cache=True))
             elif hf:
                 # Only the last position's logits (as HF's own generate asks): the prefill's head
                 # and its tp gather then cover one position, not the whole prompt.
@@ -251,49 +256,162 @@ def _choose(logits, temperature, top_k, top_p, generator):
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-class _Pipeline:
-    """Generation over pp stages cut by module hooks (one stage per rank): every stage runs the
-    model's own forward with its own cache (which fills only its layers' entries); stage s > 0
-    receives the running hidden state [batch, tokens, hidden] from stage s - 1 over the pp group,
-    a stage that is not the last sends its last block's output on, and the last stage's chosen
-    tokens are broadcast over pp to every stage."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-    def __init__(self, pm, stage, batch):
-        from transformers import DynamicCache
-        self.pm, self.stage, self.batch = pm, stage, batch
+
+class _Pipeline:
+    """Generation over pp stages (one stage per rank). Every stage runs the model's own forward
+    with its own cache, which fills only its layers' entries; stage s > 0 receives the running
+    hidden state from stage s - 1 over the pp group, a stage that is not the last sends its last
+    block's output on, and the last stage's chosen tokens are broadcast over pp to every stage.
+
+    * Stages cut by module hooks (Hugging Face models) run as in training (pipeline_hooks.py).
+    * Stages cut by torch.fx (a stage is a graph of the model's modules, traced without a cache)
+      run the model's forward itself here, with the same stubs: the blocks of earlier stages
+      return what this stage received; modules outside the blocks whose weights another stage
+      holds (the token embedding) return zeros of their output's shape (their value only feeds
+      the stubbed blocks); after this stage's last block the forward stops. The stage's wrapper
+      (data parallelism, ZeRO's gathers, mixed precision's casts) is called as in training, its
+      forward swapped for this one during the call.
+
+    Each hop sends a small header (the shape and dtype) before the tensor: the receiver cannot
+    know the shape of what a model passes between blocks."""
+
+    def __init__(self, pm, stage, batch, device):
+        self.pm, self.stage, self.batch, self.device = pm, stage, batch, device
         self.last = pm.num_stages - 1
         self.group = pm.mesh.group("pp")
-        local = [i for i, s in enumerate(pm.layout.block_stage) if s == stage]
-        params = [p for p in pm._plain[stage].parameters() if p.is_floating_point()]
-        self.dtype = params[0].dtype if params else torch.float32
-        if pm.mixed_precision is not None:
-            self.dtype = pm.mixed_precision
-        self.hidden = pm.hf_config.hidden_size
+        self.local = [i for i, s in enumerate(pm.layout.block_stage) if s == stage]
+        if pm._hook_stages:
+            self.cache = _hf_stage_cache(pm.hf_config, self.local)
+        else:
+            self.cache = pm._root.new_cache()
+            self._foreign = _foreign_modules(pm._root, pm._blocks, pm._plain[stage])
 
-        class StageCache(DynamicCache):
-            """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, which
-            another stage holds: this stage's first layer answers instead."""
-
-            def get_seq_length(self, layer_idx=0):
-                return super().get_seq_length(layer_idx if layer_idx in local else local[0])
-
-            def get_mask_sizes(self, query_length, layer_idx=0):
-                return super().get_mask_sizes(query_length, layer_idx if layer_idx in local else local[0])
-
-        self.cache = StageCache(config=pm.hf_config)
-
-    def forward(self, inputs):
+    def forward(self, step_ids, inputs):
         pm, stage = self.pm, self.stage
-        received = []
-        if stage > 0:
-            buf = torch.empty(self.batch, inputs["input_ids"].shape[1], self.hidden, dtype=self.dtype)
-            self.group.recv(buf, stage - 1).wait()
-            received = [buf]
-        out = pm._run_stage(stage, 0, received, [inputs])
-        if stage == self.last:
-            return out.logits[:, -1]
-        if len(out) != 1:
-            raise RuntimeError(f"generate: stage {stage}'s last block gives {len(out)} tensors; a pipelined generate "
-                               "passes one (the hidden state)")
-        self.group.send(out[0].contiguous(), stage + 1).wait()
-        return None
+        received = [self._recv()] if stage > 0 else []
+        if pm._hook_stages:
+            out = pm._run_stage(stage, 0, received, [inputs])
+            logits = out.logits[:, -1] if stage == self.last else None
+            if stage != self.last and len(out) != 1:
+                raise RuntimeError(f"generate: stage {stage}'s last block gives {len(out)} tensors; a pipelined "
+                                   "generate passes one (the hidden state)")
+            out = None if stage == self.last else out[0]
+        else:
+            out = self._run_fx_stage(step_ids, received)
+            logits = out[:, -1] if stage == self.last else None
+        if stage != self.last:
+            self._send(out)
+        return logits
+
+    def _run_fx_stage(self, step_ids, received):
+        from .pipeline_hooks import _patch_forward, _StageDone
+        pm, stage, blocks = self.pm, self.stage, self.pm._blocks
+        first, last = self.local[0], self.local[-1]
+        root, cache = pm._root, self.cache
+
+        def run(*_args, **_kwargs):
+            undo = []
+            try:
+                if stage > 0:
+                    for i in range(first):
+                        undo.append(_patch_forward(blocks[i], lambda *a, **k: received[0]))
+                    for name, module in self._foreign:
+                        undo.append(_patch_forward(module, _zeros_of_output(name, module)))
+                if stage != self.last:
+                    def stop(_module, _args, output):
+                        raise _StageDone(output)
+                    undo.append(blocks[last].register_forward_hook(stop).remove)
+                try:
+                    return root(step_ids, cache=cache)
+                except _StageDone as done:
+                    if not isinstance(done.output, torch.Tensor):
+                        raise RuntimeError(f"generate: block {last} of stage {stage} returns a "
+                                           f"{type(done.output).__name__}; a pipelined generate passes one tensor "
+                                           "(the hidden state) between stages") from None
+                    return done.output
+            finally:
+                for u in reversed(undo):
+                    u()
+
+        plain = pm._plain[stage]
+        undo_stage = _patch_forward(plain, run)
+        try:
+            return pm._wrapped[stage]()
+        finally:
+            undo_stage()
+
+    def _send(self, tensor):
+        tensor = tensor.contiguous()
+        header = torch.zeros(8, dtype=torch.long)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        self.group.send(header.to(tensor.device), self.stage + 1).wait()
+        self.group.send(tensor, self.stage + 1).wait()
+
+    def _recv(self):
+        device = self.device
+        header = torch.empty(8, dtype=torch.long, device=device)
+        self.group.recv(header, self.stage - 1).wait()
+        ndim, dtype, *dims = header.tolist()
+        buf = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=device)
+        self.group.recv(buf, self.stage - 1).wait()
+        return buf
+
+
+def _hf_stage_cache(config, local):
+    from transformers import DynamicCache
+
+    class StageCache(DynamicCache):
+        """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, which
+        another stage holds: this stage's first layer answers instead."""
+
+        def get_seq_length(self, layer_idx=0):
+            return super().get_seq_length(layer_idx if layer_idx in local else local[0])
+
+        def get_mask_sizes(self, query_length, layer_idx=0):
+            return super().get_mask_sizes(query_length, layer_idx if layer_idx in local else local[0])
+
+    return StageCache(config=config)
+
+
+def _foreign_modules(root, blocks, stage_module):
+    """Modules outside the blocks holding weights of their own that this stage does not hold
+    (on meta here: another stage's); the stage holds the weights its graph reads."""
+    held = {id(p) for p in stage_module.parameters()}  # fx inlines some modules: their weights count
+    inside = {id(m) for b in blocks for m in b.modules()}
+    return [(n, m) for n, m in root.named_modules() if id(m) not in inside
+            and any(id(p) not in held for p in m.parameters(recurse=False))]
+
+
+def _zeros_of_output(name, module):
+    """A forward giving zeros shaped as ``module``'s output on this call's inputs, without its
+    weights (another stage's; a vocabulary-split embedding would also all-reduce): an embedding
+    gives [*ids, dim]; any other module is run on the meta device for its output's shape."""
+    weight = getattr(module, "weight", None)
+
+    def zeros(*args, **kwargs):
+        first = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and not first.is_floating_point() and isinstance(weight, torch.Tensor) \
+                and weight.dim() == 2:  # an embedding (torch's, a vocabulary-split one, ...)
+            return torch.zeros(tuple(first.shape) + (weight.shape[1],), dtype=weight.dtype, device=first.device)
+        params = {n: torch.empty_like(p, device="meta") for n, p in module.named_parameters()}
+        params.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
+        meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        stub = module.__dict__.pop("forward")  # the module's own forward, on meta
+        try:
+            out = torch.func.functional_call(module, params, tuple(meta(a) for a in args),
+                                             {k: meta(v) for k, v in kwargs.items()})
+        except Exception as e:  # noqa: BLE001 - whatever the module's forward does on meta
+            raise RuntimeError(f"generate: '{name}' ({type(module).__name__}) holds another pipeline stage's "
+                               f"weights and runs on this stage; its output's shape could not be found on the "
+                               f"meta device ({type(e).__name__}: {e})") from None
+        finally:
+            module.forward = stub
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"generate: '{name}' ({type(module).__name__}) holds another pipeline stage's "
+                               f"weights and returns a {type(out).__name__} on this stage; only a tensor can be "
+                               "stubbed")
+        return torch.zeros(out.shape, dtype=out.dtype, device=first.device if first is not None else "cpu")
+    return zeros

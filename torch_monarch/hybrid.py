@@ -148,6 +148,8 @@ class ParallelModel(nn.Module):
             graph, problem = trace_for_cut(model, units)
             if problem is None:
                 stages = split_model(model, layout.num_stages, units, list(layout.block_stage), graph=graph)
+                from .pipeline_hooks import release_other_stages
+                release_other_stages(stages, self._local)
             else:
                 # A forward torch.fx cannot trace (Hugging Face models): cut by module hooks,
                 # which needs the model as read on an example batch.
@@ -163,6 +165,10 @@ class ParallelModel(nn.Module):
                     # (rotary tables, position ids) must be real on every rank (they are small).
                     deferred.materialize(model, init_fn, buffers_only=True)
             self.num_stages = len(stages)
+            # generate() runs the model's own forward (its KV cache path) on each stage, the
+            # other stages' blocks stubbed (generate.py): it needs the model and its blocks.
+            # Other stages' weights are on meta by now, so holding the model holds no memory.
+            self._root, self._blocks = model, list(units)
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
                 with _shard_init_rng(mesh, self.tp):
@@ -185,6 +191,7 @@ class ParallelModel(nn.Module):
                 with _shard_init_rng(mesh, self.tp):
                     deferred.materialize(model, init_fn, skip=units if per_unit else ())
             self.num_stages = 1
+            self._root, self._blocks = None, list(units)
             self._tied = []
             self._stage_units = {0: units}
             modules = {0: model}
@@ -261,11 +268,12 @@ class ParallelModel(nn.Module):
             else:
                 self._wrapped[s] = m
         self.stages = nn.ModuleList([self._wrapped[s] for s in self._local])
-        # Under a pipeline the other ranks' stages of the model as built become garbage once
-        # the caller lets go of it (``model = parallelize(model, ...)``), but reference cycles
-        # among modules keep them until a collection runs, which a training loop may not
-        # trigger for many steps: measured, a pp=2 rank of a 285 MB model held the other
-        # stage's 144 MiB through its whole run. The first step collects once.
+        # Under a pipeline the other ranks' stages' weights went to meta at the cut; what else
+        # the model as built held (tensors its forward cached, the caller's references) becomes
+        # garbage once the caller lets go of it, but reference cycles among modules keep it until
+        # a collection runs, which a training loop may not trigger for many steps (measured
+        # before the release at the cut: a pp=2 rank of a 285 MB model held the other stage's
+        # 144 MiB through its whole run). The first step collects once.
         self._collect_before_first_step = self.pp > 1
 
     # -- what the optimizer sees ------------------------------------------------------

@@ -356,6 +356,15 @@ class VocabParallelEmbedding(nn.Module):
         out._original = type(emb)
         return out
 
+    @property
+    def num_embeddings(self):
+        """The whole table's rows, as nn.Embedding's (code reading a model's sizes still works)."""
+        return self.weight.shape[0] * self.group.size
+
+    @property
+    def embedding_dim(self):
+        return self.weight.shape[1]
+
     def _local_padding_idx(self):
         pad = self.padding_idx
         rows = self.weight.shape[0]

@@ -55,26 +55,45 @@ def spread(model, std=0.3):
     return model
 
 
+# The issue's matrix: 64 new tokens on tp=2, tp=4, pp=2 and tp=2 x pp=2 for our two models and
+# three Hugging Face architectures; 4 layers (2 per pipeline stage), 128 positions, and for the
+# Llama-style ones 8 query heads sharing 4 key/value heads (GQA; tp=4 divides them).
+MATRIX_MODELS = ("ours_llama_gqa", "ours_gpt2_4l", "hf_llama_gqa", "hf_qwen2_gqa", "hf_gpt2_4l")
+MATRIX_LAYOUTS = {"tp2": {"tp": 2, "dp": 2}, "tp4": {"tp": 4}, "pp2": {"pp": 2, "dp": 2}, "tp2_pp2": {"pp": 2, "tp": 2}}
+LONG_NEW = 64
+
+
+def _matrix_model(kind):
+    import transformers as T
+    from hf_models import _no_dropout, _small
+    torch.manual_seed(0)
+    gqa = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+    if kind == "ours_llama_gqa":
+        return spread(ours.LlamaForCausalLM(vocab=VOCAB, hidden=64, heads=8, kv_heads=4, intermediate=128, layers=4))
+    if kind == "ours_gpt2_4l":
+        return spread(ours.GPT2LMHeadModel(vocab=VOCAB, hidden=64, heads=4, layers=4, max_positions=128))
+    if kind == "hf_llama_gqa":
+        model = T.LlamaForCausalLM(_small(T.LlamaConfig, **gqa))
+    elif kind == "hf_qwen2_gqa":
+        model = T.Qwen2ForCausalLM(_small(T.Qwen2Config, **gqa))
+    else:
+        model = T.GPT2LMHeadModel(_no_dropout(T.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=VOCAB,
+                                                           n_positions=128)))
+    model = spread(model)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
 def build_case(kind):
+    if kind in MATRIX_MODELS:
+        return _matrix_model(kind)
     if kind == "ours_gpt2":
         torch.manual_seed(0)
         return spread(ours.GPT2LMHeadModel(vocab=VOCAB, hidden=64, heads=4, layers=2, max_positions=64))
     if kind == "ours_llama":
         torch.manual_seed(0)
         return spread(ours.LlamaForCausalLM(vocab=VOCAB, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
-    if kind == "llama_long":  # 128 positions: room for 64 new tokens after the 11-token prompts
-        import transformers as T
-        from hf_models import _small
-        torch.manual_seed(0)
-        model = spread(T.LlamaForCausalLM(_small(T.LlamaConfig, num_key_value_heads=2, max_position_embeddings=128)))
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = PAD
-        return model
-    if kind == "llama_kv4":  # 4 kv heads: tp=4 divides them
-        import transformers as T
-        from hf_models import _small
-        torch.manual_seed(0)
-        return spread(T.LlamaForCausalLM(_small(T.LlamaConfig, num_key_value_heads=4)))
     model = spread(build(kind))
     model.generation_config.eos_token_id = None  # HF's config default (2) would stop it: we pass eos explicitly
     model.generation_config.pad_token_id = PAD
@@ -123,7 +142,7 @@ def run_case(name, spec, rank):
     result = {}
     model = build_case(kind)
     reference = copy.deepcopy(model).eval()
-    if "plan" in spec:  # hook-cut pipelines need the model read on an example batch: planned with pins
+    if "plan" in spec:  # hook-cut pipelines (HF) need the model read on an example batch: planned with pins
         _, ids, mask = prompts(100)
         pm = torch_monarch.parallelize(model, example_input={"input_ids": ids[:2], "attention_mask": mask[:2]},
                                        global_batch=8, **spec["plan"])
@@ -164,10 +183,15 @@ def run_case(name, spec, rank):
         else hf_reference(reference, ids, mask, args)
     cache = getattr(pm, "_generate_cache", None)
     if cache is not None:
-        first = [i for i, s in enumerate(pm.layout.block_stage) if s == pm.local_stages[0]][0] if pm.pp > 1 else 0
-        keys = cache.keys[0] if isinstance(cache, ours.KVCache) else cache.layers[first].keys
-        result["filled_layers"] = [i for i, layer in enumerate(getattr(cache, "layers", []))
-                                   if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+        result["stage_layers"] = [i for i, s in enumerate(pm.layout.block_stage) if s == pm.local_stages[0]]
+        first = result["stage_layers"][0]
+        if isinstance(cache, ours.KVCache):
+            keys = cache.keys[first]
+            result["filled_layers"] = sorted(cache.keys)
+        else:
+            keys = cache.layers[first].keys
+            result["filled_layers"] = [i for i, layer in enumerate(cache.layers)
+                                       if getattr(layer, "keys", None) is not None and layer.keys.numel()]
         result["kv_heads"] = keys.shape[1]
         result["cache_len"] = keys.shape[2]
     result.update(out=out, ref=ref, equal=torch.equal(out, ref))
@@ -184,36 +208,37 @@ CASES = {
     "qwen2_tp2_zero3": {"model": "qwen2", "mesh": {"tp": 2}, "zero_stage": 3},
     "qwen3_tp2_zero1": {"model": "qwen3", "mesh": {"tp": 2}, "zero_stage": 1},
     "mistral_dp4_zero3": {"model": "mistral", "mesh": {"tp": 1}, "zero_stage": 3},
-    "gpt2_tp4": {"model": "gpt2", "mesh": {"tp": 4}},
-    "llama_kv4_tp4": {"model": "llama_kv4", "mesh": {"tp": 4}},
     "llama_tp2_eos": {"model": "llama", "mesh": {"tp": 2}, "args": {"eos_token_id": "auto"}},
     "llama_tp2_sampled": {"model": "llama", "mesh": {"tp": 2}, "same_prompts": True,
                           "args": {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}},
     "llama_tp2_trained": {"model": "llama", "mesh": {"tp": 2}, "train_first": True},
     # examples/models.py against a one-process loop without cache
-    "ours_gpt2_tp4": {"model": "ours_gpt2", "mesh": {"tp": 4}},
-    "ours_llama_tp2": {"model": "ours_llama", "mesh": {"tp": 2}},
     "ours_llama_dp4_zero3": {"model": "ours_llama", "mesh": {"tp": 1}, "zero_stage": 3},
     "ours_gpt2_tp2_eos": {"model": "ours_gpt2", "mesh": {"tp": 2}, "args": {"eos_token_id": "auto"}},
     # ZeRO-3 gathers in every forward: dp ranks whose sequences finish at different steps keep
     # stepping together, and each returns what it would alone
     "ours_gpt2_dp4_zero3_eos": {"model": "ours_gpt2", "mesh": {"tp": 1}, "zero_stage": 3,
                                 "args": {"eos_token_id": "auto"}},
-    # pipelines (hook-cut HF stages): each stage its layers' cache, tokens back from the last stage
-    "llama_tp2_pp2": {"model": "llama", "plan": {"pp": 2, "tp": 2}},
+    # pipelines: an fx-cut stage under ZeRO-3 (its wrapper gathers), GPT-2's embedding tied to
+    # its head across fx-cut stages with EOS, a hook-cut one with EOS
+    "ours_llama_pp2_zero3": {"model": "ours_llama", "mesh": {"pp": 2}, "zero_stage": 3},
+    "ours_gpt2_pp2_eos": {"model": "ours_gpt2", "mesh": {"pp": 2}, "args": {"eos_token_id": "auto"}},
     "qwen2_pp2_dp2_eos": {"model": "qwen2", "plan": {"pp": 2, "dp": 2}, "args": {"eos_token_id": "auto"}},
-    "gpt2_pp2_dp2": {"model": "gpt2", "plan": {"pp": 2, "dp": 2}},  # embedding tied to the head across stages
-    # 64 new tokens (the issue's length): HF Llama on tp=2 and tp=2 x pp=2, our Llama on tp=2
-    "llama_long_tp2_64": {"model": "llama_long", "mesh": {"tp": 2}, "args": {"max_new_tokens": 64}},
-    "llama_long_tp2_pp2_64": {"model": "llama_long", "plan": {"pp": 2, "tp": 2}, "args": {"max_new_tokens": 64}},
-    "ours_llama_tp2_64": {"model": "ours_llama", "mesh": {"tp": 2}, "args": {"max_new_tokens": 64}},
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},
     "too_long": {"model": "gpt2", "mesh": {"tp": 2}, "error_args": _too_long},
-    "ours_pp2": {"model": "ours_llama", "mesh": {"pp": 2, "tp": 2},
-            "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=4)},
 }
+# The matrix: our models laid out by meshes (torch.fx cuts their pipeline stages), the Hugging
+# Face ones' pipelines by pinned plans (module hooks cut them: the model read on an example batch).
+for _model in MATRIX_MODELS:
+    for _layout, _mesh in MATRIX_LAYOUTS.items():
+        _case = {"model": _model, "args": {"max_new_tokens": LONG_NEW}}
+        if _model.startswith("hf_") and "pp" in _mesh:
+            _case["plan"] = dict(_mesh)
+        else:
+            _case["mesh"] = dict(_mesh)
+        CASES[f"{_model}_{_layout}_64"] = _case
 
 
 def resolve_eos(spec):

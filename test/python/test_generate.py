@@ -1,15 +1,17 @@
 """``ParallelModel.generate`` (torch_monarch/generate.py) on 4 ranks: one launch runs every case
 of generate_workers.py (each rank compares with one process itself; see its docstring).
 
-Greedy: token-for-token equal to Hugging Face's own ``generate(do_sample=False)`` (Llama, Qwen2,
-Qwen3, Mistral, GPT-2) or, for examples/models.py's GPT-2 and Llama, to a one-process loop without
-a cache, each prompt alone: 16 new tokens (64 on HF Llama tp=2 and tp=2 x pp=2 and our Llama
-tp=2), 4 left-padded prompts of lengths 5, 11, 3, 8 per rank,
-on tp=2 (x dp=2, each dp replica its own prompts), tp=4, dp=4 under ZeRO-3, and pipelines of
-Hugging Face models: tp=2 x pp=2 (Llama), pp=2 x dp=2 (GPT-2, its tied embedding and head on the
-two stages; Qwen2 with EOS), each stage holding its own layers' cache. Sampled (temperature,
-top-k, top-p, seed): every rank the same, and equal to HF's sampling from the global RNG seeded
-alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
+The issue's matrix: greedy generation of 64 new tokens for 4 left-padded prompts of lengths 5,
+11, 3 and 8 per rank, on tp=2 (x dp=2, each dp replica its own prompts), tp=4, pp=2 (x dp=2) and
+tp=2 x pp=2, for examples/models.py's Llama (GQA) and GPT-2 (their pipeline stages cut by torch.fx)
+and Hugging Face Llama, Qwen2 (GQA) and GPT-2 (stages cut by module hooks): token-for-token equal
+to one process (HF's own ``generate(do_sample=False)``; for ours a loop without a cache, each
+prompt alone), each rank's cache holding its kv heads / tp of its stage's layers only.
+
+Beside it, 16 new tokens: ZeRO-1/3 under tp and dp=4 (Qwen2, Qwen3, Mistral, our Llama), an fx-cut
+pipeline under ZeRO-3, EOS (tp, dp=4 ZeRO-3 where ranks finish apart, pipelines of both cuts).
+Sampled (temperature, top-k, top-p, seed): every rank the same, and equal to HF's sampling from
+the global RNG seeded alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
 """
 
 import pytest
@@ -17,17 +19,16 @@ import torch
 
 from dist_harness import launch
 
-NEW, WIDTH, PAD = 16, 11, 0
-GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "gpt2_tp4", "llama_kv4_tp4",
-          "llama_tp2_trained", "ours_gpt2_tp4", "ours_llama_tp2", "ours_llama_dp4_zero3", "llama_tp2_pp2",
-          "gpt2_pp2_dp2"]
-# 64 new tokens (Llama with 128 positions; ours has no limit)
-LONG = ["llama_long_tp2_64", "llama_long_tp2_pp2_64", "ours_llama_tp2_64"]
-# key/value heads each rank's cache holds: the model's kv heads / tp
-KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2, "gpt2_tp4": 1,
-            "llama_kv4_tp4": 1, "llama_tp2_trained": 1, "ours_gpt2_tp4": 1, "ours_llama_tp2": 1,
-            "ours_llama_dp4_zero3": 2, "llama_tp2_sampled": 1, "llama_tp2_pp2": 1, "gpt2_pp2_dp2": 4,
-            "llama_long_tp2_64": 1, "llama_long_tp2_pp2_64": 1, "ours_llama_tp2_64": 1}
+NEW, LONG_NEW, WIDTH, PAD = 16, 64, 11, 0
+MATRIX_MODELS = ("ours_llama_gqa", "ours_gpt2_4l", "hf_llama_gqa", "hf_qwen2_gqa", "hf_gpt2_4l")
+MATRIX_TP = {"tp2": 2, "tp4": 4, "pp2": 1, "tp2_pp2": 2}
+MATRIX = [f"{m}_{layout}_64" for m in MATRIX_MODELS for layout in MATRIX_TP]
+GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "llama_tp2_trained",
+          "ours_llama_dp4_zero3", "ours_llama_pp2_zero3"]
+# key/value heads each rank's cache holds: the model's kv heads / tp (the matrix's models have 4)
+KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2,
+            "llama_tp2_trained": 1, "ours_llama_dp4_zero3": 2, "ours_llama_pp2_zero3": 2, "llama_tp2_sampled": 1,
+            **{f"{m}_{layout}_64": 4 // tp for m in MATRIX_MODELS for layout, tp in MATRIX_TP.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,10 @@ def _no_errors(results, case):
         assert "error" not in res[case], f"{case} on rank {rank}: {res[case]['error']}"
 
 
-@pytest.mark.parametrize("case", GREEDY + LONG)
+@pytest.mark.parametrize("case", MATRIX + GREEDY)
 def test_greedy_generation_equals_one_process(results, case):
     _no_errors(results, case)
-    new = 64 if case in LONG else NEW
+    new = LONG_NEW if case in MATRIX else NEW
     for rank, res in enumerate(results):
         r = res[case]
         assert r["out"].shape == (4, WIDTH + new), f"{case} rank {rank}"
@@ -55,8 +56,13 @@ def test_greedy_generation_equals_one_process(results, case):
     by_dp = {}
     for res in results:
         by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
-        if "pp2" in case:  # each stage's cache holds its own layer (of 2) only
-            assert res[case]["filled_layers"] == [res[case]["pp_rank"]], res[case]
+        layers = 4 if case in MATRIX else 2
+        if "pp2" in case:  # each stage's cache holds its own layers only
+            half = layers // 2
+            assert res[case]["filled_layers"] == list(range(res[case]["pp_rank"] * half,
+                                                            (res[case]["pp_rank"] + 1) * half)), res[case]
+        else:
+            assert res[case]["filled_layers"] == list(range(layers)), res[case]
     for outs in by_dp.values():
         assert all(torch.equal(o, outs[0]) for o in outs)
     if len(by_dp) > 1:  # dp replicas had their own prompts
@@ -74,7 +80,7 @@ def test_sampled_generation_is_the_same_on_every_rank_and_equals_hf_sampling(res
 
 
 @pytest.mark.parametrize("case,stops_early", [("llama_tp2_eos", False), ("ours_gpt2_tp2_eos", True),
-                                              ("qwen2_pp2_dp2_eos", False)])
+                                              ("qwen2_pp2_dp2_eos", False), ("ours_gpt2_pp2_eos", True)])
 def test_sequences_stop_at_eos(results, case, stops_early):
     _no_errors(results, case)
     for rank, res in enumerate(results):
@@ -100,7 +106,6 @@ def test_a_trained_model_generates_from_its_trained_weights(results):
     ("negative_new_tokens", r"generate: max_new_tokens must be an int >= 0, got -1"),
     ("too_long", r"generate: the prompt \(11 tokens\) and max_new_tokens=54 need 65 positions; the model has 64 "
                  r"\(GPT2Config.max_position_embeddings\)"),
-    ("ours_pp2", r"generate: pp=2 generates Hugging Face models only \(stages cut by module hooks"),
 ])
 def test_bad_input_is_one_clear_error(results, case, message):
     import re
