@@ -67,6 +67,25 @@ ModelStateBytes layout_model_state_bytes(double params, double expert_params, co
   return m;
 }
 
+double harmonic_number(int64_t n) {
+  if (n < 1) return 0.0;
+  if (n <= 256) {
+    double h = 0;
+    for (int64_t k = n; k >= 1; --k) h += 1.0 / static_cast<double>(k);  // small terms first
+    return h;
+  }
+  const double x = static_cast<double>(n);
+  constexpr double kEulerGamma = 0.57721566490153286;
+  return std::log(x) + kEulerGamma + 1.0 / (2.0 * x) - 1.0 / (12.0 * x * x);
+}
+
+double straggler_factor(const Cluster& cluster, int64_t devices) {
+  if (cluster.straggler_spread <= 0 || devices <= 1) return 1.0;
+  const int64_t per_node = std::max<int64_t>(cluster.devices_per_node, 1);
+  const int64_t nodes = (devices + per_node - 1) / per_node;
+  return 1.0 + cluster.straggler_spread * (harmonic_number(nodes) - 1.0);
+}
+
 bool zero_overlap_pays(const Cluster& cluster) { return cluster.overlap_contention < 1.0; }
 
 double overlapped_seconds(double compute_s, double comm_s, double contention) {
@@ -769,8 +788,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     bound /= shared_core_speedup(cluster, layout);
     // Cut only when the bound is above the threshold by more than rounding can explain:
     // the simulation sums the same costs in another order, and a layout tying the
-    // threshold may still win the tie-break.
-    if ((bound + worst_end + worst_optimizer) * (1 - 1e-9) >= prune_above) return std::nullopt;
+    // threshold may still win the tie-break. The step waits for the slowest node on top
+    // (straggler_factor >= 1), so the bound scales with it.
+    const double stragglers = straggler_factor(cluster, layout.pp * layout.dp * layout.cp * layout.tp);
+    if ((bound + worst_end + worst_optimizer) * stragglers * (1 - 1e-9) >= prune_above) return std::nullopt;
   }
 
   const Schedule& schedule = sims.schedule(plan.schedule, layout.pp, layout.num_micro_batches,
@@ -860,7 +881,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   t.bubble = idle - t.pp_comm;
   t.dp_comm = m * b.zero_exposed_s + worst_end;
   t.optimizer = worst_optimizer;
-  t.total = makespan + worst_end + worst_optimizer;
+  // Scale effects: every step waits for the slowest of the job's nodes (straggler_factor).
+  const double rest = makespan + worst_end + worst_optimizer;
+  t.stragglers = (straggler_factor(cluster, layout.pp * layout.dp * layout.cp * layout.tp) - 1.0) * rest;
+  t.total = rest + t.stragglers;
 
   p.step_time_s = t.total;
   p.memory_bytes_per_device = p.memory.total();

@@ -52,7 +52,7 @@ bool Cluster::operator==(const Cluster& o) const {
          matmul_efficiency == o.matmul_efficiency && hbm_bytes_per_s == o.hbm_bytes_per_s &&
          backward_forward_ratio == o.backward_forward_ratio && cores_per_node == o.cores_per_node &&
          sm_count == o.sm_count &&
-         overlap_contention == o.overlap_contention &&
+         overlap_contention == o.overlap_contention && straggler_spread == o.straggler_spread &&
          intra_node_bytes_per_s == o.intra_node_bytes_per_s &&
          intra_node_latency_s == o.intra_node_latency_s &&
          inter_node_bytes_per_s == o.inter_node_bytes_per_s &&
@@ -92,7 +92,7 @@ bool MemoryBreakdown::operator==(const MemoryBreakdown& o) const {
 bool TimeBreakdown::operator==(const TimeBreakdown& o) const {
   return compute == o.compute && recompute == o.recompute && tp_comm == o.tp_comm &&
          dp_comm == o.dp_comm && pp_comm == o.pp_comm && ep_comm == o.ep_comm &&
-         cp_comm == o.cp_comm && bubble == o.bubble &&
+         cp_comm == o.cp_comm && stragglers == o.stragglers && bubble == o.bubble &&
          optimizer == o.optimizer && total == o.total;
 }
 

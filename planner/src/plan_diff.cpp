@@ -142,7 +142,7 @@ std::string diff_plans(const Plan& a, const Plan& b) {
       {"tp comm", {p.time.tp_comm, q.time.tp_comm}},   {"dp comm", {p.time.dp_comm, q.time.dp_comm}},
       {"pp comm", {p.time.pp_comm, q.time.pp_comm}},   {"ep comm", {p.time.ep_comm, q.time.ep_comm}},
       {"cp comm", {p.time.cp_comm, q.time.cp_comm}},   {"bubble", {p.time.bubble, q.time.bubble}},
-      {"optimizer", {p.time.optimizer, q.time.optimizer}}};
+      {"optimizer", {p.time.optimizer, q.time.optimizer}}, {"stragglers", {p.time.stragglers, q.time.stragglers}}};
   for (const auto& [name, v] : parts) {
     if (v.first != v.second) {
       o << "    " << name << ": " << format_seconds(v.first) << " -> " << format_seconds(v.second) << "\n";

@@ -91,6 +91,7 @@ Json cluster_to_json(const Cluster& c) {
   j["cores_per_node"] = c.cores_per_node;
   j["sm_count"] = c.sm_count;
   j["overlap_contention"] = c.overlap_contention;
+  if (c.straggler_spread != 0) j["straggler_spread"] = c.straggler_spread;
   j["intra_node_bytes_per_s"] = c.intra_node_bytes_per_s;
   j["intra_node_latency_s"] = c.intra_node_latency_s;
   j["inter_node_bytes_per_s"] = c.inter_node_bytes_per_s;
@@ -185,6 +186,7 @@ Json prediction_to_json(const Prediction& p) {
   // Only when used: plans without experts or context parallelism read as before.
   if (p.time.ep_comm != 0) time["ep_comm"] = p.time.ep_comm;
   if (p.time.cp_comm != 0) time["cp_comm"] = p.time.cp_comm;
+  if (p.time.stragglers != 0) time["stragglers"] = p.time.stragglers;
   time["bubble"] = p.time.bubble;
   time["optimizer"] = p.time.optimizer;
   time["total"] = p.time.total;
@@ -364,6 +366,7 @@ Cluster cluster_from_json(const Fields& f) {
   if (f.has("cores_per_node")) c.cores_per_node = f.number("cores_per_node");  // optional: 0
   if (f.has("sm_count")) c.sm_count = f.integer("sm_count");  // optional: 0, no wave quantization
   if (f.has("overlap_contention")) c.overlap_contention = f.number("overlap_contention");  // optional: 0
+  if (f.has("straggler_spread")) c.straggler_spread = f.number("straggler_spread");  // optional: 0
   c.intra_node_bytes_per_s = f.number("intra_node_bytes_per_s");
   c.intra_node_latency_s = f.number("intra_node_latency_s");
   c.inter_node_bytes_per_s = f.number("inter_node_bytes_per_s");
@@ -465,7 +468,7 @@ Prediction prediction_from_json(const Fields& f) {
   if (f.has("estimator")) p.estimator = f.string("estimator");  // absent in plans before it existed
   p.memory = memory_from_json(f, "memory");
   const Fields time = f.object("time", {"compute", "recompute", "tp_comm", "dp_comm", "pp_comm",
-                                        "ep_comm", "cp_comm", "bubble", "optimizer", "total"});
+                                        "ep_comm", "cp_comm", "stragglers", "bubble", "optimizer", "total"});
   p.time.compute = time.number("compute");
   p.time.recompute = time.number("recompute");
   p.time.tp_comm = time.number("tp_comm");
@@ -473,6 +476,7 @@ Prediction prediction_from_json(const Fields& f) {
   p.time.pp_comm = time.number("pp_comm");
   if (time.has("ep_comm")) p.time.ep_comm = time.number("ep_comm");
   if (time.has("cp_comm")) p.time.cp_comm = time.number("cp_comm");
+  if (time.has("stragglers")) p.time.stragglers = time.number("stragglers");  // absent before scale effects
   p.time.bubble = time.number("bubble");
   p.time.optimizer = time.number("optimizer");
   p.time.total = time.number("total");
@@ -645,7 +649,7 @@ Plan plan_from_value(const Json& root) {
       "cluster", {"name", "nodes", "devices_per_node", "device_memory_bytes",
                   "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
                   "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
-                  "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
+                  "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "straggler_spread", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
                   "inter_node_latency_s"}));
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes", "zero_grad_bytes", "master_grad_bytes",

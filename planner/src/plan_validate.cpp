@@ -282,6 +282,7 @@ void check_prediction(const Plan& p) {
       {"prediction.time.pp_comm", q.time.pp_comm},
       {"prediction.time.ep_comm", q.time.ep_comm},
       {"prediction.time.cp_comm", q.time.cp_comm},
+      {"prediction.time.stragglers", q.time.stragglers},
       {"prediction.time.bubble", q.time.bubble},
       {"prediction.time.optimizer", q.time.optimizer},
       {"prediction.time.total", q.time.total},

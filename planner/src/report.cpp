@@ -158,6 +158,10 @@ std::string format_report(const Plan& plan) {
     out << "  cp comm    " << format_seconds(t.cp_comm) << "  " << percent(t.cp_comm, t.total)
         << "  (ring k/v beyond the blockwise attention it overlaps)\n";
   }
+  if (t.stragglers > 0) {
+    out << "  stragglers " << format_seconds(t.stragglers) << "  " << percent(t.stragglers, t.total)
+        << "  (each step waits for the slowest node)\n";
+  }
   out << "  bubble     " << format_seconds(t.bubble) << "  " << percent(t.bubble, t.total)
       << "  (schedule bubble fraction " << fmt("%.3f", p.bubble_fraction) << ")\n";
   out << "  optimizer  " << format_seconds(t.optimizer) << "  " << percent(t.optimizer, t.total)

@@ -692,7 +692,8 @@ std::string time_section(const Plan& plan) {
       {"data-parallel / ZeRO comm (exposed)", "#f28e2b", t.dp_comm},
       {"pipeline send/recv (exposed)", "#b07aa1", t.pp_comm},
       {"bubble", "#bab0ac", t.bubble},
-      {"optimizer", "#59a14f", t.optimizer}};
+      {"optimizer", "#59a14f", t.optimizer},
+      {"stragglers (the wait for the slowest node)", "#9c755f", t.stragglers}};
   std::ostringstream o;
   std::vector<std::pair<std::string, std::string>> items;
   for (const auto& [name, colour, v] : parts) items.push_back({colour, name});

@@ -249,10 +249,13 @@ TEST_CASE("predicted memory of a pinned plan adds up", "[cost_model]") {
   CHECK(p.step_time_s == p.time.total);
   // The parts add up to the total: the busiest rank's compute, tp and ZeRO time is its busy
   // time in the simulation, the rest of the makespan is pp comm + bubble; the end of step
-  // adds dp comm and the optimizer. Exact up to the order of summation.
+  // adds dp comm and the optimizer, and the wait for the slowest of the 8 nodes scales the
+  // whole (straggler_factor). Exact up to the order of summation.
   CHECK(p.time.total == Approx(p.time.compute + p.time.tp_comm + p.time.dp_comm + p.time.pp_comm +
-                               p.time.bubble + p.time.optimizer)
+                               p.time.bubble + p.time.optimizer + p.time.stragglers)
                             .epsilon(1e-9));
+  CHECK(p.time.stragglers == Approx((straggler_factor(plan.cluster, 64) - 1) * (p.time.total - p.time.stragglers)));
+  CHECK(p.time.stragglers > 0);
   CHECK(p.bubble_fraction > 0);
   CHECK(p.mfu > 0.2);
   CHECK(p.mfu < 0.7);

@@ -39,6 +39,13 @@ struct Cluster {
   // Overlap in Distributed Deep Learning Training Platforms", ISCA). 0: overlap is free. The
   // GPU presets' value is calibrated on Narayanan et al. 2021 Table 2 (docs/cost_model.md).
   double overlap_contention = 0;
+  // Stragglers: every step waits for the slowest of the job's nodes. With each node's step
+  // time spread independently around its mean with an exponential tail of relative scale
+  // sigma = straggler_spread, the slowest of N is (H_N - 1) sigma slower than a node alone
+  // (H_N the N-th harmonic number, ~ ln N + 0.58; cost_model.cpp, straggler_factor). 0: no
+  // such effect (custom clusters, CPU ranks). The GPU presets' value is fitted to MegaScale's
+  // weak-scaling rows (Jiang et al. 2024, Fig. 9; docs/cost_model.md, "Scale effects").
+  double straggler_spread = 0;
   // Effective (achieved bus) bandwidth per device and per-message latency of each level.
   double intra_node_bytes_per_s = 0;
   double intra_node_latency_s = 0;

@@ -34,6 +34,18 @@ struct ModelStateBytes {
 // runs 1 + contention times slower while both do (Cluster::overlap_contention).
 double overlapped_seconds(double compute_s, double comm_s, double contention);
 
+// n-th harmonic number H_n = 1 + 1/2 + ... + 1/n (exact sum up to n = 256, then
+// ln n + gamma + 1/(2n) - 1/(12 n^2), within 1e-12 there); 0 for n < 1.
+double harmonic_number(int64_t n);
+
+// Scale effects (docs/cost_model.md, "Scale effects"): every step waits for the slowest node
+// of the job. Each node's step time varies independently around its mean with an exponential
+// tail of relative scale sigma = cluster.straggler_spread; the expected slowest of N such
+// nodes is H_N sigma above the mean where one node alone is sigma above it, so the step takes
+// 1 + sigma (H_N - 1) times what the rest of the model predicts. N = the nodes `devices`
+// occupy (ceil(devices / devices_per_node)); 1 for a job inside one node (no change).
+double straggler_factor(const Cluster& cluster, int64_t devices);
+
 ModelStateBytes zero_model_state_bytes(double params, int64_t dp, int64_t stage,
                                        double param_bytes = 2, double grad_bytes = 2,
                                        double optimizer_bytes = 12);

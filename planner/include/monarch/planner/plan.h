@@ -87,6 +87,9 @@ struct TimeBreakdown {  // seconds per optimizer step
   // (Last, so positional initializers of the fields above keep their meaning.)
   double ep_comm = 0;       // exposed MoE dispatch/combine all-to-alls
   double cp_comm = 0;       // exposed ring k/v exchange of context parallelism
+  // The wait for the slowest node at every step: (straggler_factor - 1) x the rest of the
+  // step (cost_model.h; Cluster::straggler_spread). Included in `total`.
+  double stragglers = 0;
   bool operator==(const TimeBreakdown& o) const;
 };
 
