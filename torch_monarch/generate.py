@@ -126,9 +126,32 @@ def _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, to
         raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
 
 
+class _Decode:
+    """What one generate call decodes with (shared by the one-stage and the pipelined loops)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def choose(self, logits):
+        """The tokens from the last position's logits, the same on every tp rank."""
+        logits = _whole_logits(logits.float(), self.vocab, self.tp_group)
+        token = _choose(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        if self.tp_group is not None:
+            self.tp_group.broadcast(token, 0).wait()
+        return token
+
+    def agreed(self, running):
+        """Under ZeRO-3 every forward gathers over dp: the dp ranks go on while any of them does."""
+        if self.dp_group is None:
+            return running
+        flag = torch.tensor([1.0 if running else 0.0])  # all_reduce_max: fp32
+        self.dp_group.all_reduce_max(flag).wait()
+        return bool(flag.item())
+
+
 @torch.no_grad()
 def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None, top_p=None,
-             eos_token_id=None, pad_token_id=None, seed=0):
+             eos_token_id=None, pad_token_id=None, seed=0, micro_batches=None):
     """See the module's docstring."""
     _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
     stage = pm._local[0]
@@ -145,6 +168,7 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
     if not hf and not (hasattr(plain, "new_cache") and "cache" in inspect.signature(plain.forward).parameters):
         raise ValueError(f"generate: {type(plain).__name__} has no KV cache interface (a Hugging Face model, or a "
                          "forward taking cache= and a new_cache() method, as examples/models.py's GPT-2 and Llama)")
+    micro_batches = _micro_batches(pm, micro_batches, input_ids.shape[0])
     device = input_ids.device
     ids = input_ids.long()
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
@@ -156,13 +180,13 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
         eos = list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-
-    tp_group = pm.mesh.group("tp") if pm.tp > 1 else None
     dp_sync = pm.dp > 1 and pm.zero_stage == 3  # every forward gathers over dp
-    dp_group = pm.mesh.group("dp") if dp_sync else None
-    vocab = _vocab_size(pm, plain)
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    d = _Decode(pm=pm, stage=stage, wrapped=wrapped, plain=plain, hf=hf, device=device, ids=ids, mask=mask,
+                max_new_tokens=max_new_tokens, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
+                pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                generator=torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None,
+                tp_group=pm.mesh.group("tp") if pm.tp > 1 else None,
+                dp_group=pm.mesh.group("dp") if dp_sync else None, vocab=_vocab_size(pm, plain))
 
     # The model's own forward runs on an fx-cut stage: its modules outside the stage too.
     modules = {id(m): m for m in list(wrapped.modules()) + list(plain.modules())}
@@ -171,71 +195,149 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
     for m in plain.modules():
         m.training = False
     try:
-        batch = ids.shape[0]
-        done_at = None  # the step at which all of this rank's sequences had finished
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        out = ids
-        cache = None if hf else plain.new_cache()
-        pipeline = _Pipeline(pm, stage, batch, device) if pm.pp > 1 else None
-        if pipeline is not None:
-            cache = pipeline.cache
-        step_ids = ids
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        keeps_logits = hf and "logits_to_keep" in inspect.signature(type(plain).forward).parameters
-        for step in range(max_new_tokens):
-            if pipeline is not None:
-                if not hf:
-                    cache.attention_mask, cache.positions = mask, positions
-                logits = pipeline.forward(step_ids, dict(input_ids=step_ids, attention_mask=mask,
-                                                         position_ids=positions, past_key_values=cache,
-                                                         use_cache=True))
-            elif hf:
-                # Only the last position's logits (as HF's own generate asks): the prefill's head
-                # and its tp gather then cover one position, not the whole prompt.
-                keep = {"logits_to_keep": 1} if keeps_logits else {}
-                res = wrapped(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=True, **keep)
-                cache = res.past_key_values
-                logits = res.logits[:, -1]
-            else:
-                cache.attention_mask, cache.positions = mask, positions
-                logits = wrapped(step_ids, cache=cache)[:, -1]
-            if logits is not None:  # the last stage (every rank without a pipeline)
-                logits = _whole_logits(logits.float(), vocab, tp_group)
-                token = _choose(logits, temperature, top_k, top_p, generator)
-                if tp_group is not None:
-                    tp_group.broadcast(token, 0).wait()
-            else:
-                token = torch.empty(batch, dtype=torch.long, device=device)
-            if pipeline is not None:  # the last stage's tokens to every stage
-                pipeline.group.broadcast(token, pm.num_stages - 1).wait()
-            if eos:
-                token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-                finished |= torch.isin(token, eos_t)
-            out = torch.cat([out, token[:, None]], dim=1)
-            if eos and done_at is None and bool(finished.all()):
-                done_at = step
-            if step == max_new_tokens - 1:
-                break
-            if eos:
-                running = (~finished).any().to(torch.float32).reshape(1)  # all_reduce_max: fp32
-                if dp_group is not None:
-                    dp_group.all_reduce_max(running).wait()
-                if not running.item():
-                    break
-            step_ids = token[:, None]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-        pm._generate_cache = cache  # the last cache, for tests (kv heads per rank)
-        if done_at is not None:
-            # Under ZeRO-3 a rank whose sequences all finished keeps stepping with the others
-            # (their forwards gather over dp); its output ends where it would alone.
-            out = out[:, :prompt_len + done_at + 1]
-        return out
+        if pm.pp > 1:
+            generated = _decode_pipelined(d, micro_batches)
+        else:
+            generated = _decode_one_stage(d)
+        if eos and generated.shape[1]:
+            # The step at which all of this rank's sequences had finished: under ZeRO-3 a rank
+            # whose sequences all finished keeps stepping with the others (their forwards gather
+            # over dp); its output ends where it would alone.
+            hit = torch.isin(generated, d.eos_t)
+            if bool(hit.any(dim=1).all()):
+                done_at = int(hit.int().argmax(dim=1).max())
+                generated = generated[:, :done_at + 1]
+        return torch.cat([ids, generated], dim=1)
     finally:
         pm.release_cast_copies()  # mixed precision's per-forward copies
         for m, training in modes:
             m.training = training
+
+
+def _micro_batches(pm, micro_batches, batch):
+    """The decode micro-batches: as asked, else the inference plan's, else 1 (one batch in flight)."""
+    if micro_batches is None:
+        inference = getattr(getattr(pm, "plan", None), "inference", None)
+        micro_batches = inference.decode_micro_batches if inference is not None else 1
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"generate: micro_batches must be an int >= 1, got {micro_batches!r}")
+    if micro_batches > 1 and pm.pp == 1:
+        raise ValueError(f"generate: micro_batches={micro_batches} splits the batch round a pipeline; this layout has "
+                         "pp=1")
+    if micro_batches > batch:
+        raise ValueError(f"generate: micro_batches={micro_batches} is more than the batch ({batch} sequences)")
+    return micro_batches
+
+
+def _decode_one_stage(d):
+    """Every layer on this rank (dp / tp / ZeRO): one forward per token for the whole batch."""
+    pm, plain, wrapped = d.pm, d.plain, d.wrapped
+    batch = d.ids.shape[0]
+    finished = torch.zeros(batch, dtype=torch.bool, device=d.device)
+    cache = None if d.hf else plain.new_cache()
+    step_ids, mask = d.ids, d.mask
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    keeps_logits = d.hf and "logits_to_keep" in inspect.signature(type(plain).forward).parameters
+    tokens = []
+    for step in range(d.max_new_tokens):
+        if d.hf:
+            # Only the last position's logits (as HF's own generate asks): the prefill's head
+            # and its tp gather then cover one position, not the whole prompt.
+            keep = {"logits_to_keep": 1} if keeps_logits else {}
+            res = wrapped(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True, **keep)
+            cache = res.past_key_values
+            logits = res.logits[:, -1]
+        else:
+            cache.attention_mask, cache.positions = mask, positions
+            logits = wrapped(step_ids, cache=cache)[:, -1]
+        token = d.choose(logits)
+        if d.eos:
+            token = torch.where(finished, torch.full_like(token, d.pad), token)
+            finished |= torch.isin(token, d.eos_t)
+        tokens.append(token)
+        if step == d.max_new_tokens - 1 or (d.eos and not d.agreed(bool((~finished).any()))):
+            break
+        step_ids = token[:, None]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+    pm._generate_cache = cache  # the last cache, for tests (kv heads per rank)
+    return torch.stack(tokens, dim=1) if tokens else d.ids[:, :0]
+
+
+def _decode_pipelined(d, micro_batches):
+    """Stage by stage, the batch cut into ``micro_batches`` row ranges that follow each other
+    round the pipeline (while stage 1 runs micro-batch 0, stage 0 runs micro-batch 1). Each
+    micro-batch has its own cache on every stage. The first stage decides, micro-batch by
+    micro-batch, whether it goes on (a micro-batch whose sequences all stopped at EOS is
+    skipped from then on; under ZeRO-3 the dp ranks agree) and passes the decision on with the
+    hidden state; the last stage chooses the tokens and sends them to the first stage (point to
+    point, so the stages never wait for each other in a collective mid-step). At the end the
+    last stage broadcasts every generated token over pp, so every rank returns the output."""
+    pm = d.pm
+    pipe = _Pipeline(pm, d.stage, d.device)
+    batch = d.ids.shape[0]
+    base, extra = divmod(batch, micro_batches)
+    rows, start = [], 0
+    for j in range(micro_batches):
+        size = base + (1 if j < extra else 0)
+        rows.append(slice(start, start + size))
+        start += size
+    first, last = pipe.stage == 0, pipe.stage == pipe.last
+    caches = [pipe.new_cache() for _ in rows]
+    step_ids = [d.ids[r] for r in rows]
+    masks = [d.mask[r] for r in rows]
+    positions = [(m.cumsum(-1) - 1).masked_fill(m == 0, 1) for m in masks]
+    finished = [torch.zeros(r.stop - r.start, dtype=torch.bool, device=d.device) for r in rows]
+    active = [True] * len(rows)  # ran in the previous step
+    generated = []
+    for step in range(d.max_new_tokens):
+        step_tokens = torch.full((batch,), d.pad, dtype=torch.long, device=d.device)
+        ran = False
+        for j, r in enumerate(rows):
+            if not active[j]:
+                continue  # stopped for good: no stage sends or expects anything for it
+            if step > 0:
+                if first:  # the tokens the last stage chose for it in the previous step
+                    token = pipe.recv_tokens(r.stop - r.start)
+                    if d.eos:
+                        finished[j] |= torch.isin(token, d.eos_t)
+                    step_ids[j] = token[:, None]
+                else:
+                    step_ids[j] = step_ids[j][:, -1:]  # a placeholder of the right shape: stubbed
+                masks[j] = torch.cat([masks[j], torch.ones_like(masks[j][:, :1])], dim=1)
+                positions[j] = positions[j][:, -1:] + 1
+            if first:
+                go = not d.eos or step == 0 or d.agreed(bool((~finished[j]).any()))
+                received = None
+            else:
+                received, go = pipe.recv_hidden()
+            if not go:
+                active[j] = False
+                if not last:
+                    pipe.send_stop()
+                continue
+            ran = True
+            logits = pipe.forward(caches[j], step_ids[j], masks[j], positions[j], received)
+            if last:
+                token = d.choose(logits)
+                if d.eos:
+                    token = torch.where(finished[j], torch.full_like(token, d.pad), token)
+                    finished[j] |= torch.isin(token, d.eos_t)
+                step_tokens[r] = token
+                if step < d.max_new_tokens - 1:
+                    pipe.send_tokens(token)
+        if not ran:
+            break
+        generated.append(step_tokens)
+    pipe.finish()
+    steps = len(generated)
+    out = torch.stack(generated, dim=1) if steps else torch.empty(batch, 0, dtype=torch.long, device=d.device)
+    if steps:
+        pipe.group.broadcast(out, pm.num_stages - 1).wait()
+    pm._generate_cache = caches[0]  # for tests (kv heads and layers per rank)
+    pm._generate_caches = caches
+    return out
 
 
 def _whole_logits(logits, vocab, tp_group):
@@ -256,14 +358,13 @@ def _choose(logits, temperature, top_k, top_p, generator):
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a hop header's dtype codes
 
 
 class _Pipeline:
-    """Generation over pp stages (one stage per rank). Every stage runs the model's own forward
-    with its own cache, which fills only its layers' entries; stage s > 0 receives the running
-    hidden state from stage s - 1 over the pp group, a stage that is not the last sends its last
-    block's output on, and the last stage's chosen tokens are broadcast over pp to every stage.
+    """One rank's stage of a pipelined generate (one stage per rank). Every stage runs the
+    model's own forward with its own caches (one per micro-batch), which fill only its layers'
+    entries.
 
     * Stages cut by module hooks (Hugging Face models) run as in training (pipeline_hooks.py).
     * Stages cut by torch.fx (a stage is a graph of the model's modules, traced without a cache)
@@ -274,42 +375,55 @@ class _Pipeline:
       (data parallelism, ZeRO's gathers, mixed precision's casts) is called as in training, its
       forward swapped for this one during the call.
 
-    Each hop sends a small header (the shape and dtype) before the tensor: the receiver cannot
-    know the shape of what a model passes between blocks."""
+    Messages, all point to point on the pp group and sent without waiting (a stage goes on to
+    its next micro-batch; finish() waits for them): stage s -> s + 1 a header of 8 int64 (the
+    hidden state's dtype and shape, which the receiver cannot know, or "stopped") and the hidden
+    state; the last stage -> the first the chosen tokens of each micro-batch."""
 
-    def __init__(self, pm, stage, batch, device):
-        self.pm, self.stage, self.batch, self.device = pm, stage, batch, device
+    _STOP = -1
+
+    def __init__(self, pm, stage, device):
+        self.pm, self.stage, self.device = pm, stage, device
         self.last = pm.num_stages - 1
         self.group = pm.mesh.group("pp")
         self.local = [i for i, s in enumerate(pm.layout.block_stage) if s == stage]
-        if pm._hook_stages:
-            self.cache = _hf_stage_cache(pm.hf_config, self.local)
-        else:
-            self.cache = pm._root.new_cache()
+        self._pending = []  # (work, tensor) of sends not waited for yet
+        if not pm._hook_stages:
             self._foreign = _foreign_modules(pm._root, pm._blocks, pm._plain[stage])
 
-    def forward(self, step_ids, inputs):
+    def new_cache(self):
+        if self.pm._hook_stages:
+            return _hf_stage_cache(self.pm.hf_config, self.local)
+        return self.pm._root.new_cache()
+
+    def forward(self, cache, step_ids, mask, positions, received):
+        """This stage on one micro-batch: the last stage returns the last position's logits;
+        the others send their output on and return None."""
         pm, stage = self.pm, self.stage
-        received = [self._recv()] if stage > 0 else []
+        received = [] if received is None else [received]
         if pm._hook_stages:
+            inputs = dict(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True)
             out = pm._run_stage(stage, 0, received, [inputs])
-            logits = out.logits[:, -1] if stage == self.last else None
-            if stage != self.last and len(out) != 1:
+            if stage == self.last:
+                return out.logits[:, -1]
+            if len(out) != 1:
                 raise RuntimeError(f"generate: stage {stage}'s last block gives {len(out)} tensors; a pipelined "
                                    "generate passes one (the hidden state)")
-            out = None if stage == self.last else out[0]
+            out = out[0]
         else:
-            out = self._run_fx_stage(step_ids, received)
-            logits = out[:, -1] if stage == self.last else None
-        if stage != self.last:
-            self._send(out)
-        return logits
+            cache.attention_mask, cache.positions = mask, positions
+            out = self._run_fx_stage(cache, step_ids, received)
+            if stage == self.last:
+                return out[:, -1]
+        self._send_hidden(out)
+        return None
 
-    def _run_fx_stage(self, step_ids, received):
+    def _run_fx_stage(self, cache, step_ids, received):
         from .pipeline_hooks import _patch_forward, _StageDone
         pm, stage, blocks = self.pm, self.stage, self.pm._blocks
         first, last = self.local[0], self.local[-1]
-        root, cache = pm._root, self.cache
+        root = pm._root
 
         def run(*_args, **_kwargs):
             undo = []
@@ -335,29 +449,52 @@ class _Pipeline:
                 for u in reversed(undo):
                     u()
 
-        plain = pm._plain[stage]
-        undo_stage = _patch_forward(plain, run)
+        undo_stage = _patch_forward(pm._plain[stage], run)
         try:
             return pm._wrapped[stage]()
         finally:
             undo_stage()
 
-    def _send(self, tensor):
+    def _post(self, tensor, peer):
+        # Completed sends are dropped as new ones go out (never waited for here: a stage
+        # waiting on a send mid-step could wait on a peer that waits on it).
+        self._pending = [(w, t) for w, t in self._pending if not w.done]
+        self._pending.append((self.group.send(tensor, peer), tensor))
+
+    def _send_hidden(self, tensor):
         tensor = tensor.contiguous()
-        header = torch.zeros(8, dtype=torch.long)
+        header = torch.zeros(8, dtype=torch.long, device=tensor.device)
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-        self.group.send(header.to(tensor.device), self.stage + 1).wait()
-        self.group.send(tensor, self.stage + 1).wait()
+        self._post(header, self.stage + 1)
+        self._post(tensor, self.stage + 1)
 
-    def _recv(self):
-        device = self.device
-        header = torch.empty(8, dtype=torch.long, device=device)
+    def send_stop(self):
+        self._post(torch.full((8,), self._STOP, dtype=torch.long, device=self.device), self.stage + 1)
+
+    def recv_hidden(self):
+        """(the previous stage's output, True), or (None, False) when it stopped this micro-batch."""
+        header = torch.empty(8, dtype=torch.long, device=self.device)
         self.group.recv(header, self.stage - 1).wait()
         ndim, dtype, *dims = header.tolist()
-        buf = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=device)
+        if ndim == self._STOP:
+            return None, False
+        buf = torch.empty(dims[:ndim], dtype=_DTYPES[dtype], device=self.device)
         self.group.recv(buf, self.stage - 1).wait()
-        return buf
+        return buf, True
+
+    def send_tokens(self, token):
+        self._post(token.contiguous(), 0)
+
+    def recv_tokens(self, rows):
+        token = torch.empty(rows, dtype=torch.long, device=self.device)
+        self.group.recv(token, self.last).wait()
+        return token
+
+    def finish(self):
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
 
 
 def _hf_stage_cache(config, local):

@@ -224,10 +224,25 @@ CASES = {
     "ours_llama_pp2_zero3": {"model": "ours_llama", "mesh": {"pp": 2}, "zero_stage": 3},
     "ours_gpt2_pp2_eos": {"model": "ours_gpt2", "mesh": {"pp": 2}, "args": {"eos_token_id": "auto"}},
     "qwen2_pp2_dp2_eos": {"model": "qwen2", "plan": {"pp": 2, "dp": 2}, "args": {"eos_token_id": "auto"}},
+    # micro-batched decode: the rows in 2 or 4 groups following each other round the pipeline;
+    # with EOS a group whose rows all stopped is skipped from then on (under ZeRO-3 the dp ranks
+    # agree group by group)
+    "ours_llama_gqa_tp2_pp2_m2_64": {"model": "ours_llama_gqa", "mesh": {"pp": 2, "tp": 2},
+                                     "args": {"max_new_tokens": 64, "micro_batches": 2}},
+    "hf_qwen2_gqa_pp2_m4_64": {"model": "hf_qwen2_gqa", "plan": {"pp": 2, "dp": 2},
+                               "args": {"max_new_tokens": 64, "micro_batches": 4}},
+    "ours_gpt2_pp2_eos_m2": {"model": "ours_gpt2", "mesh": {"pp": 2}, "args": {"eos_token_id": "auto",
+                                                                             "micro_batches": 2}},
+    "ours_gpt2_pp2_zero3_eos_m2": {"model": "ours_gpt2", "mesh": {"pp": 2}, "zero_stage": 3,
+                                   "args": {"eos_token_id": "auto", "micro_batches": 2}},
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},
     "too_long": {"model": "gpt2", "mesh": {"tp": 2}, "error_args": _too_long},
+    "micro_batches_without_pipeline": {"model": "ours_llama", "mesh": {"tp": 2},
+                                       "error_args": lambda ids, mask: dict(max_new_tokens=4, micro_batches=2)},
+    "more_micro_batches_than_rows": {"model": "ours_llama", "mesh": {"pp": 2},
+                                     "error_args": lambda ids, mask: dict(max_new_tokens=4, micro_batches=5)},
 }
 # The matrix: our models laid out by meshes (torch.fx cuts their pipeline stages), the Hugging
 # Face ones' pipelines by pinned plans (module hooks cut them: the model read on an example batch).

@@ -10,6 +10,9 @@ prompt alone), each rank's cache holding its kv heads / tp of its stage's layers
 
 Beside it, 16 new tokens: ZeRO-1/3 under tp and dp=4 (Qwen2, Qwen3, Mistral, our Llama), an fx-cut
 pipeline under ZeRO-3, EOS (tp, dp=4 ZeRO-3 where ranks finish apart, pipelines of both cuts).
+Micro-batched pipelined decode (the rows in 2 or 4 groups following each other round the stages):
+64 tokens on our Llama tp=2 x pp=2 and HF Qwen2 pp=2, and with EOS (groups whose rows all stopped
+are skipped; under ZeRO-3 the dp ranks agree group by group), equal to one process.
 Sampled (temperature, top-k, top-p, seed): every rank the same, and equal to HF's sampling from
 the global RNG seeded alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
 """
@@ -23,11 +26,14 @@ NEW, LONG_NEW, WIDTH, PAD = 16, 64, 11, 0
 MATRIX_MODELS = ("ours_llama_gqa", "ours_gpt2_4l", "hf_llama_gqa", "hf_qwen2_gqa", "hf_gpt2_4l")
 MATRIX_TP = {"tp2": 2, "tp4": 4, "pp2": 1, "tp2_pp2": 2}
 MATRIX = [f"{m}_{layout}_64" for m in MATRIX_MODELS for layout in MATRIX_TP]
+# micro-batched pipelined decode (the rows in groups following each other round the stages)
+MICRO = ["ours_llama_gqa_tp2_pp2_m2_64", "hf_qwen2_gqa_pp2_m4_64"]
 GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "llama_tp2_trained",
           "ours_llama_dp4_zero3", "ours_llama_pp2_zero3"]
 # key/value heads each rank's cache holds: the model's kv heads / tp (the matrix's models have 4)
 KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2,
             "llama_tp2_trained": 1, "ours_llama_dp4_zero3": 2, "ours_llama_pp2_zero3": 2, "llama_tp2_sampled": 1,
+            "ours_llama_gqa_tp2_pp2_m2_64": 2, "hf_qwen2_gqa_pp2_m4_64": 4,
             **{f"{m}_{layout}_64": 4 // tp for m in MATRIX_MODELS for layout, tp in MATRIX_TP.items()}}
 
 
@@ -43,10 +49,10 @@ def _no_errors(results, case):
         assert "error" not in res[case], f"{case} on rank {rank}: {res[case]['error']}"
 
 
-@pytest.mark.parametrize("case", MATRIX + GREEDY)
+@pytest.mark.parametrize("case", MATRIX + MICRO + GREEDY)
 def test_greedy_generation_equals_one_process(results, case):
     _no_errors(results, case)
-    new = LONG_NEW if case in MATRIX else NEW
+    new = LONG_NEW if case.endswith("_64") else NEW
     for rank, res in enumerate(results):
         r = res[case]
         assert r["out"].shape == (4, WIDTH + new), f"{case} rank {rank}"
@@ -56,7 +62,7 @@ def test_greedy_generation_equals_one_process(results, case):
     by_dp = {}
     for res in results:
         by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
-        layers = 4 if case in MATRIX else 2
+        layers = 4 if case.endswith("_64") else 2
         if "pp2" in case:  # each stage's cache holds its own layers only
             half = layers // 2
             assert res[case]["filled_layers"] == list(range(res[case]["pp_rank"] * half,
@@ -80,7 +86,8 @@ def test_sampled_generation_is_the_same_on_every_rank_and_equals_hf_sampling(res
 
 
 @pytest.mark.parametrize("case,stops_early", [("llama_tp2_eos", False), ("ours_gpt2_tp2_eos", True),
-                                              ("qwen2_pp2_dp2_eos", False), ("ours_gpt2_pp2_eos", True)])
+                                              ("qwen2_pp2_dp2_eos", False), ("ours_gpt2_pp2_eos", True),
+                                              ("ours_gpt2_pp2_eos_m2", True), ("ours_gpt2_pp2_zero3_eos_m2", True)])
 def test_sequences_stop_at_eos(results, case, stops_early):
     _no_errors(results, case)
     for rank, res in enumerate(results):
@@ -104,6 +111,9 @@ def test_a_trained_model_generates_from_its_trained_weights(results):
 
 @pytest.mark.parametrize("case,message", [
     ("negative_new_tokens", r"generate: max_new_tokens must be an int >= 0, got -1"),
+    ("micro_batches_without_pipeline", r"generate: micro_batches=2 splits the batch round a pipeline; this "
+                                       r"layout has pp=1"),
+    ("more_micro_batches_than_rows", r"generate: micro_batches=5 is more than the batch \(4 sequences\)"),
     ("too_long", r"generate: the prompt \(11 tokens\) and max_new_tokens=54 need 65 positions; the model has 64 "
                  r"\(GPT2Config.max_position_embeddings\)"),
 ])
