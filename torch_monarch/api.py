@@ -363,9 +363,11 @@ def _broadcast_text(group, text, root=0):
 
 
 def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dtype=None, tp_plan=None,
-                 probe_links=True, profile=None, compile=None, **pins):
+                 probe_links=True, profile=None, compile=None, inference=None, **pins):
     """Plans on rank 0 and broadcasts, so every rank runs the same plan. Collective.
-    ``compile``: the blocks will run compiled (torch_monarch.compile)."""
+    ``compile``: the blocks will run compiled (torch_monarch.compile). ``inference``: plan
+    generation instead (``planner.plan_inference``'s keywords: batch, prompt_len,
+    max_new_tokens, latency_target, objective; pins tp and pp only)."""
     from . import _runtime
     from .cluster import detect, probe
     if "recompute" in pins:
@@ -385,8 +387,24 @@ def plan_for_job(model, example_input, global_batch, *, world, cluster=None, dty
         if probe_links and world.size > 1:
             with progress("cluster", "probing the links", ranks=world.size):
                 cluster = probe(cluster, world)
+    if inference is not None:
+        unknown = sorted(set(pins) - {"tp", "pp"})
+        if unknown:
+            raise ValueError(f"parallelize: {unknown[0]} is not an inference pin (tp and pp are)")
+        if cut_problem is not None:
+            if pins.get("pp", 1) > 1:
+                raise ValueError(f"parallelize: pp={pins['pp']} needs the model cut into stages: {cut_problem}")
+            pins = {**pins, "pp": 1}  # the runtime could not cut it: no pipeline
     text, error = None, ""
-    if world.rank == 0:
+    if world.rank == 0 and inference is not None:
+        try:
+            with progress("api", "planning generation", layers=len(graph), devices=world.size):
+                p = _planner.plan_inference(graph, cluster, alternatives=0, **inference, **pins)
+            get_log("api").info("inference plan: %s", p.summary())
+            text = _planner.dumps(p)
+        except (ValueError, RuntimeError, TypeError) as e:
+            text = "\0" + f"{type(e).__name__}: {e}"
+    elif world.rank == 0:
         try:
             training = runtime_training(info, global_batch, dtype, _pins(pins), param_dtype=param,
                                         cut_problem=cut_problem, compiled=compile not in (None, False))

@@ -672,8 +672,15 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 dtype=None, tp=None, pp=None, dp=None, micro_batch=None, schedule=None, micro_batches=None,
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
-                embeddings=None, profile=None, compile=None, ep=None, cp=None) -> ParallelModel:
+                embeddings=None, profile=None, compile=None, ep=None, cp=None, mode="training", batch=None,
+                prompt_len=None, max_new_tokens=None, latency_target=None, objective=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
+
+    ``mode="inference"`` (with ``example_input``, ``batch`` sequences per replica, ``prompt_len``
+    and ``max_new_tokens``; ``latency_target`` seconds or ``objective="throughput"`` for the most
+    tokens/s under it): the planner's inference objective chooses tp x pp (pins ``tp`` / ``pp``)
+    with dp replicas, and ``generate`` decodes with the plan's micro-batches (torch_monarch.api.plan,
+    docs/cost_model.md "Inference").
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
     model is read on the meta device, the machine detected and its links probed, rank 0 plans
@@ -756,6 +763,31 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         # (its _init_weights(module): weights, and buffers such as rotary tables).
         init_fn = model._init_weights
     info = None
+    if mode not in ("training", "inference"):
+        raise ValueError(f"parallelize: mode must be 'training' or 'inference', got {mode!r}")
+    generation = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                      latency_target=latency_target, objective=objective)
+    if mode == "training" and any(v is not None for v in generation.values()):
+        raise ValueError(f"parallelize: {sorted(k for k, v in generation.items() if v is not None)} plan generation: "
+                         "pass mode='inference'")
+    if mode == "inference":
+        if plan is not None or mesh is not None or example_input is None:
+            raise ValueError("parallelize: mode='inference' plans generation: it needs example_input= (and no plan= "
+                             "or mesh=: lay a given inference plan out with plan=)")
+        if batch is None or prompt_len is None or max_new_tokens is None:
+            raise ValueError("parallelize: mode='inference' needs batch=, prompt_len= and max_new_tokens=")
+        training_only = {k: v for k, v in dict(dp=dp, micro_batch=micro_batch, schedule=schedule,
+                                                 micro_batches=micro_batches, virtual_stages=virtual_stages,
+                                                 sequence_parallel=sequence_parallel, zero_stage=zero_stage,
+                                                 recompute=recompute, profile=profile, ep=ep, cp=cp,
+                                                 global_batch=global_batch).items() if v is not None}
+        if training_only:
+            raise ValueError(f"parallelize: {sorted(training_only)} are training choices; mode='inference' pins tp "
+                             "and pp only")
+        plan, info = plan_for_job(model, example_input, None, world=init(), cluster=cluster, dtype=dtype,
+                                  tp_plan=tp_plan, inference={k: v for k, v in generation.items() if v is not None},
+                                  **{k: v for k, v in dict(tp=tp, pp=pp).items() if v is not None})
+        tp = pp = None
     if profile is not None and (plan is not None or example_input is None):
         raise ValueError("parallelize: profile= is what the planner plans from; it needs example_input= and "
                          "global_batch= and no plan= (a given plan is already made)")

@@ -142,7 +142,17 @@ def run_case(name, spec, rank):
     result = {}
     model = build_case(kind)
     reference = copy.deepcopy(model).eval()
-    if "plan" in spec:  # hook-cut pipelines (HF) need the model read on an example batch: planned with pins
+    if "inference" in spec:  # planned by the inference objective (parallelize(mode="inference"))
+        from torch_monarch import planner
+        _, ids, mask = prompts(100)
+        pm = torch_monarch.parallelize(model, example_input={"input_ids": ids[:2], "attention_mask": mask[:2]}
+                                       if not kind.startswith("ours") else ids[:2], mode="inference",
+                                       cluster=planner.cluster("cpu", 4), **spec["inference"])
+        mesh = pm.mesh
+        inf = pm.plan.inference
+        result["planned"] = dict(pp=pm.pp, tp=pm.tp, dp=pm.dp, decode_micro_batches=inf.decode_micro_batches,
+                                 per_token_s=inf.prediction.per_token_s)
+    elif "plan" in spec:  # hook-cut pipelines (HF) need the model read on an example batch: planned with pins
         _, ids, mask = prompts(100)
         pm = torch_monarch.parallelize(model, example_input={"input_ids": ids[:2], "attention_mask": mask[:2]},
                                        global_batch=8, **spec["plan"])
@@ -194,6 +204,7 @@ def run_case(name, spec, rank):
                                        if getattr(layer, "keys", None) is not None and layer.keys.numel()]
         result["kv_heads"] = keys.shape[1]
         result["cache_len"] = keys.shape[2]
+    result["micro_batches_used"] = len(getattr(pm, "_generate_caches", [cache]))
     result.update(out=out, ref=ref, equal=torch.equal(out, ref))
     return result
 
@@ -235,6 +246,11 @@ CASES = {
                                                                              "micro_batches": 2}},
     "ours_gpt2_pp2_zero3_eos_m2": {"model": "ours_gpt2", "mesh": {"pp": 2}, "zero_stage": 3,
                                    "args": {"eos_token_id": "auto", "micro_batches": 2}},
+    # laid out by the inference planner (pp pinned; the plan's decode micro-batches used)
+    "ours_llama_gqa_planned_pp2": {"model": "ours_llama_gqa", "inference": {"batch": 4, "prompt_len": 11,
+                                                                         "max_new_tokens": 16, "pp": 2}},
+    "hf_llama_gqa_planned": {"model": "hf_llama_gqa", "inference": {"batch": 4, "prompt_len": 11,
+                                                                     "max_new_tokens": 16}},
     # refused
     "negative_new_tokens": {"model": "llama", "mesh": {"tp": 2},
                             "error_args": lambda ids, mask: dict(attention_mask=mask, max_new_tokens=-1)},

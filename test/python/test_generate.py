@@ -101,6 +101,22 @@ def test_sequences_stop_at_eos(results, case, stops_early):
     assert stops_early == any(res[case]["out"].shape[1] < WIDTH + NEW for res in results), case
 
 
+@pytest.mark.parametrize("case,layout", [("ours_llama_gqa_planned_pp2", (2, 1, 2, 2)),
+                                         ("hf_llama_gqa_planned", (1, 1, 4, 1))])
+def test_parallelize_in_inference_mode_lays_out_the_inference_plan(results, case, layout):
+    """parallelize(mode="inference", batch=4, prompt_len=11, max_new_tokens=16) on the cpu preset:
+    the latency objective takes dp=4 replicas of the whole model (the fewest devices per replica
+    among the tied), and with pp=2 pinned 2 decode micro-batches, which generate uses; the
+    output equals one process."""
+    _no_errors(results, case)
+    for res in results:
+        r = res[case]
+        planned = r["planned"]
+        assert (planned["pp"], planned["tp"], planned["dp"], planned["decode_micro_batches"]) == layout, planned
+        assert r["micro_batches_used"] == planned["decode_micro_batches"]
+        assert r["equal"], f"{case}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
+
+
 def test_a_trained_model_generates_from_its_trained_weights(results):
     """One train_step + AdamW step (training mode), then generate: equal to HF's generate on the
     parallel model's whole state dict; the model is back in training mode afterwards."""

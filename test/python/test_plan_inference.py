@@ -37,3 +37,21 @@ def test_llama3_8b_module_on_meta_plans_for_latency_and_throughput():
                            max_new_tokens=8, zero=1)
     with pytest.raises(ValueError, match="mode must be"):
         torch_monarch.plan(model, x, 8, cluster, mode="serving")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(mode="serving"), r"mode must be 'training' or 'inference', got 'serving'"),
+    (dict(batch=4, prompt_len=8, max_new_tokens=8), r"\['batch', 'max_new_tokens', 'prompt_len'\] plan generation: "
+                                                    r"pass mode='inference'"),
+    (dict(mode="inference", batch=4, prompt_len=8, max_new_tokens=8), r"mode='inference' plans generation: it needs "
+                                                                      r"example_input="),
+    (dict(mode="inference", example_input=torch.zeros(1, 8, dtype=torch.long), batch=4),
+     r"needs batch=, prompt_len= and max_new_tokens="),
+    (dict(mode="inference", example_input=torch.zeros(1, 8, dtype=torch.long), batch=4, prompt_len=8,
+          max_new_tokens=8, zero_stage=3), r"\['zero_stage'\] are training choices; mode='inference' pins tp and pp"),
+])
+def test_parallelize_inference_mode_refuses_what_it_cannot_honour(kwargs, message):
+    """Each before any process group exists (one process, no launch)."""
+    model = models.LlamaForCausalLM(vocab=64, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2)
+    with pytest.raises(ValueError, match=message):
+        torch_monarch.parallelize(model, **kwargs)
