@@ -18,6 +18,7 @@
 namespace monarch::planner {
 
 using embedding_detail::RankBytes;
+using embedding_detail::RankPattern;
 
 // ---- names --------------------------------------------------------------------------------
 
@@ -195,59 +196,241 @@ std::vector<EmbeddingSharding> allowed(const EmbeddingTable& t, const Cluster& c
   return out;
 }
 
+// Ranks grouped by their load. Ranks that every table so far treated alike hold bit for bit
+// the same bytes (the same additions in the same order), so a question about every rank is
+// one evaluation per group: 1000 tables on 16384 ranks leave about 1300 groups. Each group
+// lists its ranks in ascending order; its first rank is the one a tie-break on rank names.
+class RankGroups {
+ public:
+  explicit RankGroups(int64_t world) : of_(static_cast<size_t>(world), 0), groups_(1) {
+    groups_[0].ranks.resize(static_cast<size_t>(world));
+    std::iota(groups_[0].ranks.begin(), groups_[0].ranks.end(), int64_t{0});
+    spans_.push_back({0, world - 1, world});
+  }
+  size_t size() const { return groups_.size(); }
+  const RankBytes& load(size_t g) const { return groups_[g].load; }
+  const std::vector<int64_t>& ranks(size_t g) const { return groups_[g].ranks; }
+  int64_t first(size_t g) const { return spans_[g].first; }
+  int64_t count(size_t g) const { return spans_[g].count; }
+  size_t group_of(int64_t rank) const { return of_[static_cast<size_t>(rank)]; }
+
+  // Every rank's load plus (or minus) p's bytes for it, as rank-by-rank arithmetic would
+  // give: a group whose ranks p treats alike changes in place, others split.
+  void apply(const RankPattern& p, bool subtract) {
+    const uint64_t stamp = next_stamp();
+    auto op = [subtract](RankBytes x, const RankBytes& v) {
+      if (subtract) {
+        x -= v;
+      } else {
+        x += v;
+      }
+      return x;
+    };
+    std::vector<size_t> hit;
+    for (const auto& run : p.runs) {
+      hit.clear();
+      groups_in(run.lo, run.hi, [&](size_t g, int64_t) { hit.push_back(g); });
+      for (size_t g : hit) {
+        std::vector<int64_t>& rs = groups_[g].ranks;
+        const auto a = std::lower_bound(rs.begin(), rs.end(), run.lo);
+        const auto b = std::lower_bound(a, rs.end(), run.hi);
+        if (a == rs.begin() && b == rs.end()) {
+          groups_[g].load = op(groups_[g].load, run.value);
+          mark_[g] = stamp;
+          continue;
+        }
+        Group split;
+        split.load = op(groups_[g].load, run.value);
+        split.ranks = std::vector<int64_t>(a, b);
+        rs.erase(a, b);
+        spans_[g] = span_of(rs);
+        const size_t id = groups_.size();
+        for (int64_t r : split.ranks) of_[static_cast<size_t>(r)] = id;
+        spans_.push_back(span_of(split.ranks));
+        groups_.push_back(std::move(split));
+        mark_.push_back(stamp);
+        seen_.push_back(0);
+        covered_.push_back(0);
+      }
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (mark_[g] != stamp) groups_[g].load = op(groups_[g].load, p.rest);
+    }
+  }
+
+  // fn(group, value) for each group and each of p's values that some rank of the group takes.
+  template <class Fn>
+  void for_each_pair(const RankPattern& p, Fn fn) const {
+    const uint64_t stamp = next_stamp();
+    for (const auto& run : p.runs) {
+      groups_in(run.lo, run.hi, [&](size_t g, int64_t count) {
+        fn(g, run.value);
+        if (mark_[g] != stamp) {
+          mark_[g] = stamp;
+          covered_[g] = 0;
+        }
+        covered_[g] += count;
+      });
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const int64_t covered = mark_[g] == stamp ? covered_[g] : 0;
+      if (covered < spans_[g].count) fn(g, p.rest);
+    }
+  }
+
+ private:
+  struct Group {
+    RankBytes load;
+    std::vector<int64_t> ranks;  // ascending
+  };
+  struct Span {
+    int64_t first, last, count;  // of the group's ranks
+  };
+  static Span span_of(const std::vector<int64_t>& rs) {
+    return {rs.front(), rs.back(), static_cast<int64_t>(rs.size())};
+  }
+
+  uint64_t next_stamp() const {
+    mark_.resize(groups_.size(), 0);
+    covered_.resize(groups_.size(), 0);
+    seen_.resize(groups_.size(), 0);
+    return ++stamp_;
+  }
+
+  // fn(group, how many of its ranks) for each group with ranks in [lo, hi): by walking the
+  // ranks when the range is short, else from each group's first and last rank (searching
+  // its ranks only when they straddle the range).
+  template <class Fn>
+  void groups_in(int64_t lo, int64_t hi, Fn fn) const {
+    if (hi - lo <= 64) {
+      const uint64_t visit = ++stamp_;
+      size_t found[64];
+      size_t n = 0;
+      for (int64_t r = lo; r < hi; ++r) {
+        const size_t g = of_[static_cast<size_t>(r)];
+        if (seen_[g] != visit) {
+          seen_[g] = visit;
+          found[n++] = g;
+        }
+      }
+      for (size_t i = 0; i < n; ++i) fn(found[i], count_in(found[i], lo, hi));
+      return;
+    }
+    const size_t n = groups_.size();  // fn may add groups: not those
+    for (size_t g = 0; g < n; ++g) {
+      const Span& s = spans_[g];
+      if (s.last < lo || s.first >= hi) continue;
+      const int64_t k = s.first >= lo && s.last < hi ? s.count : count_in(g, lo, hi);
+      if (k > 0) fn(g, k);
+    }
+  }
+  int64_t count_in(size_t g, int64_t lo, int64_t hi) const {
+    const auto& rs = groups_[g].ranks;
+    const auto a = std::lower_bound(rs.begin(), rs.end(), lo);
+    return std::lower_bound(a, rs.end(), hi) - a;
+  }
+
+  std::vector<size_t> of_;  // each rank's group
+  std::vector<Group> groups_;
+  std::vector<Span> spans_;
+  mutable uint64_t stamp_ = 0;
+  mutable std::vector<uint64_t> mark_, seen_;
+  mutable std::vector<int64_t> covered_;
+};
+
+// Where one table went, compactly: the shards are written out once, for the proposal kept
+// (a row-wise table on 16384 ranks has 16384 of them).
+struct Placed {
+  EmbeddingSharding sharding = EmbeddingSharding::table_wise;
+  std::vector<EmbeddingShard> shards;  // table- and column-wise: the pieces
+  int64_t first_rank = 0;              // table-row-wise: the node's first rank
+};
+
 struct State {
   const std::vector<EmbeddingTable>& tables;
   const Cluster& cluster;
   const EmbeddingOptions& options;
   double budget;
-  std::vector<RankBytes> load;          // all tables placed so far
-  std::vector<EmbeddingPlacement> placements;
-  std::vector<std::vector<RankBytes>> contribution;  // per table
+  RankGroups load;  // all tables placed so far
+  std::vector<Placed> placements;
+  std::vector<RankPattern> contribution;  // per table
+  // Spread placements (data-parallel, row-wise, table-row-wise on a node) do not depend on the
+  // load: their bytes are computed once per table, kind and first rank.
+  std::shared_ptr<std::map<std::tuple<size_t, int, int64_t>, RankPattern>> spread =
+      std::make_shared<std::map<std::tuple<size_t, int, int64_t>, RankPattern>>();
+  double hbm_bytes_per_s = cluster.hbm_bytes_per_s;
+  double link_bytes_per_s = embedding_detail::all_to_all_link(cluster, options.world_size).bytes_per_s;
+
+  State(const std::vector<EmbeddingTable>& tables, const Cluster& cluster, const EmbeddingOptions& options,
+        double budget)
+      : tables(tables), cluster(cluster), options(options), budget(budget), load(options.world_size),
+        placements(tables.size()), contribution(tables.size()) {}
 
   double rank_time(const RankBytes& r) const {
-    return embedding_detail::rank_seconds(r, cluster, options.world_size);
+    return embedding_detail::rank_seconds(r, hbm_bytes_per_s, link_bytes_per_s);
   }
   double max_time() const {
     double m = 0;
-    for (const auto& r : load) m = std::max(m, rank_time(r));
+    for (size_t g = 0; g < load.size(); ++g) m = std::max(m, rank_time(load.load(g)));
     return m;
   }
-  std::vector<RankBytes> bytes_of(size_t t, const EmbeddingPlacement& p) const {
-    return embedding_detail::embedding_rank_bytes(tables[t], p, cluster, options);
+  // The first rank among the most loaded.
+  int64_t hot_rank() const {
+    int64_t hot = -1;
+    double most = 0;
+    for (size_t g = 0; g < load.size(); ++g) {
+      const double v = rank_time(load.load(g));
+      const int64_t r = load.first(g);
+      if (hot < 0 || v > most || (v == most && r < hot)) {
+        hot = r;
+        most = v;
+      }
+    }
+    return hot;
   }
-  // Spread placements (data-parallel, row-wise, table-row-wise on a node) do not depend on the
-  // load: their bytes are computed once per table, kind and first rank.
-  std::shared_ptr<std::map<std::tuple<size_t, int, int64_t>, std::vector<RankBytes>>> spread =
-      std::make_shared<std::map<std::tuple<size_t, int, int64_t>, std::vector<RankBytes>>>();
-  const std::vector<RankBytes>& spread_bytes_of(size_t t, const EmbeddingPlacement& p) const {
-    const auto key = std::make_tuple(t, static_cast<int>(p.sharding), p.shards.empty() ? int64_t{0} : p.shards[0].rank);
+  RankPattern bytes_of(size_t t, const EmbeddingPlacement& p) const {
+    return embedding_detail::embedding_rank_pattern(tables[t], p, cluster, options);
+  }
+  // Data-parallel (first 0), row-wise (first 0), or table-row-wise on the node from `first`.
+  const RankPattern& spread_bytes_of(size_t t, EmbeddingSharding s, int64_t first) const {
+    const auto key = std::make_tuple(t, static_cast<int>(s), first);
     auto it = spread->find(key);
-    if (it == spread->end()) it = spread->emplace(key, bytes_of(t, p)).first;
+    if (it == spread->end()) {
+      const int64_t W = options.world_size;
+      RankPattern p = s == EmbeddingSharding::data_parallel
+                          ? embedding_detail::embedding_data_parallel_pattern(tables[t], cluster, options)
+                      : s == EmbeddingSharding::row_wise
+                          ? embedding_detail::embedding_row_split_pattern(tables[t], s, 0, W, cluster, options)
+                          : embedding_detail::embedding_row_split_pattern(tables[t], s, first, node_size(cluster, W),
+                                                                          cluster, options);
+      it = spread->emplace(key, std::move(p)).first;
+    }
     return it->second;
   }
-  void add(size_t t, EmbeddingPlacement p, std::vector<RankBytes> bytes) {
+  void add(size_t t, Placed p, RankPattern bytes) {
     contribution[t] = std::move(bytes);
-    for (size_t r = 0; r < load.size(); ++r) load[r] += contribution[t][r];
+    load.apply(contribution[t], false);
     placements[t] = std::move(p);
   }
   void remove(size_t t) {
-    for (size_t r = 0; r < load.size(); ++r) load[r] -= contribution[t][r];
-    contribution[t].assign(load.size(), RankBytes{});
+    load.apply(contribution[t], true);
+    contribution[t] = RankPattern{};
   }
-  bool fits(const std::vector<RankBytes>& extra) const {
-    for (size_t r = 0; r < load.size(); ++r) {
-      if (load[r].storage + extra[r].storage > budget * (1 + 1e-12)) return false;
-    }
-    return true;
+  bool fits(const RankPattern& extra) const {
+    bool ok = true;
+    load.for_each_pair(extra, [&](size_t g, const RankBytes& v) {
+      if (load.load(g).storage + v.storage > budget * (1 + 1e-12)) ok = false;
+    });
+    return ok;
   }
   // Max rank time if `extra` were added.
-  double max_with(const std::vector<RankBytes>& extra) const {
+  double max_with(const RankPattern& extra) const {
     double m = 0;
-    for (size_t r = 0; r < load.size(); ++r) {
-      RankBytes x = load[r];
-      x += extra[r];
+    load.for_each_pair(extra, [&](size_t g, const RankBytes& v) {
+      RankBytes x = load.load(g);
+      x += v;
       m = std::max(m, rank_time(x));
-    }
+    });
     return m;
   }
 };
@@ -258,70 +441,124 @@ std::vector<int64_t> all_ranks(int64_t n, int64_t first = 0) {
   return r;
 }
 
+// A table's placement written out.
+EmbeddingPlacement write_out(const State& st, size_t t, const Placed& p) {
+  const EmbeddingTable& table = st.tables[t];
+  const int64_t W = st.options.world_size;
+  EmbeddingPlacement q;
+  q.table = table.name;
+  q.sharding = p.sharding;
+  switch (p.sharding) {
+    case EmbeddingSharding::data_parallel:
+      for (int64_t r = 0; r < W; ++r) q.shards.push_back({r, 0, table.rows, 0, table.dim});
+      break;
+    case EmbeddingSharding::row_wise: q.shards = rows_split(table.rows, table.dim, all_ranks(W)); break;
+    case EmbeddingSharding::table_row_wise:
+      q.shards = rows_split(table.rows, table.dim, all_ranks(node_size(st.cluster, W), p.first_rank));
+      break;
+    case EmbeddingSharding::table_wise:
+    case EmbeddingSharding::column_wise: q.shards = p.shards; break;
+  }
+  return q;
+}
+
 // The best placement of table t with sharding s given the current load (greedy: each
 // piece on the rank that keeps the maximum lowest, among ranks with memory for it).
 struct Scored {
-  EmbeddingPlacement placement;
-  std::vector<RankBytes> bytes;  // what it adds to each rank
-  double max_s = 0;              // the most loaded rank's time with it added
+  Placed placement;
+  RankPattern bytes;  // what it adds to each rank
+  double max_s = 0;   // the most loaded rank's time with it added
 };
 
 // The best placement of table t with sharding s given the current load: each piece (a
 // table-wise table, a column chunk) on the rank that keeps the maximum lowest among ranks
 // with memory for it; a table-row-wise table on the best node. A piece adds the same bytes to
 // every rank but its owner, so each rank is scored in O(1) from the two largest times of the
-// others.
+// others. Every rank's time is read from its group (RankGroups): the values and the ranks
+// chosen on ties (the first) are those of scoring each rank alone.
 std::optional<Scored> best_placement(const State& st, size_t t, EmbeddingSharding s) {
   const EmbeddingTable& table = st.tables[t];
   const int64_t W = st.options.world_size;
+  const RankGroups& groups = st.load;
+  const double limit = st.budget * (1 + 1e-12);
   Scored out;
-  out.placement.table = table.name;
   out.placement.sharding = s;
-  const bool spread = s == EmbeddingSharding::data_parallel || s == EmbeddingSharding::row_wise ||
-                      s == EmbeddingSharding::table_row_wise;
-  auto finish_with = [&](std::vector<EmbeddingShard> shards) -> std::optional<Scored> {
-    out.placement.shards = std::move(shards);
-    out.bytes = spread ? st.spread_bytes_of(t, out.placement) : st.bytes_of(t, out.placement);
+  auto finish_with = [&](RankPattern bytes) -> std::optional<Scored> {
+    out.bytes = std::move(bytes);
     if (!st.fits(out.bytes)) return std::nullopt;
     out.max_s = st.max_with(out.bytes);
     return out;
   };
   switch (s) {
-    case EmbeddingSharding::data_parallel: {
-      std::vector<EmbeddingShard> shards;
-      for (int64_t r = 0; r < W; ++r) shards.push_back({r, 0, table.rows, 0, table.dim});
-      return finish_with(std::move(shards));
-    }
-    case EmbeddingSharding::row_wise: return finish_with(rows_split(table.rows, table.dim, all_ranks(W)));
+    case EmbeddingSharding::data_parallel:
+    case EmbeddingSharding::row_wise: return finish_with(st.spread_bytes_of(t, s, 0));
     case EmbeddingSharding::table_row_wise: {
       // On node k the table adds node 0's bytes shifted by k*N: its ranks hold the same
       // shards, and every rank outside the node sends and receives the same bytes (storage
-      // none). So node 0's bytes are computed (and cached) once, and each node is scored in
-      // O(N): its own ranks, plus the largest time outside it, read from the N + 1 largest
+      // none). So node 0's bytes are computed (and cached) once, and each node is scored
+      // from its own ranks, plus the largest time outside it, read from the N + 1 largest
       // times of all ranks with the outside bytes added. (Scoring each node with a whole
       // W-long vector, cached per node, took O(W^2 / N) time and memory per table: 5.4 GB
       // for 1000 tables on 1024 ranks.) The same values as the direct computation, and the
       // same node on ties (the first).
       const int64_t N = node_size(st.cluster, W);
       const int64_t nodes = W / N;
-      EmbeddingPlacement first;
-      first.table = table.name;
-      first.sharding = s;
-      first.shards = rows_split(table.rows, table.dim, all_ranks(N, 0));
-      const std::vector<RankBytes>& base = st.spread_bytes_of(t, first);
-      const RankBytes outside = nodes > 1 ? base[N] : RankBytes{};
-      std::vector<double> with_outside(W);
-      for (int64_t r = 0; r < W; ++r) {
-        RankBytes x = st.load[r];
+      const RankPattern& base = st.spread_bytes_of(t, s, 0);
+      const RankBytes outside = nodes > 1 ? base.at(N) : RankBytes{};
+      const size_t G = groups.size();
+      std::vector<double> with_outside(G);
+      for (size_t g = 0; g < G; ++g) {
+        RankBytes x = groups.load(g);
         x += outside;
-        with_outside[r] = st.rank_time(x);
+        with_outside[g] = st.rank_time(x);
       }
-      std::vector<int64_t> top(W);
-      std::iota(top.begin(), top.end(), int64_t{0});
+      // The `keep` largest (rank, time) by time, then rank. The groups that can hold them: the
+      // `keep` largest groups by (time, first rank) walked until `keep` ranks are in hand, and
+      // every group as slow as the last one walked (it may hold lower ranks); up to `keep`
+      // ranks of each, sorted.
       const int64_t keep = std::min<int64_t>(W, N + 1);
-      std::partial_sort(top.begin(), top.begin() + keep, top.end(), [&](int64_t a, int64_t b) {
-        return with_outside[a] > with_outside[b] || (with_outside[a] == with_outside[b] && a < b);
+      auto slower = [&](size_t a, size_t b) {
+        return with_outside[a] > with_outside[b] ||
+               (with_outside[a] == with_outside[b] && groups.first(a) < groups.first(b));
+      };
+      std::vector<size_t> by_time(G);
+      std::iota(by_time.begin(), by_time.end(), size_t{0});
+      const size_t head = std::min<size_t>(G, static_cast<size_t>(keep));
+      std::partial_sort(by_time.begin(), by_time.begin() + static_cast<std::ptrdiff_t>(head), by_time.end(), slower);
+      std::vector<std::pair<int64_t, double>> top;  // (rank, time)
+      auto take = [&](size_t g) {
+        const auto& rs = groups.ranks(g);
+        for (size_t k = 0; k < rs.size() && static_cast<int64_t>(k) < keep; ++k) top.push_back({rs[k], with_outside[g]});
+      };
+      int64_t taken = 0;
+      size_t walked = 0;
+      while (walked < head && taken < keep) {
+        take(by_time[walked]);
+        taken += groups.count(by_time[walked]);
+        ++walked;
+      }
+      const double last = with_outside[by_time[walked - 1]];
+      for (size_t i = walked; i < G; ++i) {
+        if (with_outside[by_time[i]] == last) take(by_time[i]);
+      }
+      std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) {
+        return a.second > b.second || (a.second == b.second && a.first < b.first);
       });
+      top.resize(static_cast<size_t>(std::min<int64_t>(keep, static_cast<int64_t>(top.size()))));
+      // Node 0's bytes per position, as indices into its distinct values; each (group, value)
+      // scored once.
+      std::vector<RankBytes> values;
+      std::vector<size_t> value_at(static_cast<size_t>(N));
+      for (int64_t i = 0; i < N; ++i) {
+        const RankBytes& v = base.at(i);
+        size_t j = 0;
+        while (j < values.size() && !embedding_detail::same_bits(values[j], v)) ++j;
+        if (j == values.size()) values.push_back(v);
+        value_at[static_cast<size_t>(i)] = j;
+      }
+      const size_t J = values.size();
+      std::vector<double> time(G * J);
+      std::vector<char> scored(G * J, 0), fit(G * J, 0);
       int64_t best_node = -1;
       double best_max = 0;
       for (int64_t node = 0; node < nodes; ++node) {
@@ -329,15 +566,22 @@ std::optional<Scored> best_placement(const State& st, size_t t, EmbeddingShardin
         bool fits = true;
         double m = 0;
         for (int64_t i = 0; i < N && fits; ++i) {
-          RankBytes x = st.load[lo + i];
-          x += base[i];
-          fits = x.storage <= st.budget * (1 + 1e-12);
-          m = std::max(m, st.rank_time(x));
+          const size_t g = groups.group_of(lo + i), j = value_at[static_cast<size_t>(i)];
+          const size_t k = g * J + j;
+          if (!scored[k]) {
+            RankBytes x = groups.load(g);
+            x += values[j];
+            fit[k] = x.storage <= limit;
+            time[k] = st.rank_time(x);
+            scored[k] = 1;
+          }
+          fits = fit[k];
+          m = std::max(m, time[k]);
         }
         if (!fits) continue;
-        for (int64_t j = 0; j < keep; ++j) {
-          if (top[j] < lo || top[j] >= hi) {
-            m = std::max(m, with_outside[top[j]]);
+        for (const auto& [rank, v] : top) {
+          if (rank < lo || rank >= hi) {
+            m = std::max(m, v);
             break;
           }
         }
@@ -347,77 +591,141 @@ std::optional<Scored> best_placement(const State& st, size_t t, EmbeddingShardin
         }
       }
       if (best_node < 0) return std::nullopt;
-      out.placement.shards = rows_split(table.rows, table.dim, all_ranks(N, best_node * N));
-      out.bytes.assign(W, outside);
-      for (int64_t i = 0; i < N; ++i) out.bytes[best_node * N + i] = base[i];
+      out.placement.first_rank = best_node * N;
+      out.bytes.rest = outside;
+      for (int64_t i = 0; i < N; ++i) {
+        const RankBytes& v = values[value_at[static_cast<size_t>(i)]];
+        const int64_t r = best_node * N + i;
+        if (!out.bytes.runs.empty() && out.bytes.runs.back().hi == r &&
+            embedding_detail::same_bits(out.bytes.runs.back().value, v)) {
+          ++out.bytes.runs.back().hi;
+        } else {
+          out.bytes.runs.push_back({r, r + 1, v});
+        }
+      }
       out.max_s = best_max;
       return out;
     }
     case EmbeddingSharding::table_wise:
     case EmbeddingSharding::column_wise: {
       const int64_t chunk = s == EmbeddingSharding::table_wise ? table.dim : chunk_width(table, st.options);
-      std::vector<RankBytes> load = st.load;  // with this table's pieces chosen so far
+      // The load with this table's pieces chosen so far: each group's ranks that own no piece
+      // (they got every piece's `other` bytes), and the owners, split off (one per piece).
+      const size_t G = groups.size();
+      std::vector<RankBytes> group_load(G);
+      std::vector<int64_t> left(G);
+      for (size_t g = 0; g < G; ++g) {
+        group_load[g] = groups.load(g);
+        left[g] = groups.count(g);
+      }
+      struct Owner {
+        int64_t rank;
+        size_t group;
+        RankBytes load;
+      };
+      std::vector<Owner> owners;
+      // The first rank of group g that owns no piece.
+      auto first_free = [&](size_t g) {
+        if (left[g] == groups.count(g)) return groups.first(g);
+        for (int64_t r : groups.ranks(g)) {
+          if (std::none_of(owners.begin(), owners.end(), [&](const Owner& o) { return o.rank == r; })) return r;
+        }
+        return int64_t{-1};
+      };
       std::vector<EmbeddingShard> shards;
       for (int64_t col = 0; col < table.dim; col += chunk) {
         const int64_t cols = std::min(chunk, table.dim - col);
         EmbeddingPlacement piece;
-        piece.table = table.name;
         piece.sharding = s;
         piece.shards = {{0, 0, table.rows, col, cols}};
-        const auto b = st.bytes_of(t, piece);
-        const RankBytes owner = b[0];
-        const RankBytes other = W > 1 ? b[1] : RankBytes{};
-        std::vector<double> others(W);
-        int64_t top = -1, second = -1;
-        for (int64_t q = 0; q < W; ++q) {
-          RankBytes x = load[q];
+        const RankPattern b = st.bytes_of(t, piece);
+        const RankBytes owner = b.at(0);
+        const RankBytes other = W > 1 ? b.at(1) : RankBytes{};
+        // Every rank's time with `other` added: the largest (`top_s`, on the first rank with
+        // it, `top_rank`) and the largest of the other ranks (`second`; 0 when there are
+        // none). Candidates: each group's free ranks (one time, `left[g]` ranks), each owner.
+        int64_t top_rank = -1, top_count = 0;
+        double top_s = 0, second = 0;
+        bool second_exists = false;
+        auto consider_other = [&](int64_t rank, int64_t count, const RankBytes& load) {
+          RankBytes x = load;
           x += other;
-          others[q] = st.rank_time(x);
-          if (top < 0 || others[q] > others[top]) {
-            second = top;
-            top = q;
-          } else if (second < 0 || others[q] > others[second]) {
-            second = q;
+          const double v = st.rank_time(x);
+          if (top_rank < 0 || v > top_s || (v == top_s && rank < top_rank)) {
+            if (top_rank >= 0) {
+              second = second_exists ? std::max(second, top_s) : top_s;
+              second_exists = true;
+            }
+            top_rank = rank;
+            top_s = v;
+            top_count = count;
+          } else {
+            second = second_exists ? std::max(second, v) : v;
+            second_exists = true;
           }
+        };
+        for (size_t g = 0; g < G; ++g) {
+          if (left[g] > 0) consider_other(first_free(g), left[g], group_load[g]);
         }
+        for (const auto& o : owners) consider_other(o.rank, 1, o.load);
+        if (top_count > 1) second = second_exists ? std::max(second, top_s) : top_s;  // top's group-mates
+        // Each rank with the piece: the others' largest time, or its own. The lowest wins,
+        // the first rank on ties.
         double best = std::numeric_limits<double>::infinity();
         int64_t where = -1;
-        for (int64_t r = 0; r < W; ++r) {
-          if (load[r].storage + owner.storage > st.budget * (1 + 1e-12)) continue;
-          RankBytes x = load[r];
+        size_t where_group = 0, where_owner = owners.size();
+        auto consider_owner = [&](int64_t rank, const RankBytes& load, size_t group, size_t owner_index) {
+          if (load.storage + owner.storage > limit) return;
+          RankBytes x = load;
           x += owner;
-          const double rest = r == top ? (second >= 0 ? others[second] : 0.0) : (top >= 0 ? others[top] : 0.0);
+          const double rest = rank == top_rank ? second : top_s;
           const double v = std::max(rest, st.rank_time(x));
-          if (v < best) {
+          if (v < best || (v == best && rank < where)) {
             best = v;
-            where = r;
+            where = rank;
+            where_group = group;
+            where_owner = owner_index;
           }
+        };
+        for (size_t g = 0; g < G; ++g) {
+          if (left[g] > 0) consider_owner(first_free(g), group_load[g], g, owners.size());
         }
+        for (size_t k = 0; k < owners.size(); ++k) consider_owner(owners[k].rank, owners[k].load, 0, k);
         if (where < 0) return std::nullopt;
-        for (int64_t q = 0; q < W; ++q) load[q] += q == where ? owner : other;
+        if (where_owner < owners.size()) {
+          owners[where_owner].load += owner;
+        } else {
+          RankBytes x = group_load[where_group];
+          x += owner;
+          owners.push_back({where, where_group, x});
+          --left[where_group];
+        }
+        for (auto& l : group_load) l += other;
+        for (auto& o : owners) {
+          if (o.rank != where) o.load += other;
+        }
         shards.push_back({where, 0, table.rows, col, cols});
       }
-      return finish_with(std::move(shards));
+      EmbeddingPlacement whole;
+      whole.sharding = s;
+      whole.shards = shards;
+      out.placement.shards = std::move(shards);
+      return finish_with(st.bytes_of(t, whole));
     }
   }
   return std::nullopt;
 }
 
-// The table's shards with no other table around: the placement's shape, on the first ranks.
-EmbeddingPlacement canonical_placement(const State& st, size_t t, EmbeddingSharding s) {
-  EmbeddingPlacement q;
-  q.table = st.tables[t].name;
-  q.sharding = s;
+// The table's bytes with no other table around: the placement's shape, on the first ranks.
+RankPattern canonical_bytes(const State& st, size_t t, EmbeddingSharding s) {
   const int64_t W = st.options.world_size;
   const EmbeddingTable& table = st.tables[t];
+  EmbeddingPlacement q;
+  q.sharding = s;
   switch (s) {
     case EmbeddingSharding::data_parallel:
-      for (int64_t r = 0; r < W; ++r) q.shards.push_back({r, 0, table.rows, 0, table.dim});
-      break;
-    case EmbeddingSharding::row_wise: q.shards = rows_split(table.rows, table.dim, all_ranks(W)); break;
-    case EmbeddingSharding::table_row_wise:
-      q.shards = rows_split(table.rows, table.dim, all_ranks(node_size(st.cluster, W)));
-      break;
+    case EmbeddingSharding::row_wise:
+    case EmbeddingSharding::table_row_wise: return st.spread_bytes_of(t, s, 0);
     case EmbeddingSharding::table_wise: q.shards = {{0, 0, table.rows, 0, table.dim}}; break;
     case EmbeddingSharding::column_wise: {
       const int64_t chunk = chunk_width(table, st.options);
@@ -428,21 +736,45 @@ EmbeddingPlacement canonical_placement(const State& st, size_t t, EmbeddingShard
       break;
     }
   }
-  return q;
+  return st.bytes_of(t, q);
 }
 
-// Two bounds from one table alone with sharding s: its total work summed over ranks, taking
-// lookup + (sent + received) / 2 / bw per rank (max(S, R) >= (S + R) / 2, so this adds up over
-// tables and never exceeds the table's share of all ranks' time); and its most loaded rank.
-std::pair<double, double> table_bounds(const State& st, size_t t, EmbeddingSharding s) {
-  const auto bytes = st.bytes_of(t, canonical_placement(st, t, s));
-  const Link link = embedding_detail::all_to_all_link(st.cluster, st.options.world_size);
-  double total = 0, most = 0;
-  for (const auto& r : bytes) {
-    total += r.lookup_bytes / st.cluster.hbm_bytes_per_s + (r.sent + r.received) / 2 / link.bytes_per_s + r.latency_s;
-    most = std::max(most, st.rank_time(r));
+// Two bounds from one table alone with each sharding in `kinds`: its total work summed over
+// ranks, taking lookup + (sent + received) / 2 / bw per rank (max(S, R) >= (S + R) / 2, so
+// this adds up over tables and never exceeds the table's share of all ranks' time); and its
+// most loaded rank. The sums run rank by rank, as they always did (the same rounding), all
+// kinds side by side.
+std::vector<std::pair<double, double>> table_bounds(const State& st, size_t t,
+                                                    const std::vector<EmbeddingSharding>& kinds) {
+  constexpr size_t kKinds = 5;
+  const int64_t W = st.options.world_size;
+  const size_t K = kinds.size();
+  std::vector<RankPattern> bytes;
+  std::vector<int64_t> cuts = {0, W};
+  for (auto k : kinds) {
+    bytes.push_back(canonical_bytes(st, t, k));
+    for (const auto& run : bytes.back().runs) {
+      cuts.push_back(run.lo);
+      cuts.push_back(run.hi);
+    }
   }
-  return {total, most};
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  const Link link = embedding_detail::all_to_all_link(st.cluster, W);
+  double total[kKinds] = {}, most[kKinds] = {}, work[kKinds] = {};
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    for (size_t k = 0; k < K; ++k) {
+      const RankBytes& r = bytes[k].at(cuts[c]);
+      work[k] = r.lookup_bytes / st.cluster.hbm_bytes_per_s + (r.sent + r.received) / 2 / link.bytes_per_s + r.latency_s;
+      most[k] = std::max(most[k], st.rank_time(r));
+    }
+    for (int64_t i = cuts[c]; i < cuts[c + 1]; ++i) {
+      for (size_t k = 0; k < kKinds; ++k) total[k] += work[k];  // kinds past K add zeros, unread
+    }
+  }
+  std::vector<std::pair<double, double>> out;
+  for (size_t k = 0; k < K; ++k) out.push_back({total[k], most[k]});
+  return out;
 }
 
 double fixed_latency(const Cluster& c, int64_t W) {
@@ -460,25 +792,29 @@ EmbeddingPlan finish(const std::vector<EmbeddingTable>& tables, const Cluster& c
   plan.batch_per_rank = o.batch_per_rank;
   plan.tables = tables;
   plan.ranks.assign(o.world_size, EmbeddingRankLoad{});
-  std::vector<RankBytes> load(o.world_size);
+  RankGroups load(o.world_size);
   for (size_t t = 0; t < tables.size(); ++t) {
-    const auto b = embedding_detail::embedding_rank_bytes(tables[t], placements[t], cluster, o);
-    for (int64_t r = 0; r < o.world_size; ++r) load[r] += b[r];
+    load.apply(embedding_detail::embedding_rank_pattern(tables[t], placements[t], cluster, o), false);
   }
   const double fixed = fixed_latency(cluster, o.world_size);
   // Before the ids, every rank tells every other its batch size, id count, whether it has
   // weights and whether its batch was refused (four int64).
   const double counts = 32.0 * static_cast<double>(o.world_size - 1);
+  std::vector<EmbeddingRankLoad> per_group(load.size());
+  for (size_t g = 0; g < load.size(); ++g) {
+    RankBytes x = load.load(g);
+    x.sent += counts;
+    x.received += counts;
+    auto& out = per_group[g];
+    out.storage_bytes = x.storage;
+    out.lookup_s = x.lookup_bytes / cluster.hbm_bytes_per_s;
+    out.comm_s = embedding_detail::comm_seconds(x, cluster, o.world_size) + fixed;
+    out.sent_bytes = x.sent;
+    out.received_bytes = x.received;
+  }
   for (int64_t r = 0; r < o.world_size; ++r) {
-    load[r].sent += counts;
-    load[r].received += counts;
-    auto& out = plan.ranks[r];
-    out.storage_bytes = load[r].storage;
-    out.lookup_s = load[r].lookup_bytes / cluster.hbm_bytes_per_s;
-    out.comm_s = embedding_detail::comm_seconds(load[r], cluster, o.world_size) + fixed;
-    out.sent_bytes = load[r].sent;
-    out.received_bytes = load[r].received;
-    plan.max_rank_s = std::max(plan.max_rank_s, out.total_s());
+    plan.ranks[r] = per_group[load.group_of(r)];
+    plan.max_rank_s = std::max(plan.max_rank_s, plan.ranks[r].total_s());
   }
   plan.placements = std::move(placements);
   plan.lower_bound_s = lower_bound + fixed;
@@ -514,19 +850,15 @@ bool propose(State& st, const std::vector<size_t>& order,
 // lowers the maximum; stop when no move helps. Tables spread over every rank are tried too
 // (as another sharding); bounded so planning time stays near linear.
 void improve(State& st, const std::vector<std::vector<EmbeddingSharding>>& options_of) {
-  const int64_t W = st.options.world_size;
   const size_t n = st.tables.size();
   const int rounds = std::min<int>(4 * static_cast<int>(n) + 8, 512);
   for (int round = 0; round < rounds; ++round) {
     const double current = st.max_time();
-    int64_t hot = 0;
-    for (int64_t r = 1; r < W; ++r) {
-      if (st.rank_time(st.load[r]) > st.rank_time(st.load[hot])) hot = r;
-    }
+    const int64_t hot = st.hot_rank();
     // Candidates: the tables loading the hot rank most, at most 16 a round.
     std::vector<std::pair<double, size_t>> loads;
     for (size_t t = 0; t < n; ++t) {
-      const auto& c = st.contribution[t][hot];
+      const auto& c = st.contribution[t].at(hot);
       const double v = c.lookup_bytes + c.sent + c.received;
       if (v > 0 && options_of[t].size() + (st.placements[t].sharding == EmbeddingSharding::table_wise ||
                                            st.placements[t].sharding == EmbeddingSharding::column_wise ||
@@ -539,8 +871,8 @@ void improve(State& st, const std::vector<std::vector<EmbeddingSharding>>& optio
     bool improved = false;
     for (size_t i = 0; i < k && !improved; ++i) {
       const size_t t = loads[i].second;
-      EmbeddingPlacement before = st.placements[t];
-      std::vector<RankBytes> before_bytes = st.contribution[t];
+      Placed before = st.placements[t];
+      RankPattern before_bytes = st.contribution[t];
       st.remove(t);
       std::optional<Scored> better;
       for (auto kind : options_of[t]) {
@@ -573,10 +905,8 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
     if (!names.count(name)) throw ValidationError("embeddings.pins." + name, "no table has this name");
   }
   const double budget = budget_of(cluster, options.memory_budget_bytes);
-  const int64_t W = options.world_size;
 
-  State st{tables, cluster, options, budget, std::vector<RankBytes>(W), std::vector<EmbeddingPlacement>(tables.size()),
-           std::vector<std::vector<RankBytes>>(tables.size(), std::vector<RankBytes>(W))};
+  State st(tables, cluster, options, budget);
 
   // Enumerate and estimate: each table's shardings, each with its total work.
   std::vector<std::vector<EmbeddingSharding>> options_of(tables.size());
@@ -599,10 +929,10 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
     // Most promising first: least total work.
     std::vector<std::pair<double, EmbeddingSharding>> scored;
     double alone = std::numeric_limits<double>::infinity();
-    for (auto k : kinds) {
-      const auto [total, most] = table_bounds(st, t, k);
-      scored.push_back({total, k});
-      alone = std::min(alone, most);
+    const auto bounds = table_bounds(st, t, kinds);
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      scored.push_back({bounds[i].first, kinds[i]});
+      alone = std::min(alone, bounds[i].second);
     }
     bound_max = std::max(bound_max, alone);
     std::sort(scored.begin(), scored.end(), [](const auto& a, const auto& b) {
@@ -612,6 +942,7 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
     cheapest[t] = scored.front().first;
     bound_sum += cheapest[t];
   }
+  const int64_t W = options.world_size;
   const double lower_bound = std::max(bound_sum / static_cast<double>(W), bound_max);
   // (finish adds the placement-independent all-to-all latency to both the plan and the bound.)
 
@@ -630,8 +961,8 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
       std::nullopt, EmbeddingSharding::table_wise, EmbeddingSharding::row_wise, EmbeddingSharding::column_wise,
       EmbeddingSharding::table_row_wise, EmbeddingSharding::data_parallel};
   for (const auto& uniform : proposals) {
-    State trial{tables, cluster, options, budget, std::vector<RankBytes>(W), std::vector<EmbeddingPlacement>(tables.size()),
-                std::vector<std::vector<RankBytes>>(tables.size(), std::vector<RankBytes>(W)), st.spread};
+    State trial(tables, cluster, options, budget);
+    trial.spread = st.spread;
     if (uniform) {
       bool applies = false;
       for (size_t t = 0; t < tables.size() && !applies; ++t) {
@@ -650,7 +981,10 @@ EmbeddingPlan plan_embeddings(const std::vector<EmbeddingTable>& tables, const C
   if (!best) {
     throw InfeasibleError(why + " (budget per rank " + std::to_string(budget / (1024.0 * 1024 * 1024)) + " GiB)");
   }
-  return finish(tables, cluster, options, best->placements, lower_bound);
+  std::vector<EmbeddingPlacement> placements;
+  placements.reserve(tables.size());
+  for (size_t t = 0; t < tables.size(); ++t) placements.push_back(write_out(*best, t, best->placements[t]));
+  return finish(tables, cluster, options, std::move(placements), lower_bound);
 }
 
 void check_embedding_placements(const EmbeddingPlan& plan) {
