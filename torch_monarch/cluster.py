@@ -422,7 +422,8 @@ def _copy_cluster(cluster):
     c = _planner.Cluster()
     for field in ("name", "nodes", "devices_per_node", "device_memory_bytes", "memory_reserved_bytes",
                   "peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency",
-                  "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "hbm_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
-                  "inter_node_latency_s"):
+                  "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "hbm_bytes_per_s",
+                  "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s",
+                  "straggler_spread"):
         setattr(c, field, getattr(cluster, field))
     return c

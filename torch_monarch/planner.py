@@ -259,7 +259,8 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
 
 def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objective=None,
                    latency_target=None, max_batch=None, tp=None, pp=None, alternatives=5,
-                   hbm_efficiency=None, weight_bytes=None, kv_bytes=None, tie_tolerance=None):
+                   hbm_efficiency=None, weight_bytes=None, kv_bytes=None, tie_tolerance=None,
+                   host_seconds_per_op=None, ops_per_block=None, host_overlaps_device=None):
     """Plans generation (docs/cost_model.md, "Inference"): tp x pp with dp = world / (tp pp)
     replicas, for the lowest per-token latency at `batch` sequences per replica
     (``objective="latency"``, the default without a target) or the most tokens/s with
@@ -283,6 +284,12 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
         config.max_batch = int(max_batch)
     if hbm_efficiency is not None:
         config.hbm_efficiency = float(hbm_efficiency)
+    if host_seconds_per_op is not None:  # eager host dispatch per operator (0: compiled, host out of the loop)
+        config.host_seconds_per_op = float(host_seconds_per_op)
+    if ops_per_block is not None:
+        config.ops_per_block = float(ops_per_block)
+    if host_overlaps_device is not None:
+        config.host_overlaps_device = bool(host_overlaps_device)
     if weight_bytes is not None:
         config.weight_bytes = float(weight_bytes)
     if kv_bytes is not None:

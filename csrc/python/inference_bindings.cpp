@@ -23,7 +23,8 @@ void bind_inference(py::module_& m) {
                                      "What an inference plan serves: objective ('latency' or 'throughput'), batch "
                                      "per replica, prompt_len, max_new_tokens, latency_target_s (throughput; 0: none), "
                                      "max_batch (throughput; 0: 256), bytes per weight / KV element (0: the model's "
-                                     "dtype), hbm_efficiency.");
+                                     "dtype), hbm_efficiency, host_seconds_per_op / ops_per_block / "
+                                     "host_overlaps_device (eager host dispatch; 0: none).");
   add_kwargs_init<InferenceConfig>(config);
   add_copy<InferenceConfig>(config);
   config
@@ -38,6 +39,9 @@ void bind_inference(py::module_& m) {
       .def_readwrite("weight_bytes", &InferenceConfig::weight_bytes)
       .def_readwrite("kv_bytes", &InferenceConfig::kv_bytes)
       .def_readwrite("hbm_efficiency", &InferenceConfig::hbm_efficiency)
+      .def_readwrite("host_seconds_per_op", &InferenceConfig::host_seconds_per_op)
+      .def_readwrite("ops_per_block", &InferenceConfig::ops_per_block)
+      .def_readwrite("host_overlaps_device", &InferenceConfig::host_overlaps_device)
       .def(py::self == py::self)
       .def("__repr__", [](const InferenceConfig& c) {
         return "<InferenceConfig " + to_string(c.objective) + " batch=" + std::to_string(c.batch) +
@@ -64,6 +68,7 @@ void bind_inference(py::module_& m) {
       .def_readwrite("decode_compute_s", &InferencePrediction::decode_compute_s)
       .def_readwrite("decode_tp_comm_s", &InferencePrediction::decode_tp_comm_s)
       .def_readwrite("decode_pp_comm_s", &InferencePrediction::decode_pp_comm_s)
+      .def_readwrite("decode_host_s", &InferencePrediction::decode_host_s)
       .def_readwrite("prefill_compute_s", &InferencePrediction::prefill_compute_s)
       .def_readwrite("prefill_tp_comm_s", &InferencePrediction::prefill_tp_comm_s)
       .def_readwrite("prefill_pp_comm_s", &InferencePrediction::prefill_pp_comm_s)

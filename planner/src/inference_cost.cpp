@@ -47,7 +47,8 @@ bool InferenceConfig::operator==(const InferenceConfig& o) const {
   return objective == o.objective && batch == o.batch && prompt_len == o.prompt_len &&
          max_new_tokens == o.max_new_tokens && latency_target_s == o.latency_target_s &&
          max_batch == o.max_batch && weight_bytes == o.weight_bytes && kv_bytes == o.kv_bytes &&
-         hbm_efficiency == o.hbm_efficiency;
+         hbm_efficiency == o.hbm_efficiency && host_seconds_per_op == o.host_seconds_per_op &&
+         ops_per_block == o.ops_per_block && host_overlaps_device == o.host_overlaps_device;
 }
 
 bool InferencePrediction::operator==(const InferencePrediction& o) const {
@@ -58,7 +59,7 @@ bool InferencePrediction::operator==(const InferencePrediction& o) const {
          decode_kv_s == o.decode_kv_s && decode_compute_s == o.decode_compute_s &&
          decode_tp_comm_s == o.decode_tp_comm_s && decode_pp_comm_s == o.decode_pp_comm_s &&
          prefill_compute_s == o.prefill_compute_s && prefill_tp_comm_s == o.prefill_tp_comm_s &&
-         prefill_pp_comm_s == o.prefill_pp_comm_s;
+         prefill_pp_comm_s == o.prefill_pp_comm_s && decode_host_s == o.decode_host_s;
 }
 
 bool InferencePlan::operator==(const InferencePlan& o) const {
@@ -81,6 +82,8 @@ void validate(const InferenceConfig& c) {
   require(std::isfinite(c.weight_bytes) && c.weight_bytes >= 0, "weight_bytes", "must be >= 0 (0: the model's dtype)");
   require(std::isfinite(c.kv_bytes) && c.kv_bytes >= 0, "kv_bytes", "must be >= 0 (0: the model's dtype)");
   require(c.hbm_efficiency > 0 && c.hbm_efficiency <= 1, "hbm_efficiency", "must be in (0, 1]");
+  require(c.host_seconds_per_op >= 0, "host_seconds_per_op", "must be >= 0");
+  require(c.ops_per_block >= 0, "ops_per_block", "must be >= 0");
   require(c.prompt_len <= (int64_t{1} << 40) && c.max_new_tokens <= (int64_t{1} << 40) &&
               c.batch <= (int64_t{1} << 40),
           "prompt_len", "batch, prompt_len and max_new_tokens must stay below 2^40");
@@ -216,6 +219,7 @@ std::vector<StageCost> stage_costs(const ModelCosts& m, const std::vector<int64_
       (c.head ? st.head_flops_per_token : st.dense_flops_per_token) += c.dense_flops_per_token;
       st.attention_flops_per_token_ctx += c.attention_flops_per_token_ctx;
       st.kv_bytes_per_token += c.kv_bytes_per_token;
+      if (c.kv_bytes_per_token > 0) ++st.blocks;
       st.all_reduces += c.all_reduces;
       st.hidden_bytes_per_token = std::max(st.hidden_bytes_per_token, c.hidden_bytes_per_token);
       if (!c.head) {
@@ -292,13 +296,17 @@ InferencePlan evaluate_stages(const ModelCosts& m, const std::vector<StageCost>&
                           (st.logit_gather_bytes_per_sequence > 0
                                ? all_gather_seconds(bm * st.logit_gather_bytes_per_sequence, tp_link) : 0.0);
     const double hop_dec = last ? 0.0 : collective_seconds(Collective::send_recv, bm * st.out_bytes_per_token, pp_link);
+    // The host's dispatch of the stage's operators, once per micro-batch forward.
+    const double host = static_cast<double>(st.blocks) * config.effective_ops_per_block() * config.host_seconds_per_op;
+    const double stage_dec = config.host_overlaps_device ? std::max(host, t_dec + tp_dec) : host + t_dec + tp_dec;
     r.decode_weights_s += t_w;
     r.decode_kv_s += t_kv;
     r.decode_compute_s += std::max(0.0, t_f - (t_w + t_kv));
     r.decode_tp_comm_s += tp_dec;
     r.decode_pp_comm_s += hop_dec;
-    decode_sum += t_dec + tp_dec + hop_dec;
-    decode_max = std::max(decode_max, t_dec + tp_dec);
+    r.decode_host_s += host;
+    decode_sum += stage_dec + hop_dec;
+    decode_max = std::max(decode_max, stage_dec);
 
     // Prefill: bm sequences of P tokens; the head computes only each sequence's last position.
     const double pre_flops = bm * (P * st.dense_flops_per_token + st.head_flops_per_token +
@@ -314,8 +322,9 @@ InferencePlan evaluate_stages(const ModelCosts& m, const std::vector<StageCost>&
     r.prefill_compute_s += t_pre;
     r.prefill_tp_comm_s += tp_pre;
     r.prefill_pp_comm_s += hop_pre;
-    prefill_sum += t_pre + tp_pre + hop_pre;
-    prefill_max = std::max(prefill_max, t_pre + tp_pre);
+    const double stage_pre = config.host_overlaps_device ? std::max(host, t_pre + tp_pre) : host + t_pre + tp_pre;
+    prefill_sum += stage_pre + hop_pre;
+    prefill_max = std::max(prefill_max, stage_pre);
 
     // Memory: the stage's weights, the whole batch's KV cache (every micro-batch's sequences
     // stay resident), one micro-batch's prefill activations of one layer, its logits (fp32).

@@ -47,6 +47,7 @@ struct MoeRead {
 // One pipeline stage (sums over its layers; per-token activation sizes are the largest layer's).
 struct StageCost {
   int64_t first_layer = 0, end_layer = 0;
+  int64_t blocks = 0;  // decoder blocks: layers holding a KV cache (the host's operators scale with them)
   double weight_bytes = 0, dense_weight_bytes = 0;
   std::vector<MoeRead> moe;
   double dense_flops_per_token = 0, head_flops_per_token = 0, attention_flops_per_token_ctx = 0;

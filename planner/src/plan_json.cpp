@@ -246,6 +246,9 @@ Json inference_to_json(const InferencePlan& inf) {
   j["weight_bytes"] = c.weight_bytes;
   j["kv_bytes"] = c.kv_bytes;
   j["hbm_efficiency"] = c.hbm_efficiency;
+  j["host_seconds_per_op"] = c.host_seconds_per_op;
+  j["ops_per_block"] = c.ops_per_block;
+  j["host_overlaps_device"] = c.host_overlaps_device;
   j["batch_per_replica"] = inf.batch_per_replica;
   j["decode_micro_batches"] = inf.decode_micro_batches;
   const InferencePrediction& p = inf.prediction;
@@ -263,6 +266,7 @@ Json inference_to_json(const InferencePlan& inf) {
   q["decode_compute_s"] = p.decode_compute_s;
   q["decode_tp_comm_s"] = p.decode_tp_comm_s;
   q["decode_pp_comm_s"] = p.decode_pp_comm_s;
+  q["decode_host_s"] = p.decode_host_s;
   q["prefill_compute_s"] = p.prefill_compute_s;
   q["prefill_tp_comm_s"] = p.prefill_tp_comm_s;
   q["prefill_pp_comm_s"] = p.prefill_pp_comm_s;
@@ -606,12 +610,17 @@ InferencePlan inference_from_json(const Fields& f) {
   c.weight_bytes = f.number("weight_bytes");
   c.kv_bytes = f.number("kv_bytes");
   c.hbm_efficiency = f.number("hbm_efficiency");
+  // Optional (plans written before the host dispatch term: none).
+  if (f.has("host_seconds_per_op")) c.host_seconds_per_op = f.number("host_seconds_per_op");
+  if (f.has("ops_per_block")) c.ops_per_block = f.number("ops_per_block");
+  if (f.has("host_overlaps_device")) c.host_overlaps_device = f.boolean("host_overlaps_device");
   inf.batch_per_replica = f.integer("batch_per_replica");
   inf.decode_micro_batches = f.integer("decode_micro_batches");
   const Fields q = f.object("prediction", {"ttft_s", "per_token_s", "tokens_per_s", "request_s", "weights_bytes",
                                            "kv_cache_bytes", "activation_bytes", "memory_bytes", "decode_weights_s",
                                            "decode_kv_s", "decode_compute_s", "decode_tp_comm_s", "decode_pp_comm_s",
-                                           "prefill_compute_s", "prefill_tp_comm_s", "prefill_pp_comm_s"});
+                                           "prefill_compute_s", "prefill_tp_comm_s", "prefill_pp_comm_s",
+                                           "decode_host_s"});
   InferencePrediction& p = inf.prediction;
   p.ttft_s = q.number("ttft_s");
   p.per_token_s = q.number("per_token_s");
@@ -629,6 +638,7 @@ InferencePlan inference_from_json(const Fields& f) {
   p.prefill_compute_s = q.number("prefill_compute_s");
   p.prefill_tp_comm_s = q.number("prefill_tp_comm_s");
   p.prefill_pp_comm_s = q.number("prefill_pp_comm_s");
+  if (q.has("decode_host_s")) p.decode_host_s = q.number("decode_host_s");
   return inf;
 }
 
@@ -685,7 +695,8 @@ Plan plan_from_value(const Json& root) {
   if (f.has("inference")) {  // optional: inference plans only
     p.inference = inference_from_json(f.object(
         "inference", {"objective", "batch", "prompt_len", "max_new_tokens", "latency_target_s", "max_batch",
-                      "weight_bytes", "kv_bytes", "hbm_efficiency", "batch_per_replica",
+                      "weight_bytes", "kv_bytes", "hbm_efficiency", "host_seconds_per_op", "ops_per_block",
+                      "host_overlaps_device", "batch_per_replica",
                       "decode_micro_batches", "prediction"}));
   }
   p.prediction = prediction_from_json(f.object(

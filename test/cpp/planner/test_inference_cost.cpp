@@ -191,8 +191,37 @@ TEST_CASE("inference config is checked field by field", "[inference][cost]") {
   c = ask(4, 16, 16);
   c.max_batch = 2;
   CHECK_THROWS_AS(validate(c), ValidationError);
+  c = ask(1, 16, 16);
+  c.host_seconds_per_op = -1e-6;
+  CHECK_THROWS_AS(validate(c), ValidationError);
   CHECK(inference_objective_from_string("throughput") == InferenceObjective::throughput);
   CHECK_THROWS_AS(inference_objective_from_string("fast"), ValidationError);
+}
+
+TEST_CASE("eager host dispatch: blocks x ops x seconds per op, hidden behind a GPU, added on a CPU",
+          "[inference][cost]") {
+  const ModelGraph g = llama3_8b(1280);
+  const Cluster cluster = cluster_preset("h100-80gb", 8);
+  const InferencePrediction compiled = evaluate_inference(g, cluster, ask(1, 1024, 256), 1, 1, 1).prediction;
+  CHECK(compiled.decode_host_s == 0);  // the default: host out of the loop (CUDA graphs)
+  InferenceConfig eager = ask(1, 1024, 256);
+  eager.host_seconds_per_op = 10e-6;  // Horace He's ~10 us per PyTorch eager operator
+  // 32 blocks x 40 ops (the default count) x 10 us = 12.8 ms of host time per token, more than
+  // the ~8.6 ms the GPU needs to read 16 GB: the host sets the pace.
+  const InferencePrediction gpu = evaluate_inference(g, cluster, eager, 1, 1, 1).prediction;
+  CHECK(gpu.decode_host_s == Approx(32 * 40 * 10e-6));
+  CHECK(compiled.per_token_s < gpu.decode_host_s);
+  CHECK(gpu.per_token_s == Approx(gpu.decode_host_s));
+  // A CPU rank dispatches and computes on one thread: the two add.
+  eager.host_overlaps_device = false;
+  const InferencePrediction cpu = evaluate_inference(g, cluster, eager, 1, 1, 1).prediction;
+  CHECK(cpu.per_token_s == Approx(compiled.per_token_s + cpu.decode_host_s));
+  // ops_per_block overrides the default count; a pipeline's stages each dispatch their blocks:
+  // with pp = 2 and one batch in flight the token pays both stages' dispatch.
+  eager.ops_per_block = 20;
+  const InferencePrediction half = evaluate_inference(g, cluster, eager, 1, 1, 1).prediction;
+  CHECK(half.decode_host_s == Approx(32 * 20 * 10e-6));
+  CHECK(evaluate_inference(g, cluster, eager, 1, 2, 1).prediction.decode_host_s == Approx(32 * 20 * 10e-6));
 }
 
 TEST_CASE("decode per-token latency against gpt-fast's tensor-parallel table (8 x A100-80GB, batch 1)",

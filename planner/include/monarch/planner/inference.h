@@ -16,6 +16,11 @@
 //     bytes (pre-allocated), split over tp by kv heads (tp must divide kv_heads: the same
 //     rule as training; layouts where it does not are not considered) and over pp by layers.
 //   memory per device: weights / tp on the stage + batch x KV + one step's activations.
+//   host dispatch (eager frameworks): every operator a forward runs costs host time (Python,
+//     the dispatcher, a kernel launch): blocks x ops_per_block x host_seconds_per_op per stage
+//     and micro-batch. A GPU runs behind its host (the stage takes the larger of the two); a
+//     CPU rank computes on its host thread (the two add). 0 (the default): compiled with the
+//     host out of the loop (CUDA graphs), as gpt-fast's measurements.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,6 +55,19 @@ struct InferenceConfig {
   // Share of the HBM bandwidth a decode step's reads reach. 0.7: gpt-fast (PyTorch Labs 2023)
   // decodes Llama-2-7B in bf16 on an A100-80GB at 1397 GB/s of its 2039 (0.69).
   double hbm_efficiency = 0.7;
+  // Host time per operator a decoder block runs (seconds): 0, the host out of the loop
+  // (compiled with CUDA graphs). Horace He ("Making Deep Learning Go Brrrr From First
+  // Principles", 2022) measures PyTorch eager's overhead at about 10 us per operator on a GPU
+  // host; bench/generate.py measures this machine's.
+  double host_seconds_per_op = 0;
+  // Operators a decoder block runs per forward in eager mode (counted at the dispatcher: aten
+  // ops). 0: 40, a Llama-style block counted this way (Hugging Face LlamaDecoderLayer, one
+  // decode step with a cache: docs/cost_model.md, Inference).
+  double ops_per_block = 0;
+  // The device computes behind the host (a GPU's launches are asynchronous): a stage takes
+  // max(host, device); false (CPU ranks): host + device.
+  bool host_overlaps_device = true;
+  double effective_ops_per_block() const { return ops_per_block > 0 ? ops_per_block : 40.0; }
   int64_t effective_max_batch() const { return max_batch > 0 ? max_batch : 256; }
   bool operator==(const InferenceConfig& o) const;
 };
@@ -70,6 +88,9 @@ struct InferencePrediction {
   // (bandwidth), compute (when it is the larger), tp all-reduces, pp hops.
   double decode_weights_s = 0, decode_kv_s = 0, decode_compute_s = 0;
   double decode_tp_comm_s = 0, decode_pp_comm_s = 0;
+  // Host dispatch of one decode step over the stages (each micro-batch's); the part the device
+  // does not hide is in per_token_s.
+  double decode_host_s = 0;
   // The prefill: compute (or weight reads when larger), tp all-reduces, pp hops.
   double prefill_compute_s = 0, prefill_tp_comm_s = 0, prefill_pp_comm_s = 0;
   bool operator==(const InferencePrediction& o) const;
