@@ -61,13 +61,13 @@ struct InferenceConfig {
   // host; bench/generate.py measures this machine's.
   double host_seconds_per_op = 0;
   // Operators a decoder block runs per forward in eager mode (counted at the dispatcher: aten
-  // ops). 0: 40, a Llama-style block counted this way (Hugging Face LlamaDecoderLayer, one
-  // decode step with a cache: docs/cost_model.md, Inference).
+  // ops, views included). 0: 71, Hugging Face's LlamaDecoderLayer counted this way in one
+  // decode step with a DynamicCache (transformers 5.18; docs/cost_model.md, Inference).
   double ops_per_block = 0;
   // The device computes behind the host (a GPU's launches are asynchronous): a stage takes
   // max(host, device); false (CPU ranks): host + device.
   bool host_overlaps_device = true;
-  double effective_ops_per_block() const { return ops_per_block > 0 ? ops_per_block : 40.0; }
+  double effective_ops_per_block() const { return ops_per_block > 0 ? ops_per_block : 71.0; }
   int64_t effective_max_batch() const { return max_batch > 0 ? max_batch : 256; }
   bool operator==(const InferenceConfig& o) const;
 };
