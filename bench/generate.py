@@ -43,15 +43,21 @@ pm._generate_cache, the cache generate kept, for ours), per rank, and its tokens
 It holds 32 + 63 = 95 positions (the 64th token is chosen, never fed); the planner pre-allocates
 P + N = 96 (a static cache), so it is 1/96 = 1.04% above what a DynamicCache holds at the end.
 
-Predicted: torch_monarch.plan(model, zeros(1, P + N), mode="inference", batch=4, prompt_len=32,
-max_new_tokens=64, tp=<the run's>, pp=1, cluster=...) on two CPU clusters:
-  probed   cluster.probe(cluster.detect(...)) measured inside the run on its own ranks (loopback
-           Gloo all-reduce latency and bandwidth fitted; FLOP/s and memory bandwidth per rank
-           with all ranks busy), the planner's default hbm_efficiency 0.7;
+Predicted: planner.plan_inference(<the model's graph>, cluster, batch=4, prompt_len=32,
+max_new_tokens=64, tp=<the run's>, pp=1, ...) with inputs measured in the run on generic kernels,
+never on the bench's model or its decode:
+  pred     (the scored one, "probed_host") cluster.probe(cluster.detect(...)) on the run's own
+           ranks (loopback Gloo latency and bandwidth fitted; FLOP/s and memory bandwidth per
+           rank with all ranks busy); the host's dispatch (host_probe: microseconds per aten
+           op of a tiny HF Llama's decode step, and its ops per decoder block counted at the
+           dispatcher; a CPU rank dispatches and computes on one thread); and the bandwidth a
+           decode's skinny matmuls reach (decode_read_probe: 256 MiB of 1024 x 4096 weights
+           times a [4, 1024] input) as hbm_efficiency = that / the probe's bandwidth;
+  no host  the probed cluster with the default hbm_efficiency 0.7 and no host term (what the
+           planner assumes without these measurements: a GPU under CUDA graphs);
   preset   planner.cluster("cpu", n): the preset's 20 GB/s, 100 GFLOP/s at 0.5, 50 us links.
-The error columns are predicted (probed) / measured - 1; the issue's targets: per-token latency
-within 25%, KV cache within 10%. The JSON also has the probed cluster with hbm_efficiency 1
-(the probe's bandwidth is what a streaming add reaches here, not a peak).
+The error columns are predicted / measured - 1; the issue's targets: per-token latency within
+25%, KV cache within 10%.
 
 Peak memory: VmHWM growth over the resident memory just before the timed generates (model
 built and parallelized, warm-up done), largest rank: the cache, the forwards' activations and
@@ -67,11 +73,12 @@ wrong inputs (the probe's) from what the model leaves out.
 
 WHAT 2 SHARED CORES MEAN: tp=2 and tp=4 are 2 and 4 one-thread processes on 2 cores, talking by
 Gloo over loopback; hf and w1 run one thread on the same 2 cores. A decode step here is
-dominated by per-operator Python and dispatch overhead (HF Llama runs ~15 torch ops per layer
-per step, each microseconds to tens of microseconds on a CPU), which the planner does not model
-(docs/cost_model.md, "Not modelled": per-kernel launch overhead), and by Gloo's loopback
-latency per all-reduce under contention (4 processes on 2 cores wait for a core to be
-scheduled). The machine is shared with other work: the table prints the load average.
+skinny matmuls (a CPU core multiplies a batch of 4 far below its streaming bandwidth), per-
+operator dispatch (HF Llama runs 71 aten ops per layer per step, about 3 us each here), and
+under tp Gloo's loopback all-reduces, 13 per token, each of which needs both processes on a
+core at once: with other work on the machine a rank waits to be scheduled at every one (a
+profile of tp=2 under a load of 1.4: 7 ms of CPU per token, 40 ms of wall time). The table
+prints the load average; tp timings mean something only on a quiet machine.
 """
 
 import argparse
@@ -200,11 +207,24 @@ def timed(run, stamps, repeats):
     return ttft, steps, walls, out
 
 
-def predictions(model, tp, cluster):
+def predictions(model, tp, cluster, host, read_bw):
+    """The planner's predictions for the run: on the probed cluster (default hbm_efficiency 0.7),
+    the same with hbm_efficiency 1, and on the cpu preset; and the one the bench scores
+    ("probed_host"): the probed cluster with what decode reaches on this machine, measured on
+    generic kernels (``host``: host_probe's seconds per op and ops per block, a CPU rank
+    dispatching and computing on one thread; ``read_bw``: decode_read_probe's bytes/s, as
+    hbm_efficiency = read_bw / the probe's bandwidth)."""
     import torch
     import torch_monarch
+    from torch_monarch import planner
+    from torch_monarch.api import model_graph
     x = torch.zeros(1, WIDTH + NEW, dtype=torch.long)
     out = {}
+    _, graph = model_graph(model, x)
+    out["probed_host"] = planner.plan_inference(graph, cluster, batch=BATCH, prompt_len=WIDTH, max_new_tokens=NEW,
+                                                tp=tp, pp=1, host_seconds_per_op=host[0], ops_per_block=host[1],
+                                                host_overlaps_device=False,
+                                                hbm_efficiency=min(1.0, read_bw / cluster.hbm_bytes_per_s))
     for key, c, eff in (("probed", cluster, None), ("probed_eff1", cluster, 1.0)):
         if eff is None:
             plan = torch_monarch.plan(model, x, cluster=c, mode="inference", batch=BATCH, prompt_len=WIDTH,
@@ -227,10 +247,84 @@ def predictions(model, tp, cluster):
     return result
 
 
+def host_probe(steps=40):
+    """The host's time per operator in an eager decode step, measured apart from the bench's
+    model: a Hugging Face Llama of the same architecture but tiny (hidden 64, 8 heads over 4 kv
+    heads, vocabulary 256), whose decode step does next to no arithmetic. Its operators are
+    counted at the dispatcher (aten ops) with 2 and 4 layers: the difference / 2 is the
+    operators per decoder block (what the planner's ops_per_block means); the 2-layer model's
+    median decode step over ``steps`` steps / its operator count is the seconds per operator.
+    Returns (seconds per op, ops per block, the tiny step's seconds, its op count)."""
+    import torch
+    import transformers as T
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def decode(layers):
+        cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
+                            num_key_value_heads=4, vocab_size=256, max_position_embeddings=256)
+        torch.manual_seed(0)
+        model = T.LlamaForCausalLM(cfg).eval()
+        ids = torch.randint(3, 256, (BATCH, WIDTH))
+        with torch.no_grad():
+            cache = model(input_ids=ids, use_cache=True).past_key_values
+        state = {"mask": torch.ones(BATCH, WIDTH, dtype=torch.long)}
+
+        def step():
+            state["mask"] = torch.cat([state["mask"], state["mask"][:, :1]], 1)
+            with torch.no_grad():
+                model(input_ids=ids[:, :1], attention_mask=state["mask"], past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+        return step
+
+    counts = {}
+    for layers in (2, 4):
+        step, counter = decode(layers), Count()
+        with counter:
+            step()
+        counts[layers] = counter.n
+    step = decode(2)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    tiny = statistics.median(times)
+    return tiny / counts[2], (counts[4] - counts[2]) / 2, tiny, counts[2]
+
+
 def cluster_dict(c):
     keys = ("peak_flops_fp32", "matmul_efficiency", "hbm_bytes_per_s", "intra_node_latency_s",
             "intra_node_bytes_per_s", "cores_per_node", "devices_per_node")
     return {k: getattr(c, k) for k in keys}
+
+
+def decode_read_probe(repeats=7):
+    """The bytes per second a decode step's matmuls read weights at on this rank, measured on
+    generic matrices, not the bench's model: 16 fp32 weights of 1024 x 4096 (256 MiB, beyond
+    the caches) each multiplied by a [BATCH, 1024] input, median of ``repeats`` passes. On a
+    GPU this share of the HBM peak is gpt-fast's 0.69 (the planner's hbm_efficiency); a CPU
+    core's skinny GEMM reaches far less of what a streaming add does (cluster.probe's figure)."""
+    import torch
+    import torch.nn.functional as F
+    weights = [torch.randn(4096, 1024) for _ in range(16)]
+    x = torch.randn(BATCH, 1024)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for w in weights:
+                F.linear(x, w)
+            times.append(time.perf_counter() - t0)
+    return sum(w.numel() * 4 for w in weights) / statistics.median(times)
 
 
 def gemv_floor(module, repeats=7):
@@ -287,15 +381,18 @@ def worker(names, repeats, out_dir):
     # This job's cluster, measured on its own ranks (links over loopback Gloo, CPU rates).
     began = time.perf_counter()
     cluster = cl.probe(cl.detect(world_size=world.size, ranks_per_node=world.size), world, use_cache=False)
+    host = host_probe()  # every rank at once: the contention the run's ranks see
+    read_bw = decode_read_probe()
     probe_s = time.perf_counter() - began
     ids, mask = prompts()
     base = make_model()
     for name in names:
         tp = RUNS[name][2]
         model = copy.deepcopy(base)
-        result = {"rank": rank, "load_before": load_before, "probe_s": probe_s, "cluster": cluster_dict(cluster)}
+        result = {"rank": rank, "load_before": load_before, "probe_s": probe_s, "cluster": cluster_dict(cluster),
+                  "host_probe": host, "decode_read_bytes_per_s": read_bw}
         if rank == 0:
-            result["predicted"] = predictions(make_model(), tp, cluster)
+            result["predicted"] = predictions(make_model(), tp, cluster, host, read_bw)
         if name == "hf":
             local = model
             stamps = Stamps(model.model.layers[0])
@@ -351,7 +448,7 @@ def summarize(name, results):
     ttft = max(statistics.median(r["ttft_s"]) for r in results)
     wall = max(statistics.median(r["wall_s"]) for r in results)
     kv = max(r["kv_bytes"] for r in results)
-    pred = r0["predicted"]["probed"]
+    pred = r0["predicted"]["probed_host"]
     row = {"run": name, "what": what, "ranks": ranks, "threads_per_rank": threads, "tp": tp,
            "mesh": r0.get("mesh"), "ttft_ms": ttft * 1e3, "per_token_ms": per_token * 1e3,
            "per_token_ms_p10_p90": [statistics.quantiles(sorted(s for r in results for s in r["step_s"]), n=10)[i] * 1e3
@@ -372,6 +469,9 @@ def summarize(name, results):
            "tokens_per_s_error": pred["tokens_per_s"] / (BATCH * NEW / wall) - 1,
            "kv_error": pred["kv_cache_bytes"] / kv - 1,
            "per_token_error_preset": r0["predicted"]["preset"]["per_token_s"] / per_token - 1,
+           "per_token_error_no_host": r0["predicted"]["probed"]["per_token_s"] / per_token - 1,
+           "host_probe": {"seconds_per_op": r0["host_probe"][0], "ops_per_block": r0["host_probe"][1],
+                          "tiny_step_s": r0["host_probe"][2], "tiny_step_ops": r0["host_probe"][3]},
            "per_token_error_eff1": r0["predicted"]["probed_eff1"]["per_token_s"] / per_token - 1,
            "gemv_floor_ms": max(r["gemv_floor_s"] for r in results) * 1e3,
            "linear_bytes_per_rank": r0["linear_bytes"],
@@ -386,8 +486,8 @@ def calibrated(rows):
     """The planner again, its inputs taken from this run instead of the probe: memory bandwidth
     = the rank's linear bytes / the linear floor (what the decode's matmuls reach), hbm_efficiency
     1, and the link latency alpha set so that its all-reduce latency term (2 ceil(log2 tp) alpha)
-    equals the all-reduce measured in the run. What is left of the error is what the model
-    leaves out (per-operator overhead, the non-matmul operators)."""
+    equals the all-reduce measured in the run, and the host dispatch as probed. What is left of
+    the error is what the model leaves out (operators outside the blocks, the loop's own)."""
     import math
     import torch
     from torch_monarch import planner
@@ -403,8 +503,10 @@ def calibrated(rows):
         if r["tp"] > 1:
             c.intra_node_latency_s = c.inter_node_latency_s = r["all_reduce_after_matmul_ms"] / 1e3 / (
                 2 * math.ceil(math.log2(r["tp"])))
+        host = r["host_probe"]
         plan = planner.plan_inference(graph, c, batch=BATCH, prompt_len=WIDTH, max_new_tokens=NEW, tp=r["tp"], pp=1,
-                                      hbm_efficiency=1.0)
+                                      hbm_efficiency=1.0, host_seconds_per_op=host["seconds_per_op"],
+                                      ops_per_block=host["ops_per_block"], host_overlaps_device=False)
         p = plan.inference.prediction
         r["predicted"]["calibrated"] = {"per_token_s": p.per_token_s, "ttft_s": p.ttft_s,
                                         "tokens_per_s": p.tokens_per_s, "decode_weights_s": p.decode_weights_s,
@@ -422,31 +524,38 @@ def print_table(rows, repeats):
     print("Times: 2 shared CPU cores; tp ranks are 1-thread processes on those 2 cores + Gloo over loopback. "
           "pred: planner on the cluster probed in the run.")
     print(f"{'run':<4} {'ranks':>5} {'TTFT ms':>8} {'pred':>7} {'ms/tok':>7} {'p10-p90':>11} {'pred':>6} "
-          f"{'err':>6} {'preset':>6} {'tok/s':>6} {'pred':>6} {'KV KiB/rank':>11} {'pred':>7} {'err':>6} "
+          f"{'err':>6} {'no host':>8} {'preset':>6} {'tok/s':>6} {'pred':>6} {'KV KiB/rank':>11} {'pred':>7} {'err':>6} "
           f"{'kv h':>4} {'peak MiB':>8} {'load':>9}")
     for r in rows:
-        p = r["predicted"]["probed"]
+        p = r["predicted"]["probed_host"]
         lo, hi = r["per_token_ms_p10_p90"]
         print(f"{r['run']:<4} {r['ranks']:>5} {r['ttft_ms']:>8.1f} {p['ttft_s'] * 1e3:>7.1f} {r['per_token_ms']:>7.2f} "
               f"{lo:>5.1f}-{hi:<5.1f} {p['per_token_s'] * 1e3:>6.2f} {r['per_token_error']:>+6.0%} "
+              f"{r['per_token_error_no_host']:>+8.0%} "
               f"{r['predicted']['preset']['per_token_s'] * 1e3:>6.2f} {r['tokens_per_s']:>6.0f} "
               f"{p['tokens_per_s']:>6.0f} {max(r['kv_bytes_per_rank']) / 1024:>11.1f} "
               f"{p['kv_cache_bytes'] / 1024:>7.1f} {r['kv_error']:>+6.1%} {r['kv_heads_per_rank']:>4} "
               f"{max(r['peak_growth_per_rank']) / mib:>8.1f} {r['load_before']:>4.1f}-{r['load_after']:<4.1f}")
     print(f"{'run':<4} {'ms/tok':>7} {'linear floor':>12} {'lin MiB':>7} {'all-red ms':>10} {'after mm':>8} "
-          f"{'probe: GB/s':>11} {'alpha us':>8} {'calib':>6} {'err':>5}  pred decode: weights + kv + tp comm (ms)")
+          f"{'probe: GB/s':>11} {'alpha us':>8} {'calib':>6} {'err':>5}  pred decode: weights + kv + tp comm + host (ms)")
     for r in rows:
-        c, p = r["cluster_probed"], r["predicted"]["probed"]
+        c, p = r["cluster_probed"], r["predicted"]["probed_host"]
         ar = (f"{r['all_reduce_ms']:>10.2f} {r['all_reduce_after_matmul_ms']:>8.2f}" if "all_reduce_ms" in r
               else f"{'-':>10} {'-':>8}")
         alpha = f"{c['intra_node_latency_s'] * 1e6:>8.0f}" if r["ranks"] > 1 else f"{'-':>8}"
         print(f"{r['run']:<4} {r['per_token_ms']:>7.2f} {r['gemv_floor_ms']:>12.2f} "
               f"{r['linear_bytes_per_rank'] / mib:>7.1f} {ar} {c['hbm_bytes_per_s'] / 1e9:>11.1f} {alpha} "
               f"{r['predicted']['calibrated']['per_token_s'] * 1e3:>6.2f} {r['per_token_error_calibrated']:>+5.0%}  "
-              f"{p['decode_weights_s'] * 1e3:.2f} + {p['decode_kv_s'] * 1e3:.2f} + {p['decode_tp_comm_s'] * 1e3:.2f}")
+              f"{p['decode_weights_s'] * 1e3:.2f} + {p['decode_kv_s'] * 1e3:.2f} + {p['decode_tp_comm_s'] * 1e3:.2f} + "
+              f"{p['decode_host_s'] * 1e3:.2f}")
+    h = rows[0]["host_probe"]
+    print(f"host probe (rank 0 of the first launch): {h['seconds_per_op'] * 1e6:.1f} us per aten op "
+          f"({h['tiny_step_s'] * 1e3:.2f} ms for a tiny 2-layer HF Llama decode step of {h['tiny_step_ops']} ops), "
+          f"{h['ops_per_block']:.0f} ops per decoder block")
     print("TTFT: call to the 2nd forward (prefill + first token); ms/tok: median decode step (63 per generate, "
           "pooled over repeats, slowest rank),\np10-p90 of those; pred / err: the planner on the probed cluster "
-          "(default hbm_efficiency 0.7) and pred/measured - 1; preset: on planner.cluster('cpu', n).\n"
+          "(default hbm_efficiency 0.7) with the host's dispatch as probed, and pred/measured - 1;\nno host: the "
+          "same without the host term; preset: on planner.cluster('cpu', n).\n"
           "tok/s: 4 x 64 / median generate wall time. KV: key+value bytes the DynamicCache holds after generate "
           "(95 positions) per rank; pred: the\nplanner's KV cache per device (96 positions, pre-allocated). kv h: "
           "kv heads per rank's cache. peak: VmHWM growth over generate, largest rank.\nload: 1-minute load average "
