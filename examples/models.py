@@ -35,10 +35,16 @@ class KVCache:
     Whoever drives the loop (torch_monarch.generate) sets, before each forward,
     ``attention_mask`` [batch, every token so far, those fed now included] (1: a real token,
     0: left padding) and ``positions`` [batch, tokens fed now]; each attention layer appends its
-    keys and values [batch, kv_heads (this rank's under tp), tokens, head_dim]."""
+    keys and values [batch, kv_heads (this rank's under tp), tokens, head_dim].
 
-    def __init__(self):
+    ``max_tokens``: pre-allocated (a static cache): each layer's keys and values get storage for
+    that many tokens at their first update and are written in place (``keys[i]`` / ``values[i]``
+    are then views of the filled part); None: concatenated step by step."""
+
+    def __init__(self, max_tokens=None):
         self.keys, self.values = {}, {}
+        self.max_tokens = max_tokens
+        self._storage = {}  # layer -> (keys, values) [batch, kv_heads, max_tokens, head_dim]
         self.attention_mask = None
         self.positions = None
 
@@ -61,10 +67,23 @@ class _LayerCache:
 
     def update(self, k, v):
         c, i = self.cache, self.index
-        if i in c.keys:
-            k, v = torch.cat([c.keys[i], k], dim=2), torch.cat([c.values[i], v], dim=2)
-        c.keys[i], c.values[i] = k, v
-        return k, v
+        if c.max_tokens is None:
+            if i in c.keys:
+                k, v = torch.cat([c.keys[i], k], dim=2), torch.cat([c.values[i], v], dim=2)
+            c.keys[i], c.values[i] = k, v
+            return k, v
+        if i not in c._storage:
+            shape = (k.shape[0], k.shape[1], c.max_tokens, k.shape[3])
+            c._storage[i] = (k.new_zeros(shape), v.new_zeros(shape[:3] + (v.shape[3],)))
+        keys, values = c._storage[i]
+        start = c.keys[i].shape[2] if i in c.keys else 0
+        end = start + k.shape[2]
+        if end > c.max_tokens:
+            raise RuntimeError(f"KVCache: layer {i} would hold {end} tokens; it was allocated for {c.max_tokens}")
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        c.keys[i], c.values[i] = keys[:, :, :end], values[:, :, :end]
+        return c.keys[i], c.values[i]
 
 
 class _PastCache:
@@ -174,8 +193,8 @@ class GPT2LMHeadModel(nn.Module):
             return self.lm_head(self.transformer(tokens, cache))
         return self.lm_head(self.transformer(tokens))
 
-    def new_cache(self):
-        return KVCache()
+    def new_cache(self, max_tokens=None):
+        return KVCache(max_tokens)
 
     def max_positions(self):
         return self.transformer.wpe.num_embeddings
@@ -348,8 +367,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(self.model(tokens, cache))
         return self.lm_head(self.model(tokens))
 
-    def new_cache(self):
-        return KVCache()
+    def new_cache(self, max_tokens=None):
+        return KVCache(max_tokens)
 
 
 # -- Mixture-of-Experts decoder (Hugging Face Qwen3-MoE / Mixtral names in transformers 5:

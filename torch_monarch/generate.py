@@ -151,9 +151,12 @@ class _Decode:
 
 @torch.no_grad()
 def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None, top_p=None,
-             eos_token_id=None, pad_token_id=None, seed=0, micro_batches=None):
+             eos_token_id=None, pad_token_id=None, seed=0, micro_batches=None, cache="static"):
     """See the module's docstring."""
     _check(pm, input_ids, max_new_tokens, attention_mask, temperature, top_k, top_p)
+    if cache not in ("static", "dynamic"):
+        raise ValueError(f"generate: cache must be 'static' (pre-allocated for prompt + max_new_tokens) or 'dynamic' "
+                         f"(grown token by token), got {cache!r}")
     stage = pm._local[0]
     wrapped = pm._wrapped[stage]
     # The model as the user wrote it: a stage cut by torch.fx is a graph of its modules, and
@@ -182,6 +185,7 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
         pad_token_id = eos[0] if eos else 0
     dp_sync = pm.dp > 1 and pm.zero_stage == 3  # every forward gathers over dp
     d = _Decode(pm=pm, stage=stage, wrapped=wrapped, plain=plain, hf=hf, device=device, ids=ids, mask=mask,
+                static=cache == "static", total=prompt_len + max_new_tokens,
                 max_new_tokens=max_new_tokens, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
                 pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
                 generator=torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None,
@@ -234,7 +238,7 @@ def _decode_one_stage(d):
     pm, plain, wrapped = d.pm, d.plain, d.wrapped
     batch = d.ids.shape[0]
     finished = torch.zeros(batch, dtype=torch.bool, device=d.device)
-    cache = None if d.hf else plain.new_cache()
+    cache = _new_cache(d, plain)
     step_ids, mask = d.ids, d.mask
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     keeps_logits = d.hf and "logits_to_keep" in inspect.signature(type(plain).forward).parameters
@@ -284,7 +288,7 @@ def _decode_pipelined(d, micro_batches):
         rows.append(slice(start, start + size))
         start += size
     first, last = pipe.stage == 0, pipe.stage == pipe.last
-    caches = [pipe.new_cache() for _ in rows]
+    caches = [pipe.new_cache(d) for _ in rows]
     step_ids = [d.ids[r] for r in rows]
     masks = [d.mask[r] for r in rows]
     positions = [(m.cumsum(-1) - 1).masked_fill(m == 0, 1) for m in masks]
@@ -391,10 +395,10 @@ class _Pipeline:
         if not pm._hook_stages:
             self._foreign = _foreign_modules(pm._root, pm._blocks, pm._plain[stage])
 
-    def new_cache(self):
+    def new_cache(self, d):
         if self.pm._hook_stages:
-            return _hf_stage_cache(self.pm.hf_config, self.local)
-        return self.pm._root.new_cache()
+            return _hf_stage_cache(self.pm.hf_config, self.local, d.total if d.static else None)
+        return _new_cache(d, self.pm._root)
 
     def forward(self, cache, step_ids, mask, positions, received):
         """This stage on one micro-batch: the last stage returns the last position's logits;
@@ -497,10 +501,26 @@ class _Pipeline:
         self._pending = []
 
 
-def _hf_stage_cache(config, local):
-    from transformers import DynamicCache
+def _new_cache(d, model):
+    """A Hugging Face model: a StaticCache (its layers allocate at their first update from the
+    keys they get: this rank's kv heads under tp) or None (the model makes a DynamicCache).
+    Ours: new_cache(max_tokens=) when it takes one (examples/models.py's KVCache)."""
+    if d.hf:
+        if not d.static:
+            return None
+        from transformers import StaticCache
+        return StaticCache(config=d.pm.hf_config, max_cache_len=d.total)
+    if d.static and "max_tokens" in inspect.signature(model.new_cache).parameters:
+        return model.new_cache(max_tokens=d.total)
+    return model.new_cache()
 
-    class StageCache(DynamicCache):
+
+def _hf_stage_cache(config, local, max_len):
+    from transformers import DynamicCache, StaticCache
+
+    base = DynamicCache if max_len is None else StaticCache
+
+    class StageCache(base):
         """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, which
         another stage holds: this stage's first layer answers instead."""
 
@@ -510,7 +530,7 @@ def _hf_stage_cache(config, local):
         def get_mask_sizes(self, query_length, layer_idx=0):
             return super().get_mask_sizes(query_length, layer_idx if layer_idx in local else local[0])
 
-    return StageCache(config=config)
+    return StageCache(config=config) if max_len is None else StageCache(config=config, max_cache_len=max_len)
 
 
 def _foreign_modules(root, blocks, stage_module):

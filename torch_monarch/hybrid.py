@@ -540,17 +540,19 @@ class ParallelModel(nn.Module):
         return torch.cat([outputs[k] for k in sorted(outputs)], 0)
 
     def generate(self, input_ids, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None, top_p=None,
-                 eos_token_id=None, pad_token_id=None, seed=0, micro_batches=None):
+                 eos_token_id=None, pad_token_id=None, seed=0, micro_batches=None, cache="static"):
         """Token-by-token generation with the model's KV cache (torch_monarch/generate.py):
         this rank's prompts [batch, prompt_len] (left-padded, ``attention_mask`` 0 on the
         padding) -> [batch, prompt_len + generated], the same on every tp and pp rank. Greedy at
         ``temperature=0``; sampled (top-k, top-p) from one generator seeded with ``seed``.
         ``micro_batches`` (pp > 1): the batch cut into that many groups of rows that follow each
-        other round the pipeline; default: the inference plan's ``decode_micro_batches``, else 1."""
+        other round the pipeline; default: the inference plan's ``decode_micro_batches``, else 1.
+        ``cache``: "static" (the KV cache pre-allocated for prompt + max_new_tokens, written in
+        place, as the planner's memory counts it) or "dynamic" (grown token by token)."""
         from .generate import generate
         return generate(self, input_ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature,
                         top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed,
-                        micro_batches=micro_batches)
+                        micro_batches=micro_batches, cache=cache)
 
     def _run_stage(self, stage, mb, received, xs):
         module = self._wrapped[stage]

@@ -198,8 +198,11 @@ def run_case(name, spec, rank):
         if isinstance(cache, ours.KVCache):
             keys = cache.keys[first]
             result["filled_layers"] = sorted(cache.keys)
+            result["capacity"] = cache._storage[first][0].shape[2] if cache._storage else None
         else:
             keys = cache.layers[first].keys
+            result["capacity"] = keys.shape[2] if type(cache).__mro__[1].__name__ == "StaticCache" or \
+                type(cache).__name__ == "StaticCache" else None
             result["filled_layers"] = [i for i, layer in enumerate(cache.layers)
                                        if getattr(layer, "keys", None) is not None and layer.keys.numel()]
         result["kv_heads"] = keys.shape[1]
@@ -246,6 +249,9 @@ CASES = {
                                                                              "micro_batches": 2}},
     "ours_gpt2_pp2_zero3_eos_m2": {"model": "ours_gpt2", "mesh": {"pp": 2}, "zero_stage": 3,
                                    "args": {"eos_token_id": "auto", "micro_batches": 2}},
+    # the KV cache grown token by token instead of pre-allocated (the default)
+    "hf_llama_gqa_tp2_dynamic": {"model": "hf_llama_gqa", "mesh": {"tp": 2}, "args": {"cache": "dynamic"}},
+    "ours_llama_gqa_pp2_dynamic": {"model": "ours_llama_gqa", "mesh": {"pp": 2}, "args": {"cache": "dynamic"}},
     # laid out by the inference planner (pp pinned; the plan's decode micro-batches used)
     "ours_llama_gqa_planned_pp2": {"model": "ours_llama_gqa", "inference": {"batch": 4, "prompt_len": 11,
                                                                          "max_new_tokens": 16, "pp": 2}},

@@ -29,11 +29,12 @@ MATRIX = [f"{m}_{layout}_64" for m in MATRIX_MODELS for layout in MATRIX_TP]
 # micro-batched pipelined decode (the rows in groups following each other round the stages)
 MICRO = ["ours_llama_gqa_tp2_pp2_m2_64", "hf_qwen2_gqa_pp2_m4_64"]
 GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "llama_tp2_trained",
-          "ours_llama_dp4_zero3", "ours_llama_pp2_zero3"]
+          "ours_llama_dp4_zero3", "ours_llama_pp2_zero3", "hf_llama_gqa_tp2_dynamic", "ours_llama_gqa_pp2_dynamic"]
 # key/value heads each rank's cache holds: the model's kv heads / tp (the matrix's models have 4)
 KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2,
             "llama_tp2_trained": 1, "ours_llama_dp4_zero3": 2, "ours_llama_pp2_zero3": 2, "llama_tp2_sampled": 1,
-            "ours_llama_gqa_tp2_pp2_m2_64": 2, "hf_qwen2_gqa_pp2_m4_64": 4,
+            "ours_llama_gqa_tp2_pp2_m2_64": 2, "hf_qwen2_gqa_pp2_m4_64": 4, "hf_llama_gqa_tp2_dynamic": 2,
+            "ours_llama_gqa_pp2_dynamic": 4,
             **{f"{m}_{layout}_64": 4 // tp for m in MATRIX_MODELS for layout, tp in MATRIX_TP.items()}}
 
 
@@ -53,6 +54,8 @@ def _no_errors(results, case):
 def test_greedy_generation_equals_one_process(results, case):
     _no_errors(results, case)
     new = LONG_NEW if case.endswith("_64") else NEW
+    # the default cache is pre-allocated for prompt + new tokens (as the planner counts it)
+    static = not case.endswith("_dynamic")
     for rank, res in enumerate(results):
         r = res[case]
         assert r["out"].shape == (4, WIDTH + new), f"{case} rank {rank}"
@@ -62,7 +65,8 @@ def test_greedy_generation_equals_one_process(results, case):
     by_dp = {}
     for res in results:
         by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
-        layers = 4 if case.endswith("_64") else 2
+        assert res[case]["capacity"] == (WIDTH + new if static else None), (case, res[case]["capacity"])
+        layers = 4 if case.endswith("_64") or "_gqa_" in case else 2
         if "pp2" in case:  # each stage's cache holds its own layers only
             half = layers // 2
             assert res[case]["filled_layers"] == list(range(res[case]["pp_rank"] * half,
