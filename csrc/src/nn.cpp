@@ -59,11 +59,20 @@ void LinearImpl::reset() {
   }
 }
 
+namespace {
+thread_local int local_vocab_logits = 0;
+}
+
+LocalVocabLogits::LocalVocabLogits() { ++local_vocab_logits; }
+LocalVocabLogits::~LocalVocabLogits() { --local_vocab_logits; }
+bool LocalVocabLogits::active() { return local_vocab_logits > 0; }
+
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
   switch (style_) {
     case TpStyle::colwise:
       return at::linear(tp::copy_to_group(x, *group_), weight, bias);
     case TpStyle::vocab_head:
+      if (LocalVocabLogits::active()) return at::linear(tp::copy_to_group(x, *group_), weight, bias);
       return tp::gather_from_group(at::linear(tp::copy_to_group(x, *group_), weight, bias).contiguous(), *group_, -1);
     case TpStyle::rowwise: {
       auto y = tp::reduce_from_group(at::linear(x, weight), *group_);

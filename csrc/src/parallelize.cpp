@@ -39,6 +39,32 @@ std::string prefixed(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : name.empty() ? prefix : prefix + "." + name;
 }
 
+// Every module's training flag, in modules()' order (the module first, then its children's
+// subtrees), and setting them back in that order: train(on) sets a whole subtree, so a module
+// set after its parent keeps its own flag.
+void remember_modes(ChainModel& out, std::shared_ptr<torch::nn::Module> model) {
+  out.training_modes = [model]() {
+    std::vector<bool> modes;
+    for (const auto& m : model->modules(/*include_self=*/true)) modes.push_back(m->is_training());
+    return modes;
+  };
+  out.restore_training_modes = [model](const std::vector<bool>& modes) {
+    const auto all = model->modules(/*include_self=*/true);
+    TORCH_CHECK(all.size() == modes.size(), "monarch: the model has ", all.size(), " modules, ", modes.size(),
+                " training flags were saved");
+    for (size_t i = 0; i < all.size(); ++i) all[i]->train(modes[i]);
+  };
+}
+
+// The model's CachedDecoder, or why it has none.
+void remember_decoder(ChainModel& out, const std::shared_ptr<torch::nn::Module>& model, const std::string& how) {
+  out.decoder = std::dynamic_pointer_cast<CachedDecoder>(model);
+  if (!out.decoder) {
+    out.decoder_missing = model->name() + " (read by " + how + ") does not implement monarch::CachedDecoder "
+                          "(forward_cached(tokens, cache): its forward over a KV cache, monarch/generate.h)";
+  }
+}
+
 }  // namespace
 
 // ---- reading C++ models ------------------------------------------------------------------
@@ -91,6 +117,48 @@ void add_script_module(ChainModel& out, const std::string& name, torch::jit::Mod
   out.pieces.push_back(std::move(p));
 }
 
+// The leaf pieces of a TorchScript model, in the order add_script_module lists them.
+void script_pieces(std::vector<torch::jit::Module>& out, torch::jit::Module piece) {
+  if (is_sequential(piece)) {
+    for (const auto& child : piece.named_children()) script_pieces(out, child.value);
+    return;
+  }
+  out.push_back(piece);
+}
+
+// A TorchScript chain whose attention blocks have a forward_cached method (parallelize.h,
+// ChainModel::decoder): those run over the cache, one layer each in order; the other pieces run
+// their forward.
+class ScriptDecoder : public CachedDecoder {
+ public:
+  explicit ScriptDecoder(std::vector<torch::jit::Module> pieces) : pieces_(std::move(pieces)) {}
+  at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache) override {
+    at::Tensor h = tokens;
+    int64_t layer = 0;
+    for (auto& piece : pieces_) {
+      auto method = piece.find_method("forward_cached");
+      if (!method) {
+        h = piece.forward({h}).toTensor();
+        continue;
+      }
+      const int64_t past = cache.length(layer), now = h.size(1);
+      const at::Tensor none = at::empty({0}, h.options());
+      auto out = (*method)({h, past > 0 ? cache.keys(layer) : none, past > 0 ? cache.values(layer) : none,
+                            cache.allowed(now, past + now), cache.positions});
+      TORCH_CHECK(out.isTuple() && out.toTupleRef().elements().size() == 3, "monarch: generate: ",
+                  piece.type()->name() ? piece.type()->name()->qualifiedName() : std::string("a block"),
+                  ".forward_cached must return (output, keys, values): this forward's keys and values");
+      const auto& parts = out.toTupleRef().elements();
+      cache.update(layer++, parts[1].toTensor(), parts[2].toTensor());
+      h = parts[0].toTensor();
+    }
+    return h;
+  }
+
+ private:
+  std::vector<torch::jit::Module> pieces_;
+};
+
 }  // namespace
 
 ChainModel chain_of(const torch::nn::Sequential& model) {
@@ -98,6 +166,10 @@ ChainModel chain_of(const torch::nn::Sequential& model) {
   torch::nn::Sequential seq = model;  // a shared handle: the pieces keep the model alive
   add_sequential(out, seq, "");
   out.set_training = [seq](bool on) mutable { seq->train(on); };
+  remember_modes(out, seq.ptr());
+  out.decoder_missing = "a torch::nn::Sequential has no KV cache interface (its children run one after the other); "
+                        "write the model as a module implementing monarch::CachedDecoder (forward_cached(tokens, "
+                        "cache), monarch/generate.h) and read it with chain_of_blocks or chain_of(module, forward)";
   return out;
 }
 
@@ -106,6 +178,32 @@ ChainModel chain_of(const torch::jit::Module& model) {
   torch::jit::Module m = model;  // shares the module object
   add_script_module(out, "", m);
   out.set_training = [m](bool on) mutable { m.train(on); };
+  out.training_modes = [m]() {
+    std::vector<bool> modes;
+    for (const auto& sub : m.modules()) modes.push_back(sub.is_training());
+    return modes;
+  };
+  out.restore_training_modes = [m](const std::vector<bool>& modes) {
+    size_t i = 0;
+    for (auto sub : m.modules()) {
+      TORCH_CHECK(i < modes.size(), "monarch: the TorchScript model has more modules than training flags saved");
+      sub.train(modes[i++]);
+    }
+  };
+  std::vector<torch::jit::Module> pieces;
+  script_pieces(pieces, m);
+  for (const auto& piece : pieces) {
+    if (piece.find_method("forward_cached")) {
+      out.decoder = std::make_shared<ScriptDecoder>(pieces);
+      break;
+    }
+  }
+  if (!out.decoder) {
+    out.decoder_missing = "this TorchScript model has no KV cache interface: none of its pieces has a method "
+                          "forward_cached(x, past_keys, past_values, allowed, positions) -> (output, keys, values) "
+                          "(its attention blocks over the cache, as examples/python/export_gpt_torchscript.py "
+                          "scripts them)";
+  }
   return out;
 }
 
@@ -119,6 +217,8 @@ ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::
   p.modules = {{"", model}};
   out.pieces.push_back(std::move(p));
   out.set_training = [model](bool on) { model->train(on); };
+  remember_modes(out, model);
+  remember_decoder(out, model, "chain_of(module, forward)");
   return out;
 }
 
@@ -176,6 +276,8 @@ ChainModel chain_of_blocks(std::shared_ptr<torch::nn::Module> model) {
   }
   out.pieces.push_back(side("after", false, [model, stack](const at::Tensor& x) { return stack->forward_after(x); }));
   out.set_training = [model](bool on) { model->train(on); };
+  remember_modes(out, model);
+  remember_decoder(out, model, "chain_of_blocks");
   return out;
 }
 
@@ -637,6 +739,41 @@ ParallelModule::ParallelModule(ChainModel model, Layout layout, ParallelizeOptio
 }
 
 ParallelModule::~ParallelModule() = default;
+
+void ParallelModule::hold_parameters(bool hold) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "monarch: internal: hold_parameters runs without autograd");
+  for (auto& st : stages_) {
+    if (!st->zero) continue;
+    // Stages 1-2: unit 0's before_forward refreshes the whole parameters from the shards, the
+    // others do nothing. Stage 3: each unit gathered (the next one prefetched), and without
+    // autograd after_forward frees it.
+    for (int64_t unit = 0; unit < st->zero->num_units(); ++unit) {
+      if (hold) {
+        st->zero->before_forward(unit);
+      } else {
+        st->zero->after_forward(unit, {});
+      }
+    }
+  }
+}
+
+int64_t ParallelModule::split_vocabulary() const {
+  int64_t vocab = 0;
+  for (const auto& st : stages_) {
+    for (size_t i : st->pieces) {
+      for (const auto& [prefix, root] : model_.pieces[i].modules) {
+        for (const auto& m : root->modules(/*include_self=*/true)) {
+          if (auto* linear = dynamic_cast<const LinearImpl*>(m.get()); linear && linear->style() == TpStyle::vocab_head) {
+            vocab = std::max(vocab, linear->options.out_features());
+          } else if (auto* embedding = dynamic_cast<const EmbeddingImpl*>(m.get()); embedding && embedding->split()) {
+            vocab = std::max(vocab, embedding->options.num_embeddings());
+          }
+        }
+      }
+    }
+  }
+  return vocab;
+}
 
 std::vector<at::Tensor> ParallelModule::run_stage(int64_t s, const at::Tensor& input) {
   Stage& st = stage(s);

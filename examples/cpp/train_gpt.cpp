@@ -18,17 +18,34 @@
 // --save DIR --save-at N (a checkpoint after N steps, monarch/checkpoint.h, in the format Python's
 // torch_monarch.checkpoint reads), --resume DIR (load one, from C++ or Python, saved in any layout,
 // and go on from its step; parity is then checked on the steps this run trained).
+//
+// Generation (monarch/generate.h): --generate N, after the training steps (--steps 0: none),
+// generates N tokens greedily from 4 fixed left-padded prompts of 5, 11, 3 and 8 tokens (each dp
+// rank its share) with the GptStack model (its blocks in a ModuleList; it implements
+// monarch::CachedDecoder), and rank 0 runs the same prompts, each alone, through one process
+// without a cache (the whole sequence again for every token), from the same weights. Also
+// --temperature T (with --top-k K --top-p P --seed S): the same prompts sampled; --eos ID:
+// greedy again, each sequence stopping at ID. Without --pp the planner is pinned to pp=1
+// (generate runs no pipeline). Every rank prints its rows:
+//   generated prompt <i> (rank <r>): <new tokens>     (sampled ..., eos ...)
+//   reference prompt <i>: <new tokens>                (rank 0, from the weights the parallel
+//                                                      model holds; reference margin: the
+//                                                      smallest gap between the two best logits)
+//   kv cache bytes per rank: <n>
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
 
 #include "monarch/checkpoint.h"
+#include "monarch/generate.h"
 #include "monarch/parallelize.h"
 #include "monarch/runtime/attention.h"
 #include "monarch/planner/search.h"
@@ -91,6 +108,20 @@ struct BlockImpl : torch::nn::Module, monarch::AttentionHeads {
     auto x1 = x + o(attn);
     return x1 + down(torch::gelu(up(ln2(x1))));
   }
+  // The same block over a KV cache (generation): this call's keys and values are appended to
+  // layer `layer`'s, and the queries attend to every cached token they may see (causal, not the
+  // left padding). This model has no position embedding (its order comes from the causal mask
+  // alone), so cache.positions is unused.
+  torch::Tensor forward_cached(const torch::Tensor& x, monarch::KVCache& cache, int64_t layer) {
+    const int64_t b = x.size(0), s = x.size(1), d = head_dim;
+    auto y = ln1(x);
+    auto split = [&](const torch::Tensor& t) { return t.view({b, s, heads, d}).transpose(1, 2); };
+    monarch::AttentionOptions core;
+    core.training = false;
+    auto attn = cache.attend(layer, split(q(y)), split(k(y)), split(v(y)), core).transpose(1, 2).reshape({b, s, heads * d});
+    auto x1 = x + o(attn);
+    return x1 + down(torch::gelu(up(ln2(x1))));
+  }
   int64_t heads;  // this rank's (all of them until tensor parallelism splits the block)
   const int64_t total_heads = heads, head_dim;
   double dropout;
@@ -126,8 +157,9 @@ torch::nn::Sequential make_gpt(const Config& c) {
 // The same GPT written the other common way: its blocks in a torch::nn::ModuleList that its own
 // forward loops over. It declares that loop (monarch::BlockStack) so pipelines can cut it; the
 // weights and their initialization are make_gpt's, under the names embedding.*, blocks.<i>.*,
-// final_norm.*, lm_head.*.
-struct GptStackImpl : torch::nn::Module, monarch::BlockStack {
+// final_norm.*, lm_head.*. It also generates (monarch::CachedDecoder): its forward over a KV
+// cache runs the same layers, the head on the last position only (all generate reads).
+struct GptStackImpl : torch::nn::Module, monarch::BlockStack, monarch::CachedDecoder {
   explicit GptStackImpl(const Config& c) {
     torch::manual_seed(1234);
     embedding = register_module("embedding", monarch::Embedding(c.vocab, c.hidden));
@@ -150,6 +182,13 @@ struct GptStackImpl : torch::nn::Module, monarch::BlockStack {
   torch::Tensor forward_before(const torch::Tensor& tokens) override { return embedding(tokens); }
   torch::Tensor forward_block(int64_t i, const torch::Tensor& h) override { return blocks[i]->as<Block>()->forward(h); }
   torch::Tensor forward_after(const torch::Tensor& h) override { return lm_head(final_norm(h)); }
+  torch::Tensor forward_cached(const torch::Tensor& tokens, monarch::KVCache& cache) override {
+    auto h = embedding(tokens);
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      h = blocks[i]->as<Block>()->forward_cached(h, cache, static_cast<int64_t>(i));
+    }
+    return lm_head(final_norm(h.narrow(1, h.size(1) - 1, 1)));  // [batch, 1, vocab] (vocab / tp split)
+  }
 
   monarch::Embedding embedding{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -168,6 +207,54 @@ std::pair<torch::Tensor, torch::Tensor> batch(const Config& c, int64_t step) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step % 2);
   auto tokens = torch::randint(c.vocab, {c.global_batch, c.seq + 1}, gen, torch::kLong);
   return {tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()};
+}
+
+// The prompts --generate runs: 4 of 5, 11, 3 and 8 random tokens, left-padded to 11 (token 0
+// under mask 0), and each prompt alone.
+struct Prompts {
+  torch::Tensor ids, mask;
+  std::vector<torch::Tensor> alone;
+};
+Prompts make_prompts(const Config& c) {
+  const std::vector<int64_t> lengths = {5, 11, 3, 8};
+  const int64_t longest = 11;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(77);
+  Prompts p{torch::zeros({4, longest}, torch::kLong), torch::zeros({4, longest}, torch::kLong), {}};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    auto tokens = torch::randint(c.vocab, {lengths[i]}, gen, torch::kLong);
+    const auto row = static_cast<int64_t>(i);
+    p.ids[row].narrow(0, longest - lengths[i], lengths[i]).copy_(tokens);
+    p.mask[row].narrow(0, longest - lengths[i], lengths[i]).fill_(1);
+    p.alone.push_back(tokens);
+  }
+  return p;
+}
+
+// Greedy decoding without a cache, one prompt alone: the whole sequence through the model's
+// pieces (its training forward) for every token. `margin`: the smallest gap seen between the
+// two best logits (how far the choices were from a tie).
+std::vector<int64_t> greedy_without_cache(monarch::ChainModel& model, const torch::Tensor& prompt, int64_t n,
+                                          double& margin) {
+  torch::NoGradGuard no_grad;
+  auto sequence = prompt.unsqueeze(0);
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    torch::Tensor x = sequence;
+    for (auto& p : model.pieces) x = p.forward(x);
+    auto last = x[0][x.size(1) - 1];
+    auto best = std::get<0>(last.topk(2));
+    margin = std::min(margin, (best[0] - best[1]).item<double>());
+    const int64_t token = last.argmax().item<int64_t>();
+    out.push_back(token);
+    sequence = torch::cat({sequence, torch::full({1, 1}, token, torch::kLong)}, 1);
+  }
+  return out;
+}
+
+std::string joined(const std::vector<int64_t>& tokens) {
+  std::string out;
+  for (int64_t t : tokens) out += " " + std::to_string(t);
+  return out;
 }
 
 std::string arg(std::map<std::string, std::string>& args, const std::string& key, const std::string& fallback = "") {
@@ -191,12 +278,29 @@ int64_t int_arg(std::map<std::string, std::string>& args, const std::string& key
   return value;
 }
 
+// A flag's number; an error naming the flag when it is not one.
+double double_arg(std::map<std::string, std::string>& args, const std::string& key, const std::string& fallback) {
+  const std::string text = arg(args, key, fallback);
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) {
+    throw std::invalid_argument("train_gpt: --" + key + " takes a number, got '" + text + "'");
+  }
+  return value;
+}
+
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
 const std::set<std::string> kFlags = {"plan", "save-plan", "tp", "pp", "dp", "zero", "micro-batch", "schedule",
                                       "recompute", "steps", "layers", "hidden", "heads", "batch", "trace",
                                       "torchscript", "module-list",
-                                      "save", "save-at", "resume"};
+                                      "save", "save-at", "resume",
+                                      "generate", "temperature", "top-k", "top-p", "seed", "eos"};
 
 }  // namespace
 
@@ -237,15 +341,20 @@ int main(int argc, char** argv) {
       throw std::invalid_argument("train_gpt: --hidden must be a positive multiple of --heads, --batch and --layers "
                                   "positive");
     }
-    for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch", "save-at"}) {
+    for (const char* key : {"tp", "pp", "dp", "zero", "micro-batch", "save-at", "generate", "top-k", "seed", "eos"}) {
       if (!arg(args, key).empty()) int_arg(args, key, "");
+    }
+    for (const char* key : {"temperature", "top-p"}) {
+      if (!arg(args, key).empty()) double_arg(args, key, "");
     }
   } catch (const std::invalid_argument& e) {
     std::cerr << e.what() << "\n";
     return 2;
   }
   const std::string torchscript = arg(args, "torchscript");
-  const bool module_list = arg(args, "module-list", "0") == "1";
+  const int64_t new_tokens = arg(args, "generate").empty() ? -1 : int_arg(args, "generate", "");
+  // Generation runs the GptStack model (a monarch::CachedDecoder) unless told otherwise.
+  const bool module_list = arg(args, "module-list", new_tokens >= 0 && torchscript.empty() ? "1" : "0") == "1";
 
   try {
     auto world = monarch::World::init();
@@ -291,6 +400,7 @@ int main(int argc, char** argv) {
       auto& pins = options.pins;
       if (!arg(args, "tp").empty()) pins.tp = int_arg(args, "tp", "");
       if (!arg(args, "pp").empty()) pins.pp = int_arg(args, "pp", "");
+      if (new_tokens >= 0 && arg(args, "pp").empty()) pins.pp = 1;  // generate runs no pipeline
       if (!arg(args, "dp").empty()) pins.dp = int_arg(args, "dp", "");
       if (!arg(args, "zero").empty()) pins.zero_stage = int_arg(args, "zero", "");
       if (!arg(args, "micro-batch").empty()) pins.micro_batch_size = int_arg(args, "micro-batch", "");
@@ -340,6 +450,49 @@ int main(int argc, char** argv) {
         model->mesh().group("dp").counters().total() / static_cast<double>(std::max<int64_t>(1, c.steps - first));
     if (lead) std::printf("dp bytes per step: %.0f\n", dp_bytes);
     if (!arg(args, "trace").empty()) model->trace(arg(args, "trace"));  // collective: rank 0 writes it
+
+    // Generation from the weights training stepped: each dp rank its share of the prompts.
+    const Prompts prompts = make_prompts(c);
+    if (new_tokens >= 0) {
+      const auto ids = model->local_batch(prompts.ids), mask = model->local_batch(prompts.mask);
+      const int64_t first_row = model->mesh().coordinate("dp") * ids.size(0), prompt_len = ids.size(1);
+      auto run = [&](const std::string& what, monarch::GenerateOptions g) {
+        g.max_new_tokens = new_tokens;
+        g.attention_mask = mask;
+        monarch::KVCache cache;
+        g.cache = &cache;
+        const auto start = std::chrono::steady_clock::now();
+        const auto out = model->generate(ids, g);
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        for (int64_t i = 0; i < out.size(0); ++i) {
+          const auto row = out[i].narrow(0, prompt_len, out.size(1) - prompt_len).contiguous();
+          const std::vector<int64_t> tokens(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+          std::cout << (what + " prompt " + std::to_string(first_row + i) + " (rank " + std::to_string(world->rank()) +
+                        "):" + joined(tokens) + "\n")
+                    << std::flush;
+        }
+        if (lead) {
+          std::printf("%s: %lld new tokens x %lld prompts in %.3f s\n", what.c_str(),
+                      static_cast<long long>(out.size(1) - prompt_len), static_cast<long long>(out.size(0)), seconds);
+        }
+        return cache.bytes();
+      };
+      const int64_t bytes = run("generated", {});
+      if (lead) std::printf("kv cache bytes per rank: %lld\n", static_cast<long long>(bytes));
+      if (!arg(args, "temperature").empty()) {
+        monarch::GenerateOptions g;
+        g.temperature = double_arg(args, "temperature", "");
+        if (!arg(args, "top-k").empty()) g.top_k = int_arg(args, "top-k", "");
+        if (!arg(args, "top-p").empty()) g.top_p = double_arg(args, "top-p", "");
+        g.seed = static_cast<uint64_t>(int_arg(args, "seed", "0"));
+        run("sampled", g);
+      }
+      if (!arg(args, "eos").empty()) {
+        monarch::GenerateOptions g;
+        g.eos_token_ids = {int_arg(args, "eos", "")};
+        run("eos", g);
+      }
+    }
     auto trained = model->state_dict();  // collective: the whole model on every rank
 
     // The same model, data and optimizer in one process (rank 0).
@@ -388,6 +541,25 @@ int main(int argc, char** argv) {
                   model->layout().summary().c_str(), static_cast<long long>(c.steps - first), ok ? "ok" : "FAILED",
                   worst_loss, worst_param, worst_name.c_str());
       status = ok ? 0 : 1;
+      // The prompts generated above, each alone, through one process without a cache: the
+      // model built again with the weights the parallel model generated from (its state dict),
+      // so the comparison does not depend on how closely the two trainings agree.
+      if (new_tokens >= 0) {
+        auto alone = build();
+        std::map<std::string, at::Tensor> weights(trained.begin(), trained.end());
+        torch::NoGradGuard no_grad;
+        for (auto& p : alone.pieces) {
+          for (auto& [name, t] : p.parameters) t.copy_(weights.at(name));
+          for (auto& [name, t] : p.buffers) t.copy_(weights.at(name));
+        }
+        alone.set_training(false);
+        double margin = std::numeric_limits<double>::infinity();
+        for (size_t i = 0; i < prompts.alone.size(); ++i) {
+          std::printf("reference prompt %zu:%s\n", i,
+                      joined(greedy_without_cache(alone, prompts.alone[i], new_tokens, margin)).c_str());
+        }
+        std::printf("reference margin: %.3g\n", margin);
+      }
     }
     return status;
   } catch (const std::exception& e) {

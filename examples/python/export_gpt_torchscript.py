@@ -5,11 +5,14 @@
 
 The C++ frontend cuts a scripted Sequential between its children like a torch::nn one. The
 layers have the shapes the planner's transformer builder counts (untied head: weights tied
-in Python come back from a TorchScript file as two tensors).
+in Python come back from a TorchScript file as two tensors). The blocks also export
+forward_cached, the method through which the C++ frontend generates with a KV cache
+(ParallelModule::generate; `train_gpt --torchscript gpt.pt --generate 32`).
 """
 
 import argparse
 import math
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -40,6 +43,27 @@ class Block(nn.Module):
         attn = torch.matmul(scores.masked_fill(causal, -1e9).softmax(-1), v).transpose(1, 2).reshape(b, s, h)
         x = x + self.o(attn)
         return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+    @torch.jit.export
+    def forward_cached(self, x: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor,
+                       allowed: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same block over a KV cache (monarch::chain_of(jit::Module) in C++): x holds the tokens
+        fed now, past_keys / past_values what the cache holds for this block (0 elements at the
+        prompt), allowed [batch, 1, queries, keys] where a query may attend (causal, not the left
+        padding). Returns the output and this call's keys and values, which the cache appends.
+        No position embedding here, so positions is unused."""
+        b, s, h = x.shape
+        d = h // self.heads
+        y = self.ln1(x)
+        q = self.q(y).view(b, s, self.heads, d).transpose(1, 2)
+        k = self.k(y).view(b, s, self.heads, d).transpose(1, 2)
+        v = self.v(y).view(b, s, self.heads, d).transpose(1, 2)
+        keys = k if past_keys.numel() == 0 else torch.cat([past_keys, k], 2)
+        values = v if past_values.numel() == 0 else torch.cat([past_values, v], 2)
+        scores = torch.matmul(q, keys.transpose(-2, -1)) / math.sqrt(d)
+        attn = torch.matmul(scores.masked_fill(~allowed, -1e9).softmax(-1), values).transpose(1, 2).reshape(b, s, h)
+        x = x + self.o(attn)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x)))), k, v
 
 
 def gpt(vocab=64, hidden=32, heads=4, layers=4):

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BUILD = os.environ.get("MONARCH_BUILD_DIR", os.path.join(ROOT, "build"))
 BINARY = os.path.join(BUILD, "bin", "train_gpt")
 PARITY = re.compile(r"parity with 1 process \((.*?), (\d+) steps\): (ok|FAILED), worst relative difference "
-                    r"(\S+) \(losses\), (\S+) \(parameters(?:, \S+)?\)")
+                    r"(\S+) \(losses\), (\S+) \(parameters(?:, \S*)?\)")
 
 
 def launch(nproc, *args, binary=BINARY, timeout=240):
@@ -142,6 +142,13 @@ def test_a_torchscript_sequential_from_python_trains_in_cpp(tmp_path):
             assert layout.startswith("pp=2 dp=2 tp=1 zero=3"), layout
     # A TorchScript block computes its attention inline: selective has no core to re-run and
     # is refused at the first training step, naming the block and the way out.
+    # It generates too: its blocks export forward_cached (the C++ frontend's TorchScript cache
+    # interface). ZeRO-3 after 2 steps (every unit gathered for the call): the same tokens as
+    # the scripted model's own forward, without a cache, from the trained weights.
+    p = launch(2, "--torchscript", model, "--dp", "2", "--zero", "3", "--steps", "2", "--generate", "32")
+    out, reference = generations(p)
+    assert parity(p)[0].startswith("pp=1 dp=2 tp=1 zero=3")
+    assert agreed(out["generated"], 1) == reference
     with open(plan) as f:
         saved = json.load(f)
     p = launch(4, "--torchscript", model, "--plan", write_plan(tmp_path / "selective.json",
@@ -320,3 +327,100 @@ def test_the_cpp_dlrm_refuses_a_bad_pin_on_every_rank():
     p = launch(2, "--pins", "user=diagonal", binary=DLRM)
     assert p.returncode != 0
     assert p.stdout.count("train_dlrm: sharding: unknown sharding 'diagonal'") == 2, p.stdout[-2000:]
+
+
+# -- generation (monarch/generate.h: ParallelModule::generate on train_gpt's GptStack) ---------
+
+GENERATED = re.compile(r"^(generated|sampled|eos) prompt (\d+) \(rank (\d+)\):([\d ]*)$", re.M)
+REFERENCE = re.compile(r"^reference prompt (\d+):([\d ]*)$", re.M)
+SAMPLING = ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7"]
+
+
+def generations(p):
+    """({kind: {prompt: {rank: tokens}}}, {prompt: the no-cache loop's tokens (rank 0)})."""
+    assert p.returncode == 0, p.stdout[-3000:]
+    out = {}
+    for kind, prompt, rank, tokens in GENERATED.findall(p.stdout):
+        out.setdefault(kind, {}).setdefault(int(prompt), {})[int(rank)] = [int(t) for t in tokens.split()]
+    reference = {int(i): [int(t) for t in tokens.split()] for i, tokens in REFERENCE.findall(p.stdout)}
+    return out, reference
+
+
+def agreed(rows, tp):
+    """Each prompt's tokens, after checking that the tp ranks that generated it (and only they)
+    printed the same ones."""
+    assert sorted(rows) == [0, 1, 2, 3], sorted(rows)
+    for prompt, by_rank in rows.items():
+        assert len(by_rank) == tp, (prompt, sorted(by_rank))
+        assert all(tokens == next(iter(by_rank.values())) for tokens in by_rank.values()), (prompt, by_rank)
+    return {prompt: next(iter(by_rank.values())) for prompt, by_rank in rows.items()}
+
+
+def kv_bytes(p):
+    return int(re.search(r"kv cache bytes per rank: (\d+)", p.stdout).group(1))
+
+
+def test_cpp_generate_on_tp_and_dp_layouts_equals_one_process():
+    """4 left-padded prompts of 5, 11, 3 and 8 tokens, 64 new tokens, greedy: tp=2 x dp=2 (ZeRO-2)
+    and tp=4 give token for token what the same binary gives on one rank, and what one process
+    gives without a cache, each prompt alone, re-running the whole sequence for every token.
+    Sampled output (temperature, top-k, top-p, one seeded generator) is the same on every rank
+    of a tp group, and at tp=4 the same as on one rank (dp=1 in both: one generator for the 4
+    rows). EOS: each sequence stops at its first EOS and pads; each dp rank stops when its own
+    sequences all stopped. The KV cache holds kv_heads / tp heads of this rank's prompts."""
+    single = launch(1, "--generate", "64", "--steps", "0", *SAMPLING)
+    one, one_reference = generations(single)
+    greedy = agreed(one["generated"], 1)
+    assert all(len(tokens) == 64 for tokens in greedy.values())
+    assert greedy == one_reference
+    assert len({token for tokens in greedy.values() for token in tokens}) > 4  # not one token repeated
+    sampled = agreed(one["sampled"], 1)
+    assert sampled != greedy
+    # An EOS in both prompts of dp rank 0 (prompts 0 and 1) when there is one: that rank stops early.
+    eos = next((t for t in greedy[0] if t in greedy[1]), greedy[0][10])
+
+    runs = {
+        "tp2 dp2": launch(4, "--tp", "2", "--dp", "2", "--zero", "2", "--generate", "64", "--steps", "0",
+                          "--eos", str(eos), *SAMPLING),
+        "tp4": launch(4, "--tp", "4", "--generate", "64", "--steps", "0", *SAMPLING),
+    }
+    for name, p in runs.items():
+        out, reference = generations(p)
+        tp = 2 if name == "tp2 dp2" else 4
+        assert parity(p)[0].startswith("pp=1 dp=2 tp=2 zero=2" if tp == 2 else "pp=1 dp=1 tp=4"), parity(p)[0]
+        assert agreed(out["generated"], tp) == greedy, name
+        assert reference == greedy, name
+        mine = agreed(out["sampled"], tp)
+        if tp == 4:
+            assert mine == sampled
+        if "eos" in out:
+            stopped = agreed(out["eos"], tp)
+            groups = {}  # the prompts each dp rank generated (the same printing ranks)
+            for prompt, by_rank in out["eos"].items():
+                groups.setdefault(tuple(sorted(by_rank)), []).append(prompt)
+            assert len(groups) == 2
+            ends = []
+            for prompts in groups.values():
+                stop = {i: greedy[i].index(eos) + 1 if eos in greedy[i] else 64 for i in prompts}
+                length = max(stop.values())
+                ends.append(length)
+                for i in prompts:
+                    assert stopped[i] == greedy[i][:stop[i]] + [eos] * (length - stop[i]), (i, stopped[i])
+            assert min(ends) < 64, (eos, ends)  # a rank that stopped early
+    # tp2 x dp2: half the heads of half the prompts; tp4: a quarter of the heads of all four.
+    assert kv_bytes(runs["tp2 dp2"]) * 4 == kv_bytes(runs["tp4"]) * 4 == kv_bytes(single)
+
+
+def test_cpp_generate_after_zero_training_uses_the_stepped_weights_and_a_pipeline_is_refused():
+    """After 3 training steps under ZeRO-1 (dp=2), generate refreshes the whole parameters from
+    the shards the last optimizer step updated: its output equals one process's loop without a
+    cache from the model's state dict (without the refresh it generated from the weights before
+    the last step, and differed). A pipeline (pp=2) is refused by name on every rank."""
+    p = launch(2, "--dp", "2", "--zero", "1", "--steps", "3", "--generate", "64")
+    out, reference = generations(p)
+    assert parity(p)[0].startswith("pp=1 dp=2 tp=1 zero=1")
+    assert agreed(out["generated"], 1) == reference
+    p = launch(2, "--pp", "2", "--steps", "0", "--generate", "8")
+    assert p.returncode != 0
+    assert p.stdout.count("train_gpt: monarch: generate: pp=2 (2 stages) is not supported by the C++ frontend") == 2, \
+        p.stdout[-3000:]

@@ -48,6 +48,18 @@ class AttentionHeads {
   virtual void set_local_heads(int64_t heads, int64_t kv_heads) = 0;
 };
 
+// While one is alive on this thread, a vocabulary-split monarch::Linear (vocab_head) returns
+// this rank's columns of the logits [..., vocab / tp] instead of gathering them whole:
+// ParallelModule::generate holds one around each forward and gathers the last position's only.
+class LocalVocabLogits {
+ public:
+  LocalVocabLogits();
+  ~LocalVocabLogits();
+  LocalVocabLogits(const LocalVocabLogits&) = delete;
+  LocalVocabLogits& operator=(const LocalVocabLogits&) = delete;
+  static bool active();
+};
+
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = true)

@@ -26,6 +26,10 @@
 // compute with monarch::attention_core (monarch/runtime/attention.h), and refuses, at the
 // first training forward, a block that computed none (its attention written inline, or a
 // TorchScript block): LibTorch has no C++ hook to find the core among a block's operators.
+//
+// Generation (ParallelModule::generate, monarch/generate.h): a model that implements
+// monarch::CachedDecoder (a forward over a KV cache) generates token by token with the
+// semantics of Python's generate, laid out with tp, dp and any ZeRO stage (pp = 1).
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -38,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "monarch/generate.h"
 #include "monarch/nn.h"
 #include "monarch/planner/plan.h"
 #include "monarch/runtime/composition.h"
@@ -67,14 +72,32 @@ struct Piece {
 struct ChainModel {
   std::vector<Piece> pieces;
   std::function<void(bool)> set_training;  // train() / eval() on the whole model
+  // Every module's training flag in a fixed order, and setting them back (generate switches
+  // the model to eval for the call, then restores each module's own mode).
+  std::function<std::vector<bool>()> training_modes;
+  std::function<void(const std::vector<bool>&)> restore_training_modes;
+  // The model's generation interface (ParallelModule::generate), when it has one: a torch::nn
+  // model implementing monarch::CachedDecoder (chain_of_blocks, chain_of(module, forward)), or
+  // a TorchScript chain whose blocks have forward_cached methods (chain_of(jit::Module)).
+  std::shared_ptr<CachedDecoder> decoder;
+  std::string decoder_missing;  // why there is none (generate's error)
 };
 
 // The children of `model` in order (nested Sequentials opened).
 ChainModel chain_of(const torch::nn::Sequential& model);
 // A TorchScript module whose type is a Sequential: its children in order (nested Sequentials
-// opened); any other: one piece.
+// opened); any other: one piece. It generates (ParallelModule::generate) when its attention
+// blocks have a method
+//   forward_cached(x, past_keys, past_values, allowed, positions) -> (output, keys, values)
+// x [batch, tokens fed now, hidden]; past_keys / past_values what the cache holds for that block
+// ([batch, kv_heads, past, head_dim], a tensor of 0 elements at the prompt); allowed
+// [batch, 1, tokens fed now, past + tokens fed now] bool (KVCache::allowed); positions
+// [batch, tokens fed now]; it returns its output and this forward's keys and values, which the
+// cache appends. Such blocks are the cache's layers 0, 1, ... in order; the other pieces run
+// their forward.
 ChainModel chain_of(const torch::jit::Module& model);
-// Any module with its own forward: one piece.
+// Any module with its own forward: one piece (a model implementing monarch::CachedDecoder
+// generates).
 ChainModel chain_of(std::shared_ptr<torch::nn::Module> model, std::function<at::Tensor(const at::Tensor&)> forward);
 
 // A model whose blocks sit in a torch::nn::ModuleList that its own forward drives (a
@@ -96,7 +119,8 @@ class BlockStack {
   virtual at::Tensor forward_after(const at::Tensor& hidden) = 0;
 };
 // Pieces "before", each block ("<blocks_name>.<i>"), "after". Throws naming what does not fit
-// (no such ModuleList, a before name that is no child, a parameter of the model itself).
+// (no such ModuleList, a before name that is no child, a parameter of the model itself). A
+// model that also implements monarch::CachedDecoder generates (ParallelModule::generate).
 ChainModel chain_of_blocks(std::shared_ptr<torch::nn::Module> model);
 
 // Indices (into pieces) of the blocks: the longest run of consecutive pieces of one type
@@ -153,6 +177,22 @@ class ParallelModule {
   at::Tensor forward(const at::Tensor& inputs);
   // Forward only through the pipeline; the outputs on ranks of the last stage, undefined elsewhere.
   at::Tensor predict(const at::Tensor& inputs);
+  // Token-by-token generation with a KV cache (monarch/generate.h; Python's generate):
+  // input_ids [batch, prompt_len] (int64 or int32; this dp rank's prompts, e.g. local_batch of
+  // the global ones; the same on the tp ranks of a group, which is checked), left-padded with
+  // options.attention_mask 0 on the padding. Returns [batch, prompt_len + generated] int64: the
+  // prompt as given, then the new tokens (fewer than max_new_tokens when every sequence stopped
+  // at EOS). Greedy or sampled (temperature, then top-k, then top-p, one generator seeded with
+  // options.seed); the tp group's rank 0 chooses and broadcasts the ids; a vocabulary-split
+  // head's logits are all-gathered over tp for the last position only. The model runs in eval
+  // (each module's mode restored after) without autograd, from the weights training stepped.
+  // Layouts: dp, tp, any ZeRO stage: every rank calls it (the dp ranks with their own prompts),
+  // since ZeRO-1/2 refresh the whole parameters from the shards first and ZeRO-3 gathers every
+  // unit for the call (the whole model on each rank while it generates; freed after). Refused
+  // by name (std::invalid_argument): pp > 1, a model without the interface, max_new_tokens < 0,
+  // a mask of another shape, bad sampling settings, a prompt plus max_new_tokens beyond the
+  // model's max_positions().
+  at::Tensor generate(const at::Tensor& input_ids, const GenerateOptions& options);
   // This dp rank's share (dim 0) of a global-batch tensor.
   at::Tensor local_batch(const at::Tensor& global) const { return composition_->local_batch(global); }
 
@@ -196,6 +236,12 @@ class ParallelModule {
   std::vector<at::Tensor> run_stage(int64_t stage, const at::Tensor& input);
   std::map<std::string, at::Tensor> local_state();
   Stage& stage(int64_t s);
+  // Every parameter whole on this rank until hold_parameters(false), without autograd: ZeRO-1/2
+  // refresh them from the shards an optimizer step updated, ZeRO-3 gathers every unit (then
+  // frees them). Collective over dp.
+  void hold_parameters(bool hold);
+  // The vocabulary a vocabulary-split head or embedding covers (0: none is split).
+  int64_t split_vocabulary() const;
 
   ChainModel model_;
   std::shared_ptr<DeviceMesh> mesh_;  // outlives the engines below, which use its groups
