@@ -424,6 +424,6 @@ def _copy_cluster(cluster):
                   "peak_flops_fp32", "peak_flops_tf32", "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency",
                   "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "hbm_bytes_per_s",
                   "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s", "inter_node_latency_s",
-                  "straggler_spread"):
+                  "straggler_spread", "levels"):  # levels last: it sets the two-level fields from its first two
         setattr(c, field, getattr(cluster, field))
     return c

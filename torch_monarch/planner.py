@@ -46,6 +46,7 @@ MoeConfig = _P.MoeConfig
 TransformerConfig = _P.TransformerConfig
 ModelGraph = _P.ModelGraph
 Cluster = _P.Cluster
+LinkLevel = _P.LinkLevel
 TrainingConfig = _P.TrainingConfig
 Pins = _P.Pins
 SearchOptions = _P.SearchOptions
@@ -155,9 +156,22 @@ def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, g
     return build_transformer(config)
 
 
+def link_level(name, devices, bytes_per_s, latency_s, oversubscription=1.0):
+    """One LinkLevel: ``devices`` per unit (cumulative, 0 on the outermost level), achieved
+    ``bytes_per_s`` per device, ``latency_s`` per message, ``oversubscription`` (>= 1) of the
+    links up into it."""
+    return LinkLevel(name=name, devices=devices, bytes_per_s=float(bytes_per_s), latency_s=float(latency_s),
+                     oversubscription=float(oversubscription))
+
+
 def cluster(name, devices, **overrides):
-    """A preset cluster (see ``cluster_preset_names()``), optionally with fields overridden."""
+    """A preset cluster (see ``cluster_preset_names()``), optionally with fields overridden.
+    ``levels``: a list of LinkLevel or of dicts of its fields (innermost first); it sets the
+    two-level fields from its first two levels."""
     c = cluster_preset(name, devices)
+    if "levels" in overrides:
+        overrides = dict(overrides)
+        overrides["levels"] = [link_level(**l) if isinstance(l, dict) else l for l in overrides["levels"]]
     if overrides:
         _set_fields(c, overrides, {}, "cluster")
         validate(c)

@@ -341,8 +341,41 @@ void bind_model_graph(py::module_& m) {
 // ---------------------------------------------------------------------------------------
 // Cluster and training configuration
 
+// A two-level field set from Python: with levels, the matching level (0: intra, 1: inter)
+// follows, so old code that edits intra_node_* / inter_node_* keeps the cluster consistent.
+void set_compat_link(Cluster& c, size_t level, const double* bytes_per_s, const double* latency_s) {
+  double& bw = level == 0 ? c.intra_node_bytes_per_s : c.inter_node_bytes_per_s;
+  double& lat = level == 0 ? c.intra_node_latency_s : c.inter_node_latency_s;
+  if (bytes_per_s) bw = *bytes_per_s;
+  if (latency_s) lat = *latency_s;
+  if (c.levels.size() > level) {
+    if (bytes_per_s) c.levels[level].bytes_per_s = *bytes_per_s;
+    if (latency_s) c.levels[level].latency_s = *latency_s;
+  }
+}
+
 void bind_cluster_training(py::module_& m) {
-  py::class_<Cluster> cluster(m, "Cluster", "Identical nodes of identical devices, two link levels.");
+  py::class_<LinkLevel> level(m, "LinkLevel",
+                              "One tier of the network, innermost first (docs/cost_model.md, \"Link levels\"): name, "
+                              "devices per unit (cumulative; 0 on the outermost), bytes_per_s per device, latency_s, "
+                              "oversubscription (>= 1: bytes_per_s is divided by it for groups that reach this level).");
+  add_kwargs_init<LinkLevel>(level);
+  add_copy<LinkLevel>(level);
+  level.def_readwrite("name", &LinkLevel::name)
+      .def_readwrite("devices", &LinkLevel::devices)
+      .def_readwrite("bytes_per_s", &LinkLevel::bytes_per_s)
+      .def_readwrite("latency_s", &LinkLevel::latency_s)
+      .def_readwrite("oversubscription", &LinkLevel::oversubscription)
+      .def(py::self == py::self)
+      .def("__repr__", [](const LinkLevel& l) {
+        return "LinkLevel(name=" + quoted(l.name) + ", devices=" + std::to_string(l.devices) + ", bytes_per_s=" +
+               num(l.bytes_per_s) + ", latency_s=" + num(l.latency_s) + ", oversubscription=" +
+               num(l.oversubscription) + ")";
+      });
+
+  py::class_<Cluster> cluster(m, "Cluster",
+                              "Identical nodes of identical devices on link levels (two by default: intra-node, "
+                              "inter-node; `levels` for more).");
   add_kwargs_init<Cluster>(cluster);
   add_copy<Cluster>(cluster);
   cluster.def_readwrite("name", &Cluster::name)
@@ -361,10 +394,27 @@ void bind_cluster_training(py::module_& m) {
       .def_readwrite("straggler_spread", &Cluster::straggler_spread)
       .def_readwrite("sm_count", &Cluster::sm_count)
       .def_readwrite("hbm_bytes_per_s", &Cluster::hbm_bytes_per_s)
-      .def_readwrite("intra_node_bytes_per_s", &Cluster::intra_node_bytes_per_s)
-      .def_readwrite("intra_node_latency_s", &Cluster::intra_node_latency_s)
-      .def_readwrite("inter_node_bytes_per_s", &Cluster::inter_node_bytes_per_s)
-      .def_readwrite("inter_node_latency_s", &Cluster::inter_node_latency_s)
+      // The two-level fields: with levels given they are levels[0] (intra) and levels[1]
+      // (inter), and setting one sets that level too.
+      .def_property(
+          "intra_node_bytes_per_s", [](const Cluster& c) { return c.intra_node_bytes_per_s; },
+          [](Cluster& c, double v) { set_compat_link(c, 0, &v, nullptr); })
+      .def_property(
+          "intra_node_latency_s", [](const Cluster& c) { return c.intra_node_latency_s; },
+          [](Cluster& c, double v) { set_compat_link(c, 0, nullptr, &v); })
+      .def_property(
+          "inter_node_bytes_per_s", [](const Cluster& c) { return c.inter_node_bytes_per_s; },
+          [](Cluster& c, double v) { set_compat_link(c, 1, &v, nullptr); })
+      .def_property(
+          "inter_node_latency_s", [](const Cluster& c) { return c.inter_node_latency_s; },
+          [](Cluster& c, double v) { set_compat_link(c, 1, nullptr, &v); })
+      .def_property(
+          "levels", [](const Cluster& c) { return c.levels; },
+          [](Cluster& c, std::vector<LinkLevel> levels) { set_levels(c, std::move(levels)); },
+          "The network as LinkLevels, innermost first ([]: the two-level fields). Setting it sets "
+          "intra_node_* from levels[0] and inter_node_* from levels[1]. A list: assign a new one to change it.")
+      .def("link_levels", [](const Cluster& c) { return link_levels(c); },
+           "levels, or the two default ones (node, network) built from the two-level fields.")
       .def("world_size", &Cluster::world_size)
       .def("peak_flops", &Cluster::peak_flops, py::arg("dtype"))
       .def("usable_memory_bytes", &Cluster::usable_memory_bytes)

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <map>
 
@@ -124,14 +125,26 @@ Cluster mi300x() {
   return c;
 }
 
-// An instance type: its device, how many share a node (or an NVLink domain: GB200 NVL72's
-// 72), their NVLink's bidirectional bandwidth per GPU and the node's GPU network (line rate).
+// The network above the node as its vendor's reference architecture draws it: an NVLink
+// domain of `nvlink` GPUs, leaves (rail-aligned scalable units) of `leaf` GPUs, a spine
+// between them (docs/clusters.md, "Link levels"). The leaf and the spine run at the node's
+// per-GPU network bandwidth and latency, oversubscription 1: NVIDIA's SuperPOD designs cable
+// as many leaf-spine links as node-leaf links.
+struct Fabric {
+  int64_t nvlink = 0;  // 0: no levels, the two-level default
+  int64_t leaf = 0;
+};
+
+// An instance type: its device, how many share a node (a host: GB200 NVL72's compute tray
+// holds 4), their NVLink's bidirectional bandwidth per GPU, the node's GPU network (line
+// rate) and, where the vendor publishes it, the fabric's levels.
 struct Instance {
   std::function<Cluster()> device;
   int64_t devices_per_node;
   double nvlink_bidirectional_bytes_per_s;
   double network_bits_per_s;  // per node, the NICs serving GPU traffic (not front-end Ethernet)
   PresetInfo info;
+  Fabric fabric = {};
 };
 
 // Achieved all-reduce bus bandwidth of a GPU's links: nccl-tests' ~230 GB/s on NVLink3 and
@@ -146,12 +159,32 @@ Cluster instance_cluster(const Instance& i) {
   c.devices_per_node = i.devices_per_node;
   c.intra_node_bytes_per_s = achieved_link(i.nvlink_bidirectional_bytes_per_s);
   c.inter_node_bytes_per_s = 0.9 * i.network_bits_per_s / 8 / static_cast<double>(i.devices_per_node);
+  if (i.fabric.nvlink > 0) {
+    set_levels(c, {{"nvlink", i.fabric.nvlink, c.intra_node_bytes_per_s, c.intra_node_latency_s, 1},
+                   {"leaf", i.fabric.leaf, c.inter_node_bytes_per_s, c.inter_node_latency_s, 1},
+                   {"spine", 0, c.inter_node_bytes_per_s, c.inter_node_latency_s, 1}});
+  }
   return c;
+}
+
+std::string levels_text(const std::vector<LinkLevel>& levels) {
+  std::string out;
+  for (const auto& l : levels) {
+    if (!out.empty()) out += " > ";
+    out += l.name;
+    if (l.devices > 0) out += " " + std::to_string(l.devices);
+    if (l.oversubscription != 1) {
+      char ratio[32];
+      std::snprintf(ratio, sizeof(ratio), " (%g:1)", l.oversubscription);
+      out += ratio;
+    }
+  }
+  return out;
 }
 
 PresetInfo info(const char* kind, const char* gpu, int64_t per_node, double memory_gb, double nvlink_gb_s,
                 double network_gbps, const char* network, const char* source) {
-  return {"", kind, gpu, per_node, memory_gb, nvlink_gb_s, network_gbps, network, source};
+  return {"", kind, gpu, per_node, memory_gb, nvlink_gb_s, network_gbps, network, 0, "", source};
 }
 
 // Ranks of a CPU job (Gloo over loopback): one "node", modest numbers so plans for small
@@ -202,11 +235,14 @@ const std::map<std::string, Instance>& instances() {
       {"a3-megagpu-8g", {h100, 8, 900e9, 1600e9, info("GCP", "H100 80GB", 8, 80, 900, 1600, "GPUDirect-TCPXO (8 x 200 Gb/s)", "gcp-net")}},
       {"a3-ultragpu-8g", {h200, 8, 900e9, 3200e9, info("GCP", "H200 141GB", 8, 141, 900, 3200, "8 x 400 Gb/s CX-7 RDMA (RoCE)", "gcp-net")}},
       {"a4-highgpu-8g", {b200, 8, 1800e9, 3200e9, info("GCP", "B200 180GB", 8, 180, 1800, 3200, "8 x 400 Gb/s CX-7 RDMA (RoCE)", "gcp-net")}},
-      // NVIDIA systems (docs.nvidia.com: DGX BasePOD, DGX B200 and DGX GB200 user guides). An
-      // NVL72 rack is one NVLink domain of 72 GPUs: a "node" here, so tp may span it.
-      {"dgx-h100", {h100, 8, 900e9, 3200e9, info("NVIDIA", "H100 80GB", 8, 80, 900, 3200, "8 x 400 Gb/s ConnectX-7", "nv-basepod")}},
-      {"dgx-b200", {b200, 8, 1800e9, 3200e9, info("NVIDIA", "B200 180GB", 8, 180, 1800, 3200, "8 x 400 Gb/s ConnectX-7", "nv-dgxb200")}},
-      {"gb200-nvl72", {gb200, 72, 1800e9, 72 * 400e9, info("NVIDIA", "GB200 186GB", 72, 186, 1800, 72 * 400, "400 Gb/s ConnectX-7 per GPU", "nv-dgxgb200")}},
+      // NVIDIA systems (docs.nvidia.com: DGX BasePOD, DGX B200 and DGX GB200 user guides; the
+      // DGX SuperPOD reference architectures for the levels). DGX H100 / B200: nodes of 8 on
+      // NVLink, 32 nodes (256 GPUs) per rail-aligned scalable unit, a spine between units. An
+      // NVL72 rack is one NVLink domain of 72 GPUs over 18 compute trays (nodes) of 4, so tp
+      // may span nodes inside it; 8 racks (576 GPUs) per scalable unit.
+      {"dgx-h100", {h100, 8, 900e9, 3200e9, info("NVIDIA", "H100 80GB", 8, 80, 900, 3200, "8 x 400 Gb/s ConnectX-7", "nv-basepod"), {8, 256}}},
+      {"dgx-b200", {b200, 8, 1800e9, 3200e9, info("NVIDIA", "B200 180GB", 8, 180, 1800, 3200, "8 x 400 Gb/s ConnectX-7", "nv-dgxb200"), {8, 256}}},
+      {"gb200-nvl72", {gb200, 4, 1800e9, 4 * 400e9, info("NVIDIA", "GB200 186GB", 4, 186, 1800, 4 * 400, "4 x 400 Gb/s ConnectX-7 per tray", "nv-dgxgb200"), {72, 576}}},
       // Devices on their own: a node of 8 with the network of their usual systems.
       {"a100-40gb", {a100_40, 8, 600e9, 1600e9, info("device", "A100 40GB", 8, 40, 600, 1600, "one 200 Gb/s HDR NIC per GPU", "nv-a100")}},
       {"a100-80gb", {a100_80, 8, 600e9, 1600e9, info("device", "A100 80GB", 8, 80, 600, 1600, "one 200 Gb/s HDR NIC per GPU", "nv-a100")}},
@@ -236,6 +272,35 @@ double Cluster::peak_flops(DType dtype) const {
   return 0;
 }
 
+bool LinkLevel::operator==(const LinkLevel& o) const {
+  return name == o.name && devices == o.devices && bytes_per_s == o.bytes_per_s && latency_s == o.latency_s &&
+         oversubscription == o.oversubscription;
+}
+
+std::vector<LinkLevel> link_levels(const Cluster& c) {
+  if (!c.levels.empty()) return c.levels;
+  return {{"node", c.devices_per_node, c.intra_node_bytes_per_s, c.intra_node_latency_s, 1},
+          {"network", 0, c.inter_node_bytes_per_s, c.inter_node_latency_s, 1}};
+}
+
+void set_levels(Cluster& c, std::vector<LinkLevel> levels) {
+  c.levels = std::move(levels);
+  if (c.levels.size() >= 1) {
+    c.intra_node_bytes_per_s = c.levels[0].bytes_per_s;
+    c.intra_node_latency_s = c.levels[0].latency_s;
+  }
+  if (c.levels.size() >= 2) {
+    c.inter_node_bytes_per_s = c.levels[1].bytes_per_s;
+    c.inter_node_latency_s = c.levels[1].latency_s;
+  }
+}
+
+int64_t innermost_level_devices(const Cluster& c) {
+  const int64_t world = c.world_size();
+  const int64_t d = c.levels.empty() ? c.devices_per_node : c.levels.front().devices;
+  return d <= 0 ? world : std::min(d, world);
+}
+
 std::vector<std::string> cluster_preset_names() {
   std::vector<std::string> names;
   for (const auto& [name, _] : instances()) names.push_back(name);
@@ -249,6 +314,8 @@ std::vector<PresetInfo> cluster_preset_infos() {
   for (const auto& [name, instance] : instances()) {
     PresetInfo i = instance.info;
     i.name = name;
+    i.nvlink_domain = instance.fabric.nvlink > 0 ? instance.fabric.nvlink : instance.devices_per_node;
+    if (instance.fabric.nvlink > 0) i.levels = levels_text(instance_cluster(instance).levels);
     out.push_back(i);
   }
   return out;
@@ -309,6 +376,41 @@ void validate(const Cluster& c) {
   require(c.inter_node_bytes_per_s > 0, "inter_node_bytes_per_s", "must be > 0");
   require(c.intra_node_latency_s >= 0, "intra_node_latency_s", "must be >= 0");
   require(c.inter_node_latency_s >= 0, "inter_node_latency_s", "must be >= 0");
+  if (c.levels.empty()) return;
+  const size_t n = c.levels.size();
+  require(n >= 2, "levels", "needs at least two levels (the innermost and the network above it), got " +
+                                std::to_string(n));
+  for (size_t k = 0; k < n; ++k) {
+    const LinkLevel& l = c.levels[k];
+    const std::string field = "levels[" + std::to_string(k) + "]";
+    const auto req = [&](bool ok, const char* sub, const std::string& message) {
+      if (!ok) throw ValidationError("cluster." + field + "." + sub, message);
+    };
+    req(!l.name.empty(), "name", "must not be empty");
+    req(l.bytes_per_s > 0, "bytes_per_s", "must be > 0");
+    req(l.latency_s >= 0, "latency_s", "must be >= 0");
+    req(l.oversubscription >= 1 && l.oversubscription <= 1000, "oversubscription",
+        "must be in [1, 1000] (1: a non-blocking tier; 2: a 2:1 taper)");
+    if (k + 1 == n) {
+      req(l.devices == 0, "devices", "must be 0 on the outermost level (it spans the whole cluster), got " +
+                                         std::to_string(l.devices));
+    } else {
+      req(l.devices >= 1 && l.devices <= kMaxWorldSize, "devices",
+          "must be in [1, " + std::to_string(kMaxWorldSize) + "] below the outermost level, got " +
+              std::to_string(l.devices));
+      if (k > 0) {
+        const int64_t inner = c.levels[k - 1].devices;
+        req(l.devices > inner && l.devices % inner == 0, "devices",
+            std::to_string(l.devices) + " must be a larger multiple of the level inside it (" +
+                std::to_string(inner) + ")");
+      }
+    }
+  }
+  // The two-level fields are the first two levels' numbers (set_levels).
+  require(c.intra_node_bytes_per_s == c.levels[0].bytes_per_s && c.intra_node_latency_s == c.levels[0].latency_s,
+          "intra_node_bytes_per_s", "must equal levels[0]'s bytes_per_s and latency_s when levels are given");
+  require(c.inter_node_bytes_per_s == c.levels[1].bytes_per_s && c.inter_node_latency_s == c.levels[1].latency_s,
+          "inter_node_bytes_per_s", "must equal levels[1]'s bytes_per_s and latency_s when levels are given");
 }
 
 void require_peak_flops(const Cluster& c, DType dtype) {

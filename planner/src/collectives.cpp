@@ -48,21 +48,47 @@ double collective_seconds(Collective c, double bytes, const Link& link) {
          ring_bytes_per_rank(c, bytes, link.ranks) / link.bytes_per_s;
 }
 
-Link axis_link(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp, Axis axis) {
-  int64_t size = 1, stride = 1;
-  switch (axis) {
-    case Axis::tp: size = tp; stride = 1; break;
-    case Axis::dp: size = dp; stride = tp; break;
-    case Axis::pp: size = pp; stride = tp * dp; break;
-  }
+Link group_link(const Cluster& cluster, int64_t ranks, int64_t stride) {
   Link link;
-  link.ranks = size;
-  const int64_t span = stride * size;  // ranks covered by one group, first to last + 1
-  const bool one_node = span <= cluster.devices_per_node && cluster.devices_per_node % span == 0;
-  link.inter_node = !one_node;
-  link.bytes_per_s = one_node ? cluster.intra_node_bytes_per_s : cluster.inter_node_bytes_per_s;
-  link.latency_s = one_node ? cluster.intra_node_latency_s : cluster.inter_node_latency_s;
+  link.ranks = ranks;
+  const int64_t span = stride * ranks;  // ranks covered by one group, first to last + 1
+  if (cluster.levels.empty()) {         // the two default levels
+    const bool one_node = span <= cluster.devices_per_node && cluster.devices_per_node % span == 0;
+    link.inter_node = !one_node;
+    link.level = one_node ? 0 : 1;
+    link.bytes_per_s = one_node ? cluster.intra_node_bytes_per_s : cluster.inter_node_bytes_per_s;
+    link.latency_s = one_node ? cluster.intra_node_latency_s : cluster.inter_node_latency_s;
+    return link;
+  }
+  // Levels crossed up to the first whose units hold the group: the slowest bandwidth (after
+  // oversubscription) and the largest latency among them.
+  const int64_t world = cluster.world_size();
+  const size_t n = cluster.levels.size();
+  double bytes_per_s = 0, latency_s = 0;
+  for (size_t k = 0; k < n; ++k) {
+    const LinkLevel& l = cluster.levels[k];
+    const double bw = l.bytes_per_s / l.oversubscription;
+    bytes_per_s = k == 0 ? bw : std::min(bytes_per_s, bw);
+    latency_s = std::max(latency_s, l.latency_s);
+    const bool holds = l.devices <= 0 || world <= l.devices || (span <= l.devices && l.devices % span == 0);
+    if (holds || k + 1 == n) {
+      link.level = static_cast<int>(k);
+      break;
+    }
+  }
+  link.inter_node = link.level > 0;
+  link.bytes_per_s = bytes_per_s;
+  link.latency_s = latency_s;
   return link;
+}
+
+Link axis_link(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp, Axis axis) {
+  switch (axis) {
+    case Axis::tp: return group_link(cluster, tp, 1);
+    case Axis::dp: return group_link(cluster, dp, tp);
+    case Axis::pp: return group_link(cluster, pp, tp * dp);
+  }
+  return group_link(cluster, 1, 1);
 }
 
 double compressed_value_bytes(Compression c, double element_bytes) {
@@ -154,7 +180,8 @@ NodeSplit dp_node_split(const Cluster& cluster, int64_t pp, int64_t dp, int64_t 
   NodeSplit s;
   const int64_t per_node = cluster.devices_per_node;
   if (dp <= 1) return s;
-  if (!axis_link(cluster, pp, dp, tp, Axis::dp).inter_node) {  // the group is on one node
+  const int64_t span = dp * tp;
+  if (span <= per_node && per_node % span == 0) {  // the group is on one node
     s.ranks_per_node = dp;
     return s;
   }
@@ -166,6 +193,18 @@ NodeSplit dp_node_split(const Cluster& cluster, int64_t pp, int64_t dp, int64_t 
   s.nodes = dp;  // tp spans nodes, or the groups do not tile the nodes: every rank on its own
   return s;
 }
+
+namespace {
+// A hop between nodes that stays inside the innermost level (NVLink across an NVL72 rack's
+// trays) is not network traffic.
+LevelBytes on_links(LevelBytes b, const Link& inter) {
+  if (!inter.inter_node) {
+    b.intra += b.inter;
+    b.inter = 0;
+  }
+  return b;
+}
+}  // namespace
 
 double DpGroup::seconds(Collective c, double bytes, double element_bytes) const {
   if (!hierarchical()) return collective_seconds(c, bytes, flat);
@@ -187,8 +226,9 @@ LevelBytes DpGroup::node_gather_bytes_per_rank(double bytes, double element_byte
 
 LevelBytes DpGroup::bytes_per_rank(Collective c, double bytes, double element_bytes) const {
   if (hierarchical()) {
-    return hierarchical_bytes_per_rank(c, bytes, split.ranks_per_node, split.nodes, compression,
-                                       element_bytes);
+    return on_links(hierarchical_bytes_per_rank(c, bytes, split.ranks_per_node, split.nodes, compression,
+                                                element_bytes),
+                    inter);
   }
   LevelBytes b;
   (flat.inter_node ? b.inter : b.intra) = ring_bytes_per_rank(c, bytes, flat.ranks);
@@ -202,14 +242,22 @@ DpGroup dp_group(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp,
   g.split = dp_node_split(cluster, pp, dp, tp);
   g.reduction = reduction;
   g.compression = compression;
-  g.intra.ranks = g.split.ranks_per_node;
-  g.intra.bytes_per_s = cluster.intra_node_bytes_per_s;
-  g.intra.latency_s = cluster.intra_node_latency_s;
-  g.intra.inter_node = false;
-  g.inter.ranks = g.split.nodes;
-  g.inter.bytes_per_s = cluster.inter_node_bytes_per_s;
-  g.inter.latency_s = cluster.inter_node_latency_s;
-  g.inter.inter_node = true;
+  if (cluster.levels.empty()) {  // two levels: the node's ranks, then one rank per node
+    g.intra.ranks = g.split.ranks_per_node;
+    g.intra.bytes_per_s = cluster.intra_node_bytes_per_s;
+    g.intra.latency_s = cluster.intra_node_latency_s;
+    g.intra.inter_node = false;
+    g.inter.ranks = g.split.nodes;
+    g.inter.bytes_per_s = cluster.inter_node_bytes_per_s;
+    g.inter.latency_s = cluster.inter_node_latency_s;
+    g.inter.inter_node = true;
+    g.inter.level = 1;
+    return g;
+  }
+  // The L ranks of a node are tp apart; the N ranks with one local index are L tp apart.
+  const int64_t stride = std::max<int64_t>(tp, 1);
+  g.intra = group_link(cluster, g.split.ranks_per_node, stride);
+  g.inter = group_link(cluster, g.split.nodes, stride * g.split.ranks_per_node);
   return g;
 }
 

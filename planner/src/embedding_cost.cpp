@@ -24,10 +24,12 @@ double embedding_optimizer_bytes_per_row(EmbeddingOptimizer o, int64_t dim) {
 namespace embedding_detail {
 
 Link all_to_all_link(const Cluster& cluster, int64_t world) {
+  if (!cluster.levels.empty()) return group_link(cluster, world, 1);  // the level all `world` ranks reach
   Link link;
   link.ranks = world;
   const bool one_node = world <= cluster.devices_per_node;
   link.inter_node = !one_node;
+  link.level = one_node ? 0 : 1;
   link.bytes_per_s = one_node ? cluster.intra_node_bytes_per_s : cluster.inter_node_bytes_per_s;
   link.latency_s = one_node ? cluster.intra_node_latency_s : cluster.inter_node_latency_s;
   return link;

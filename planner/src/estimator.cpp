@@ -93,6 +93,16 @@ Cluster ProfileEstimator::cluster_for(const Cluster& cluster) const {
     c.inter_node_latency_s = profile_.inter_node->latency_s;
     c.inter_node_bytes_per_s = profile_.inter_node->bytes_per_s;
   }
+  // A cluster with levels: the measured links are its first two levels (the outer ones keep
+  // their figures).
+  if (!c.levels.empty()) {
+    std::vector<LinkLevel> levels = c.levels;
+    levels[0].bytes_per_s = c.intra_node_bytes_per_s;
+    levels[0].latency_s = c.intra_node_latency_s;
+    levels[1].bytes_per_s = c.inter_node_bytes_per_s;
+    levels[1].latency_s = c.inter_node_latency_s;
+    set_levels(c, std::move(levels));
+  }
   return c;
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "monarch/planner/collectives.h"
 #include "monarch/planner/cost_model.h"
 
 namespace monarch::planner {
@@ -28,10 +29,11 @@ double moe_all_to_all_bytes(const Layer& layer, const TrainingConfig& training, 
 
 namespace {
 
-// Group ranks per node of a group of `ranks` ranks `stride` apart (consecutive blocks of
-// stride): all of them when the group fits in a node, else those in one node's span.
+// Group ranks per unit of the innermost level (the node, or the NVLink domain where the
+// cluster's levels make it larger) of a group of `ranks` ranks `stride` apart (consecutive
+// blocks of stride): all of them when the group fits in a unit, else those in one unit's span.
 int64_t group_ranks_per_node(int64_t ranks, int64_t stride, const Cluster& cluster) {
-  const int64_t dpn = cluster.devices_per_node;
+  const int64_t dpn = innermost_level_devices(cluster);
   if (ranks * stride <= dpn && dpn % (ranks * stride) == 0) return ranks;
   if (stride <= dpn && dpn % stride == 0) return std::min(ranks, dpn / stride);
   return 1;
@@ -50,8 +52,16 @@ double all_to_all_seconds(double bytes_per_rank, int64_t ranks, int64_t stride, 
   const double inter = all_to_all_inter_node_bytes(bytes_per_rank, ranks, stride, cluster);
   const double intra = bytes_per_rank - inter;
   const double steps = static_cast<double>(ranks - 1);
-  const double latency = inter > 0 ? cluster.inter_node_latency_s : cluster.intra_node_latency_s;
-  return steps * latency + std::max(intra / cluster.intra_node_bytes_per_s, inter / cluster.inter_node_bytes_per_s);
+  if (cluster.levels.empty()) {
+    const double latency = inter > 0 ? cluster.inter_node_latency_s : cluster.intra_node_latency_s;
+    return steps * latency + std::max(intra / cluster.intra_node_bytes_per_s, inter / cluster.inter_node_bytes_per_s);
+  }
+  // Levels: the bytes leaving the innermost unit run on the group's link (the slowest level it
+  // crosses, group_link), those inside it on the innermost level.
+  const Link inner = group_link(cluster, 1, 1);
+  const Link group = group_link(cluster, ranks, stride);
+  const double latency = inter > 0 ? group.latency_s : inner.latency_s;
+  return steps * latency + std::max(intra / inner.bytes_per_s, inter / group.bytes_per_s);
 }
 
 double grouped_gemm_utilization(double m, double n, double k, double groups, int64_t sm_count) {

@@ -56,7 +56,7 @@ bool Cluster::operator==(const Cluster& o) const {
          intra_node_bytes_per_s == o.intra_node_bytes_per_s &&
          intra_node_latency_s == o.intra_node_latency_s &&
          inter_node_bytes_per_s == o.inter_node_bytes_per_s &&
-         inter_node_latency_s == o.inter_node_latency_s;
+         inter_node_latency_s == o.inter_node_latency_s && levels == o.levels;
 }
 
 bool TrainingConfig::operator==(const TrainingConfig& o) const {

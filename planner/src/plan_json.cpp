@@ -96,6 +96,19 @@ Json cluster_to_json(const Cluster& c) {
   j["intra_node_latency_s"] = c.intra_node_latency_s;
   j["inter_node_bytes_per_s"] = c.inter_node_bytes_per_s;
   j["inter_node_latency_s"] = c.inter_node_latency_s;
+  if (!c.levels.empty()) {  // optional: written only for clusters described by levels
+    Json levels = Json::array();
+    for (const LinkLevel& l : c.levels) {
+      Json level;
+      level["name"] = l.name;
+      level["devices"] = l.devices;
+      level["bytes_per_s"] = l.bytes_per_s;
+      level["latency_s"] = l.latency_s;
+      level["oversubscription"] = l.oversubscription;
+      levels.push_back(level);
+    }
+    j["levels"] = levels;
+  }
   return j;
 }
 
@@ -375,6 +388,20 @@ Cluster cluster_from_json(const Fields& f) {
   c.intra_node_latency_s = f.number("intra_node_latency_s");
   c.inter_node_bytes_per_s = f.number("inter_node_bytes_per_s");
   c.inter_node_latency_s = f.number("inter_node_latency_s");
+  if (f.has("levels")) {  // optional: plans without it are costed on the two levels above
+    const Json& levels = f.array("levels");
+    for (size_t i = 0; i < levels.size(); ++i) {
+      const Fields l(levels[i], element(f.path("levels"), i),
+                     {"name", "devices", "bytes_per_s", "latency_s", "oversubscription"});
+      LinkLevel level;
+      level.name = l.string("name");
+      level.devices = l.integer("devices");
+      level.bytes_per_s = l.number("bytes_per_s");
+      level.latency_s = l.number("latency_s");
+      if (l.has("oversubscription")) level.oversubscription = l.number("oversubscription");  // optional: 1
+      c.levels.push_back(level);
+    }
+  }
   return c;
 }
 
@@ -660,7 +687,7 @@ Plan plan_from_value(const Json& root) {
                   "memory_reserved_bytes", "peak_flops_fp32", "peak_flops_tf32",
                   "peak_flops_bf16", "peak_flops_fp8", "matmul_efficiency", "hbm_bytes_per_s",
                   "backward_forward_ratio", "cores_per_node", "sm_count", "overlap_contention", "straggler_spread", "intra_node_bytes_per_s", "intra_node_latency_s", "inter_node_bytes_per_s",
-                  "inter_node_latency_s"}));
+                  "inter_node_latency_s", "levels"}));
   p.training = training_from_json(f.object(
       "training", {"global_batch", "compute_dtype", "param_bytes", "grad_bytes", "zero_grad_bytes", "master_grad_bytes",
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",

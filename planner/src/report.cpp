@@ -96,6 +96,18 @@ std::string format_report(const Plan& plan) {
   }
   out << "\ncluster   " << c.name << ": " << c.world_size() << " devices (" << c.nodes << " x "
       << c.devices_per_node << "), " << format_bytes(c.device_memory_bytes) << " each\n";
+  if (!c.levels.empty()) {  // the link levels, innermost first, with each one's bandwidth per device
+    out << "network  ";
+    for (size_t k = 0; k < c.levels.size(); ++k) {
+      const LinkLevel& l = c.levels[k];
+      out << (k ? " > " : " ") << l.name;
+      if (l.devices > 0) out << " " << l.devices;
+      out << fmt(" (%.1f GB/s", l.bytes_per_s / 1e9);
+      if (l.oversubscription != 1) out << fmt(", %g:1", l.oversubscription);
+      out << ")";
+    }
+    out << "\n";
+  }
   out << "batch     " << plan.training.global_batch << " samples = " << plan.micro_batch_size
       << " per micro-batch x " << plan.num_micro_batches << " micro-batches x dp " << plan.mesh.dp
       << "\n\n";

@@ -141,6 +141,15 @@ std::string summary_section(const Plan& plan) {
   row("cluster", c.name + ": " + std::to_string(c.nodes) + " node(s) x " + std::to_string(c.devices_per_node) +
                      " devices, " + format_bytes(c.device_memory_bytes) + " each (" +
                      format_bytes(c.usable_memory_bytes()) + " usable)");
+  if (!c.levels.empty()) {
+    std::string levels;
+    for (const LinkLevel& l : c.levels) {
+      levels += (levels.empty() ? "" : " > ") + l.name + (l.devices > 0 ? " " + std::to_string(l.devices) : "") +
+                " (" + num(l.bytes_per_s / 1e9, 1) + " GB/s per device" +
+                (l.oversubscription != 1 ? ", " + num(l.oversubscription, 1) + ":1" : std::string()) + ")";
+    }
+    row("network levels", levels);
+  }
   row("layout", plan.summary());
   row("global batch", std::to_string(plan.training.global_batch) + " = micro-batch " +
                           std::to_string(plan.micro_batch_size) + " x " + std::to_string(plan.num_micro_batches) +
@@ -177,10 +186,12 @@ std::string summary_section(const Plan& plan) {
 
 // ---------------------------------------------------------------------- mesh
 
-std::string link_text(const Link& l) {
+std::string link_text(const Cluster& c, const Link& l) {
   if (l.ranks <= 1) return "unused (size 1)";
-  return std::string(l.inter_node ? "inter-node" : "intra-node") + ", " + num(l.bytes_per_s / 1e9, 1) +
-         " GB/s per device, " + format_seconds(l.latency_s) + " latency";
+  // A cluster with levels names the level the group reaches (its slowest link is charged).
+  const std::string where = c.levels.empty() ? std::string(l.inter_node ? "inter-node" : "intra-node")
+                                             : c.levels[static_cast<size_t>(l.level)].name + " level";
+  return where + ", " + num(l.bytes_per_s / 1e9, 1) + " GB/s per device, " + format_seconds(l.latency_s) + " latency";
 }
 
 std::string mesh_section(const Plan& plan) {
@@ -191,7 +202,7 @@ std::string mesh_section(const Plan& plan) {
   const std::pair<const char*, Axis> axes[] = {{"pp", Axis::pp}, {"dp", Axis::dp}, {"tp", Axis::tp}};
   for (const auto& [name, axis] : axes) {
     const int64_t size = axis == Axis::pp ? m.pp : axis == Axis::dp ? m.dp : m.tp;
-    std::string link = link_text(axis_link(c, m.pp, m.dp, m.tp, axis));
+    std::string link = link_text(c, axis_link(c, m.pp, m.dp, m.tp, axis));
     if (axis == Axis::dp && plan.dp_reduction == DpReduction::hierarchical) {
       const NodeSplit split = dp_node_split(c, m.pp, m.dp, m.tp);
       link = "hierarchical: " + std::to_string(split.ranks_per_node) + " ranks per node (intra-node) x " +
@@ -726,6 +737,14 @@ std::string time_section(const Plan& plan) {
   const Cluster& c = plan.cluster;
   const Link links[] = {axis_link(c, m.pp, m.dp, m.tp, Axis::dp), axis_link(c, m.pp, m.dp, m.tp, Axis::tp),
                         axis_link(c, m.pp, m.dp, m.tp, Axis::pp)};
+  // dp's bytes over the network run on the level its group (or its hierarchical hop between
+  // nodes) reaches; two-level clusters: the inter-node link.
+  double dp_intra_bytes_per_s = c.intra_node_bytes_per_s, dp_inter_bytes_per_s = c.inter_node_bytes_per_s;
+  if (!c.levels.empty()) {
+    const DpGroup dpg = dp_group(c, m.pp, m.dp, m.tp, plan.dp_reduction, plan.inter_node_compression);
+    dp_intra_bytes_per_s = group_link(c, 1, 1).bytes_per_s;
+    dp_inter_bytes_per_s = (dpg.hierarchical() ? dpg.inter : dpg.flat).bytes_per_s;
+  }
   o << "<p>Bytes each rank sends per optimizer step (ring volumes, as the runtime's counters count them), and the "
        "time they take on their link when nothing overlaps them. The step-time parts above are what stays exposed.</p>";
   o << "<table class=\"traffic\"><tr><th>pipeline rank</th><th>dp</th><th>tp</th><th>pp (+ tied ends)</th>"
@@ -742,8 +761,8 @@ std::string time_section(const Plan& plan) {
     const double dp_inter = std::min(q.dp_inter_node_bytes, q.dp_bytes), dp_intra = q.dp_bytes - dp_inter;
     intra += dp_intra;
     inter += dp_inter;
-    if (dp_intra > 0) seconds += dp_intra / c.intra_node_bytes_per_s;
-    if (dp_inter > 0) seconds += dp_inter / c.inter_node_bytes_per_s;
+    if (dp_intra > 0) seconds += dp_intra / dp_intra_bytes_per_s;
+    if (dp_inter > 0) seconds += dp_inter / dp_inter_bytes_per_s;
     o << "<tr><td>" << r << "</td>";
     for (double b : bytes) o << "<td class=\"n\">" << esc(format_bytes(b)) << "</td>";
     o << "<td class=\"n\">" << esc(format_bytes(intra)) << "</td><td class=\"n\">" << esc(format_bytes(inter))

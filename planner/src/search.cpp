@@ -335,8 +335,10 @@ class Searcher {
  private:
   bool tp_allowed(int64_t tp) {
     if (tp > 1 && !training_.allow_tensor_parallel) return false;
-    // Tensor parallelism stays inside a node (its collectives are on the critical path).
-    if (tp > cluster_.devices_per_node || cluster_.devices_per_node % tp != 0) return false;
+    // Tensor parallelism stays inside a node (its collectives are on the critical path), or
+    // inside the NVLink domain where the cluster's levels make it larger than a node.
+    const int64_t domain = innermost_level_devices(cluster_);
+    if (tp > domain || domain % tp != 0) return false;
     const std::string conflict = tp_conflict(graph_, tp);
     if (!conflict.empty()) {
       note_rejection("tp=" + conflict);

@@ -444,19 +444,29 @@ int run(int argc, char** argv) {
   if (cmd == "schedule") return cmd_schedule(argc, argv);
   if (cmd == "embeddings") return cmd_embeddings(argc, argv);
   if (cmd == "presets") {
-    // One line per preset: who rents it, its GPUs, per-GPU memory, NVLink (bidirectional, per
-    // GPU) and the node's GPU network (docs/clusters.md: every number's source).
+    // One line per preset: who rents it, its GPUs per node and per NVLink domain, per-GPU
+    // memory, NVLink (bidirectional, per GPU) and the node's GPU network (docs/clusters.md:
+    // every number's source); then the link levels of the presets that have more than two.
     char line[256];
-    std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5s %8s %12s %10s  %s\n", "preset", "kind", "gpu", "gpus",
-                  "mem GB", "NVLink GB/s", "net Gb/s", "network");
+    std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5s %5s %8s %12s %10s  %s\n", "preset", "kind", "gpu", "gpus",
+                  "nvl", "mem GB", "NVLink GB/s", "net Gb/s", "network");
     std::cout << line;
+    std::string levels;
     for (const auto& i : mp::cluster_preset_infos()) {
-      std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5lld %8.0f %12.0f %10.0f  %s\n", i.name.c_str(),
-                    i.kind.c_str(), i.gpu.c_str(), static_cast<long long>(i.devices_per_node), i.memory_gb,
-                    i.nvlink_gb_per_s, i.network_gbit_per_s, i.network.c_str());
+      std::snprintf(line, sizeof(line), "%-18s %-7s %-13s %5lld %5lld %8.0f %12.0f %10.0f  %s\n", i.name.c_str(),
+                    i.kind.c_str(), i.gpu.c_str(), static_cast<long long>(i.devices_per_node),
+                    static_cast<long long>(i.nvlink_domain), i.memory_gb, i.nvlink_gb_per_s, i.network_gbit_per_s,
+                    i.network.c_str());
       std::cout << line;
+      if (!i.levels.empty()) {
+        std::snprintf(line, sizeof(line), "  %-18s %s\n", i.name.c_str(), i.levels.c_str());
+        levels += line;
+      }
     }
     std::cout << "cpu                (this machine's ranks over loopback: Gloo)\n";
+    std::cout << "\ngpus: per node (host); nvl: per NVLink domain\n"
+                 "link levels, innermost first (GPUs per unit); the other presets: node, then network\n"
+              << levels;
     return 0;
   }
   throw UsageError("unknown command '" + cmd + "'");

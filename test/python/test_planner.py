@@ -345,3 +345,41 @@ def test_inference_infeasible_names_the_memory():
     with pytest.raises(planner.InfeasibleError, match="no layout fits in memory.*GiB per device"):
         planner.plan_inference(graph, planner.cluster("h100-80gb", 1), batch=1, prompt_len=1024,
                                max_new_tokens=256)
+
+
+def test_link_levels_from_python():
+    # Two-level clusters have no levels; link_levels() states the two implied ones.
+    flat = planner.cluster("h100-80gb", 2048)
+    assert flat.levels == []
+    assert [(l.name, l.devices) for l in flat.link_levels()] == [("node", 8), ("network", 0)]
+    # A preset with levels (docs/clusters.md): DGX H100 SuperPOD, 256-GPU leaves under a spine.
+    dgx = planner.cluster("dgx-h100", 2048)
+    assert [(l.name, l.devices, l.oversubscription) for l in dgx.levels] == [
+        ("nvlink", 8, 1), ("leaf", 256, 1), ("spine", 0, 1)]
+    # Levels given as dicts; the two-level fields follow levels[0] and levels[1].
+    tapered = planner.cluster("h100-80gb", 2048, levels=[
+        dict(name="nvlink", devices=8, bytes_per_s=360e9, latency_s=5e-6),
+        dict(name="leaf", devices=256, bytes_per_s=45e9, latency_s=1e-5),
+        dict(name="spine", devices=0, bytes_per_s=45e9, latency_s=1e-5, oversubscription=2)])
+    assert tapered.intra_node_bytes_per_s == 360e9 and tapered.inter_node_bytes_per_s == 45e9
+    # The old attribute names still work and move their level with them.
+    edited = copy.copy(tapered)
+    edited.inter_node_bytes_per_s = 40e9
+    assert edited.levels[1].bytes_per_s == 40e9 and edited.levels[2].bytes_per_s == 45e9
+    assert edited != tapered
+    with pytest.raises(planner.ValidationError, match=r"levels\[1\].devices"):
+        planner.cluster("h100-80gb", 64, levels=[planner.link_level("nvlink", 8, 360e9, 5e-6),
+                                                 planner.link_level("leaf", 12, 45e9, 1e-5),
+                                                 planner.link_level("spine", 0, 45e9, 1e-5)])
+    # A 6.7B GPT with a 4M-token batch and flat dp collectives (test_levels.cpp, worked out by
+    # hand there): at 1:1 its dp group crosses the spine; on a 2:1 spine it stays in a leaf.
+    graph = planner.transformer(32, 4096, 32, 2048, 51200)
+    training = planner.training(2048, allow_hierarchical_dp=False)
+    at_1 = planner.plan(graph, dgx, training)
+    at_2 = planner.plan(graph, tapered, training)
+    assert at_1.mesh.dp * at_1.mesh.tp > 256
+    assert at_2.mesh.dp * at_2.mesh.tp <= 256
+    # Plans keep the levels in JSON (an optional field: plans without levels write none).
+    back = planner.loads(planner.dumps(at_2))
+    assert back == at_2 and back.cluster.levels[2].oversubscription == 2
+    assert '"levels"' not in planner.dumps(planner.plan(graph, flat, training))

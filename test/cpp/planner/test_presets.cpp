@@ -53,11 +53,18 @@ TEST_CASE("presets: what the planner derives from the providers' numbers", "[clu
   // p4d: 400 Gb/s for 8 A100s: 5.6 GB/s achieved per GPU, an eighth of Azure's HDR node.
   CHECK(cluster_preset("p4d.24xlarge", 8).inter_node_bytes_per_s == Approx(0.9 * 400e9 / 8 / 8));
   CHECK(cluster_preset("nd96asr-a100-v4", 8).inter_node_bytes_per_s == Approx(0.9 * 1600e9 / 8 / 8));
-  // GB200 NVL72: one NVLink domain of 72 (the "node"), 1.8 TB/s per GPU (720 GB/s achieved),
-  // 400 Gb/s per GPU between racks, 186 GB and 2.5 PFLOP/s dense BF16 per GPU.
+  // GB200 NVL72: nodes are compute trays of 4 GPUs (4 x 400 Gb/s ConnectX-7 each), 18 of them
+  // in one NVLink domain of 72 (a rack), 1.8 TB/s per GPU (720 GB/s achieved), 400 Gb/s per
+  // GPU between racks (45 GB/s achieved), 8 racks (576 GPUs) per leaf, then the spine; 186 GB
+  // and 2.5 PFLOP/s dense BF16 per GPU. 1152 GPUs: 288 trays in 16 racks.
   const Cluster nvl = cluster_preset("gb200-nvl72", 1152);
-  CHECK(nvl.nodes == 16);
-  CHECK(nvl.devices_per_node == 72);
+  CHECK(nvl.nodes == 288);
+  CHECK(nvl.devices_per_node == 4);
+  CHECK(innermost_level_devices(nvl) == 72);
+  REQUIRE(nvl.levels.size() == 3);
+  CHECK(nvl.levels[0] == LinkLevel{"nvlink", 72, 720e9, 5e-6, 1});
+  CHECK(nvl.levels[1] == LinkLevel{"leaf", 576, 45e9, 1e-5, 1});
+  CHECK(nvl.levels[2] == LinkLevel{"spine", 0, 45e9, 1e-5, 1});
   CHECK(nvl.intra_node_bytes_per_s == Approx(720e9));
   CHECK(nvl.inter_node_bytes_per_s == Approx(45e9));
   CHECK(nvl.device_memory_bytes == 186e9);
@@ -65,7 +72,15 @@ TEST_CASE("presets: what the planner derives from the providers' numbers", "[clu
   CHECK(nvl.peak_flops(DType::fp8) == 5e15);
   // MI300X: 192 GB, 1307.4 TFLOP/s dense BF16 (ROCm's table).
   CHECK(cluster_preset("mi300x-192gb", 8).peak_flops(DType::bf16) == Approx(1307.4e12));
-  CHECK_THROWS_WITH(cluster_preset("gb200-nvl72", 100), Catch::Contains("do not fill whole nodes of 72"));
+  CHECK_THROWS_WITH(cluster_preset("gb200-nvl72", 102), Catch::Contains("do not fill whole nodes of 4"));
+  // DGX H100: nodes of 8 on NVLink, 32 nodes (256 GPUs) per rail-aligned leaf, a spine above;
+  // the same numbers as the two-level h100-80gb preset, so the same plans.
+  const Cluster dgx = cluster_preset("dgx-h100", 1024);
+  CHECK(link_levels(dgx) == std::vector<LinkLevel>{{"nvlink", 8, 360e9, 5e-6, 1}, {"leaf", 256, 45e9, 1e-5, 1},
+                                                   {"spine", 0, 45e9, 1e-5, 1}});
+  // Presets without published tiers keep the two default levels.
+  CHECK(p5.levels.empty());
+  CHECK(link_levels(p5) == std::vector<LinkLevel>{{"node", 8, 360e9, 5e-6, 1}, {"network", 0, 45e9, 1e-5, 1}});
 }
 
 // GPT-3 175B (96 layers, hidden 12288, 96 heads, 2048 tokens), batch 1536, bf16 with fp32

@@ -1,5 +1,6 @@
 #pragma once
-// Alpha-beta cost of collectives over a two-level (intra-node / inter-node) network.
+// Alpha-beta cost of collectives over the cluster's link levels (two by default: intra-node /
+// inter-node; Cluster::levels).
 #include <cstdint>
 #include <string>
 
@@ -16,7 +17,10 @@ struct Link {
   int64_t ranks = 1;
   double bytes_per_s = 1;
   double latency_s = 0;
+  // Beyond the innermost level (the node; the NVLink domain where Cluster::levels make it
+  // larger): the group's traffic goes over the network.
   bool inter_node = false;
+  int level = 0;  // index into link_levels(cluster) of the outermost level the group crosses
 };
 
 // Bytes each rank sends for a ring collective on a buffer of `bytes` (the full, unsharded
@@ -29,13 +33,23 @@ double ring_bytes_per_rank(Collective c, double bytes, int64_t ranks);
 // all-reduce, n-1 for reduce-scatter / all-gather / broadcast, 1 for send/recv. 0 when n == 1.
 double collective_seconds(Collective c, double bytes, const Link& link);
 
+// The link of a group of `ranks` ranks `stride` apart, the groups tiling the ranks in blocks
+// of span = ranks x stride consecutive ranks. Its level is the innermost one whose units hold
+// every such block (span <= unit and unit a multiple of span, or the whole cluster in one
+// unit); the outermost level holds any. It runs at the slowest of the levels it crosses, up to
+// that one: min over them of bytes_per_s / oversubscription, and the largest latency
+// (docs/cost_model.md, "Link levels"). Two-level clusters: one node's span on the intra-node
+// link, anything larger on the inter-node link.
+Link group_link(const Cluster& cluster, int64_t ranks, int64_t stride);
+
 // Mesh axes, outermost first in the default rank order {pp, dp, tp}.
 enum class Axis { pp, dp, tp };
 
 // The link of one axis's groups: ranks of a group are `stride` apart, where stride is the
-// product of the sizes of the axes inside it. A group whose members all sit on one node
-// uses the intra-node level; otherwise the inter-node level (each device's share of its
-// node's NICs, since every group of the axis communicates at once).
+// product of the sizes of the axes inside it (group_link). A group whose members all sit on
+// one node (one unit of the innermost level) uses the intra-node level; otherwise the level
+// it reaches (each device's share of its node's NICs, since every group of the axis
+// communicates at once).
 Link axis_link(const Cluster& cluster, int64_t pp, int64_t dp, int64_t tp, Axis axis);
 
 // ---- Hierarchical (two-level) data-parallel collectives -----------------------------------
@@ -87,11 +101,14 @@ LevelBytes hierarchical_bytes_per_rank(Collective c, double bytes, int64_t ranks
 double hierarchical_seconds(Collective c, double bytes, const Link& intra, const Link& inter,
                             Compression compression, double element_bytes = 4);
 
-// How one dp group sits on the nodes. dp ranks are tp apart (rank = ((pp_i dp) + dp_i) tp +
+// How one dp group sits on the nodes (hosts: the runtime's hierarchical engines group the
+// ranks of a host, LOCAL_WORLD_SIZE). dp ranks are tp apart (rank = ((pp_i dp) + dp_i) tp +
 // tp_i): a group spanning dp * tp consecutive ranks. On one node: ranks_per_node = dp,
 // nodes = 1. Across nodes with tp dividing devices_per_node and dp a multiple of
 // devices_per_node / tp: ranks_per_node = devices_per_node / tp, nodes = dp / that. Otherwise
 // (tp spanning nodes, or groups that do not tile the nodes): ranks_per_node = 1, nodes = dp.
+// Each hop runs on the level its group reaches (group_link): on NVL72 the hop between nodes
+// stays on NVLink while the dp group is inside one rack.
 struct NodeSplit {
   int64_t ranks_per_node = 1;  // L
   int64_t nodes = 1;           // N
@@ -105,7 +122,7 @@ NodeSplit dp_node_split(const Cluster& cluster, int64_t pp, int64_t dp, int64_t 
 struct DpGroup {
   Link flat;                   // axis_link(..., Axis::dp)
   NodeSplit split;
-  Link intra, inter;           // the two levels' links (ranks L and N)
+  Link intra, inter;           // the two hops' links (ranks L, N): group_link of each hop's group
   DpReduction reduction = DpReduction::flat;
   Compression compression = Compression::none;
   bool hierarchical() const { return reduction == DpReduction::hierarchical && split.hierarchical_possible(); }
