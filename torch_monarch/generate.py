@@ -140,6 +140,25 @@ class _Decode:
             self.tp_group.broadcast(token, 0).wait()
         return token
 
+    def after_step(self, step):
+        """Once two steps ran with every collective's agreement check (the prefill and the
+        first decode step: every collective a decode step makes has been compared across the
+        group's members), later steps repeat them: the checks go off on the groups generate
+        drives (each a small all-gather of its own per collective, doubling a decode step's
+        latency-bound collectives), on every member after the same step; restored at the end."""
+        if step != 1:
+            return
+        for name in ("tp", "pp", "dp"):
+            group = self.pm.mesh.group(name)
+            if group.size > 1 and group.checks_collectives:
+                group.checks_collectives = False
+                self.unchecked.append(group)
+
+    def restore_checks(self):
+        for group in self.unchecked:
+            group.checks_collectives = True
+        self.unchecked = []
+
     def agreed(self, running):
         """Under ZeRO-3 every forward gathers over dp: the dp ranks go on while any of them does."""
         if self.dp_group is None:
@@ -190,7 +209,7 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
                 pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
                 generator=torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None,
                 tp_group=pm.mesh.group("tp") if pm.tp > 1 else None,
-                dp_group=pm.mesh.group("dp") if dp_sync else None, vocab=_vocab_size(pm, plain))
+                dp_group=pm.mesh.group("dp") if dp_sync else None, vocab=_vocab_size(pm, plain), unchecked=[])
 
     # The model's own forward runs on an fx-cut stage: its modules outside the stage too.
     modules = {id(m): m for m in list(wrapped.modules()) + list(plain.modules())}
@@ -213,6 +232,7 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
                 generated = generated[:, :done_at + 1]
         return torch.cat([ids, generated], dim=1)
     finally:
+        d.restore_checks()
         pm.release_cast_copies()  # mixed precision's per-forward copies
         for m, training in modes:
             m.training = training
@@ -260,6 +280,7 @@ def _decode_one_stage(d):
             token = torch.where(finished, torch.full_like(token, d.pad), token)
             finished |= torch.isin(token, d.eos_t)
         tokens.append(token)
+        d.after_step(step)
         if step == d.max_new_tokens - 1 or (d.eos and not d.agreed(bool((~finished).any()))):
             break
         step_ids = token[:, None]
@@ -334,6 +355,7 @@ def _decode_pipelined(d, micro_batches):
         if not ran:
             break
         generated.append(step_tokens)
+        d.after_step(step)
     pipe.finish()
     steps = len(generated)
     out = torch.stack(generated, dim=1) if steps else torch.empty(batch, 0, dtype=torch.long, device=d.device)

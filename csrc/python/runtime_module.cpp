@@ -458,7 +458,7 @@ PYBIND11_MODULE(_runtime, m) {
       .def("reset_counters", [](Communicator& c) { c.counters().reset(); })
       .def_property_readonly("step", &Communicator::step)
       .def_property_readonly("collectives_checked", &Communicator::collectives_checked)
-      .def_property_readonly("checks_collectives", &Communicator::checks_collectives)
+      .def_property("checks_collectives", &Communicator::checks_collectives, &Communicator::set_checks_collectives)
       .def("expect_all", [](Communicator& c, const std::string& what) { c.expect_all(what); }, py::arg("what"),
            py::call_guard<py::gil_scoped_release>());
 

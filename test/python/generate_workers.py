@@ -182,10 +182,16 @@ def run_case(name, spec, rank):
         except ValueError as e:
             result["error_raised"] = str(e)
         return result
+    groups = [mesh.group(n) for n in ("tp", "pp", "dp") if mesh.group(n).size > 1]
+    checked = [g.collectives_checked for g in groups]
     start = time.perf_counter()
     out = pm.generate(ids, attention_mask=mask, max_new_tokens=args.pop("max_new_tokens", NEW), pad_token_id=PAD,
                       **args)
     result["seconds"] = time.perf_counter() - start
+    # Agreement checks: only the first two steps' collectives are checked, and the checks are
+    # back on afterwards (the same count as a generate of 2 tokens).
+    result["checked"] = [g.collectives_checked - c for g, c in zip(groups, checked)]
+    result["checks_on_after"] = all(g.checks_collectives for g in groups)
     args = dict(spec.get("args", {}))
     if spec.get("train_first"):
         result["training_after"] = pm._plain[0].training
@@ -209,6 +215,11 @@ def run_case(name, spec, rank):
         result["cache_len"] = keys.shape[2]
     result["micro_batches_used"] = len(getattr(pm, "_generate_caches", [cache]))
     result.update(out=out, ref=ref, equal=torch.equal(out, ref))
+    if spec.get("count_checks"):  # the same generate for 2 tokens: what its checks count
+        checked = [g.collectives_checked for g in groups]
+        pm.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD,
+                    **{k: v for k, v in args.items() if k != "max_new_tokens"})
+        result["checked_two_tokens"] = [g.collectives_checked - c for g, c in zip(groups, checked)]
     return result
 
 
@@ -275,6 +286,7 @@ for _model in MATRIX_MODELS:
             _case["plan"] = dict(_mesh)
         else:
             _case["mesh"] = dict(_mesh)
+        _case["count_checks"] = _model == "ours_llama_gqa"
         CASES[f"{_model}_{_layout}_64"] = _case
 
 

@@ -79,6 +79,20 @@ def test_greedy_generation_equals_one_process(results, case):
         assert not torch.equal(by_dp[0][0], by_dp[1][0])
 
 
+@pytest.mark.parametrize("layout", list(MATRIX_TP))
+def test_only_the_first_two_steps_collectives_are_checked(results, layout):
+    """generate turns the agreement checks off on tp / pp / dp after two steps (each check is an
+    all-gather of its own): a generate of 64 tokens checks exactly what one of 2 tokens checks,
+    and the checks are on again afterwards."""
+    case = f"ours_llama_gqa_{layout}_64"
+    _no_errors(results, case)
+    for res in results:
+        r = res[case]
+        assert r["checks_on_after"]
+        assert r["checked"] == r["checked_two_tokens"], r
+        assert any(r["checked"]) == (MATRIX_TP[layout] > 1), r  # pp's messages are never checked
+
+
 def test_sampled_generation_is_the_same_on_every_rank_and_equals_hf_sampling(results):
     case = "llama_tp2_sampled"
     _no_errors(results, case)

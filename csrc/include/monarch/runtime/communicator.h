@@ -189,6 +189,12 @@ class Communicator {
     const char* previous_;
   };
   bool checks_collectives() const { return check_; }
+  // Turns the agreement check off (or back on) for this rank's later collectives on this
+  // group. Every member must switch between the same two collectives (a checked collective
+  // on one side and an unchecked one on the other pair a fingerprint exchange with the data):
+  // for a loop that runs the same collectives on every member, once it has run checked
+  // (generate's decode steps after the first two: torch_monarch/generate.py).
+  void set_checks_collectives(bool on) { check_ = on; }
   // Collectives checked so far (the fingerprint exchanges this group made).
   int64_t collectives_checked() const { return checked_; }
 
