@@ -12,6 +12,7 @@
 namespace monarch::testing {
 int run_embedding_worker(const std::string& scenario, const std::string& out);  // test_embeddings.cpp
 int run_experts_worker(const std::string& scenario, const std::string& out);    // test_experts.cpp
+int run_generate_worker(const std::string& scenario, const std::string& out);   // test_generate.cpp
 }
 
 int main(int argc, char** argv) {
@@ -23,6 +24,7 @@ int main(int argc, char** argv) {
       int rc = monarch::testing::run_parallel_worker(scenario, out);
       if (rc == -1) rc = monarch::testing::run_embedding_worker(scenario, out);
       if (rc == -1) rc = monarch::testing::run_experts_worker(scenario, out);
+      if (rc == -1) rc = monarch::testing::run_generate_worker(scenario, out);
       return rc != -1 ? rc : monarch::testing::run_worker(scenario);
     } catch (const c10::Error& e) {
       std::cerr << "worker error: " << e.what_without_backtrace() << "\n";

@@ -1,8 +1,11 @@
 // monarch/generate.h on one rank: the KV cache (appending, room, the causal + padding mask, a
 // padding query seeing itself), Hugging Face's top-k / top-p warpers, and
 // ParallelModule::generate on a small decoder with learned positions against a loop without a
-// cache (each prompt alone), with left padding, EOS, sampling, modes restored and refusals.
-// Tensor and data parallelism are tested through the launcher (test_cpp_frontend.py).
+// cache (each prompt alone), with left padding, EOS, sampling, modes restored and refusals; at
+// tp=2 (2 worker ranks) its vocabulary-split head gathered, and tp ranks given different prompts
+// refusing together. The layouts at scale are tested through the launcher (test_cpp_frontend.py).
+#include "harness.h"
+
 #include "catch_with_torch.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -11,6 +14,7 @@
 
 #include "monarch/generate.h"
 #include "monarch/parallelize.h"
+#include "monarch/nn.h"
 #include "monarch/runtime/world.h"
 
 namespace {
@@ -25,7 +29,7 @@ struct TinyImpl : torch::nn::Module, monarch::CachedDecoder {
     k = register_module("k", torch::nn::Linear(8, 8));
     v = register_module("v", torch::nn::Linear(8, 8));
     o = register_module("o", torch::nn::Linear(8, 8));
-    head = register_module("head", torch::nn::Linear(8, 16));
+    head = register_module("head", monarch::Linear(8, 16));  // torch::nn::Linear's until tp splits it
     drop = register_module("drop", torch::nn::Dropout(0.5));
   }
   at::Tensor heads(const at::Tensor& t) { return t.view({t.size(0), t.size(1), 2, 4}).transpose(1, 2); }
@@ -49,10 +53,23 @@ struct TinyImpl : torch::nn::Module, monarch::CachedDecoder {
   }
   int64_t max_positions() const override { return 24; }
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, head{nullptr};
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+  monarch::Linear head{nullptr};
   torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Tiny);
+
+// Three prompts of 3, 6 and 1 tokens, left-padded to 6.
+const std::vector<std::vector<int64_t>> kPrompts = {{3, 7, 1}, {5, 2, 9, 9, 4, 11}, {8}};
+std::pair<at::Tensor, at::Tensor> padded_prompts() {
+  auto ids = torch::zeros({3, 6}, torch::kLong), mask = torch::zeros({3, 6}, torch::kLong);
+  for (int64_t i = 0; i < 3; ++i) {
+    const auto n = static_cast<int64_t>(kPrompts[i].size());
+    ids[i].narrow(0, 6 - n, n).copy_(torch::tensor(kPrompts[i], torch::kLong));
+    mask[i].narrow(0, 6 - n, n).fill_(1);
+  }
+  return {ids, mask};
+}
 
 std::unique_ptr<monarch::ParallelModule> one_rank(monarch::ChainModel chain) {
   monarch::ParallelizeOptions options;
@@ -162,13 +179,8 @@ TEST_CASE("generate on one rank: left-padded prompts decode as each alone, EOS, 
           "[runtime][generate]") {
   Tiny model;
   auto pm = one_rank(chain(model));
-  const std::vector<std::vector<int64_t>> prompts = {{3, 7, 1}, {5, 2, 9, 9, 4, 11}, {8}};
-  auto ids = torch::zeros({3, 6}, torch::kLong), mask = torch::zeros({3, 6}, torch::kLong);
-  for (int64_t i = 0; i < 3; ++i) {
-    const auto n = static_cast<int64_t>(prompts[i].size());
-    ids[i].narrow(0, 6 - n, n).copy_(torch::tensor(prompts[i], torch::kLong));
-    mask[i].narrow(0, 6 - n, n).fill_(1);
-  }
+  const auto& prompts = kPrompts;
+  auto [ids, mask] = padded_prompts();
   model->train();
   model->drop->eval();  // a module in another mode than its parent keeps it
   monarch::GenerateOptions g;
@@ -256,4 +268,57 @@ TEST_CASE("generate refuses by name what it does not run", "[runtime][generate]"
   torch::nn::Linear lin(4, 4);
   auto other = one_rank(monarch::chain_of(lin.ptr(), [l = lin](const at::Tensor& x) mutable { return l(x); }));
   CHECK_THROWS_WITH(other->generate(ids, g), Catch::Contains("does not implement monarch::CachedDecoder"));
+}
+
+namespace monarch::testing {
+
+// 2 ranks, tp=2: the head split by vocabulary (each rank 8 of its 16 rows); generate gathers the
+// last position's logits and equals the unsplit model's loop without a cache. Then rank 1 is
+// given other prompts: both ranks refuse, naming the difference, instead of hanging.
+int run_generate_worker(const std::string& scenario, const std::string& out) {
+  if (scenario != "generate_tp2") return -1;
+  torch::set_num_threads(1);
+  auto world = World::init(InitOptions{});
+  Tiny model, whole;
+  ParallelizeOptions options;
+  options.world = world;
+  options.tp_plan = {{"head", TpStyle::vocab_head}};
+  LayoutPins pins;
+  pins.tp = 2;
+  auto pm = parallelize(chain(model), pins, options);
+  if (model->head->weight.size(0) != 8) {
+    std::cerr << "the head holds " << model->head->weight.size(0) << " rows, expected 8\n";
+    return 2;
+  }
+  auto [ids, mask] = padded_prompts();
+  GenerateOptions g;
+  g.max_new_tokens = 10;
+  g.attention_mask = mask;
+  auto generated = pm->generate(ids, g);
+  for (int64_t i = 0; i < 3; ++i) {
+    if (row(generated, i, 6) != greedy_alone(whole, kPrompts[i], 10)) {
+      std::cerr << "prompt " << i << " differs from one process: " << generated[i] << "\n";
+      return 3;
+    }
+  }
+  try {
+    pm->generate(world->rank() == 1 ? ids.flip(1) : ids, g);
+    std::cerr << "different prompts on the tp ranks were not refused\n";
+    return 4;
+  } catch (const std::invalid_argument& e) {
+    if (std::string(e.what()).find("the tp ranks of one group were given different prompts") == std::string::npos) {
+      std::cerr << "unexpected error: " << e.what() << "\n";
+      return 5;
+    }
+  }
+  return 0;
+}
+
+}  // namespace monarch::testing
+
+TEST_CASE("generate at tp=2 gathers the vocabulary-split head, and tp ranks given different prompts refuse",
+          "[runtime][generate]") {
+  const auto r = monarch::testing::launch_ranks(2, "generate_tp2", std::chrono::seconds(120));
+  INFO(r.describe());
+  CHECK(r.all_ok());
 }
