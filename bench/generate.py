@@ -38,10 +38,10 @@ both generates run the same forwards, which the bench checks). Then
 The hook costs one Python call per forward (under a microsecond).
 
 KV cache, measured: the bytes of the key and value tensors the cache holds after the timed
-generate (HF's DynamicCache: generate(return_dict_in_generate=True).past_key_values for hf;
-pm._generate_cache, the cache generate kept, for ours), per rank, and its tokens and kv heads.
-It holds 32 + 63 = 95 positions (the 64th token is chosen, never fed); the planner pre-allocates
-P + N = 96 (a static cache), so it is 1/96 = 1.04% above what a DynamicCache holds at the end.
+generate, per rank, and its tokens and kv heads. hf: HF's DynamicCache
+(generate(return_dict_in_generate=True).past_key_values), 32 + 63 = 95 positions (the 64th token
+is chosen, never fed), 1/96 = 1.04% below the planner's pre-allocated P + N = 96. Ours:
+pm.generate_stats, the pre-allocated cache generate held (cache="static": 96 positions).
 
 Predicted: planner.plan_inference(<the model's graph>, cluster, batch=4, prompt_len=32,
 max_new_tokens=64, tp=<the run's>, pp=1, ...) with inputs measured in the run on generic kernels,
@@ -418,7 +418,7 @@ def worker(names, repeats, out_dir):
             baseline = vm("VmRSS")
             reset_peak()
             ttft, steps, walls, out = timed(run, stamps, repeats)
-            cache = pm._generate_cache
+            stats = pm.generate_stats
             result["mesh"] = {"tp": pm.tp, "dp": pm.dp, "pp": pm.pp}
             if tp > 1:
                 result["all_reduce_s"] = all_reduce_time(pm.mesh.group("tp"))
@@ -426,7 +426,10 @@ def worker(names, repeats, out_dir):
                     pm.mesh.group("tp"), local.model.layers[0].mlp.down_proj.weight)
         peak = vm("VmHWM") - baseline
         result["gemv_floor_s"], result["linear_bytes"] = gemv_floor(local)
-        kv, kv_tokens, kv_heads = cache_bytes(cache)
+        if name == "hf":
+            kv, kv_tokens, kv_heads = cache_bytes(cache)
+        else:  # the pre-allocated cache generate held (prompt + new tokens per layer)
+            kv, kv_tokens, kv_heads = stats["kv_cache_bytes"], stats["capacity"], stats["kv_heads"]
         result.update(ttft_s=ttft, step_s=steps, wall_s=walls, out=out.tolist(), kv_bytes=kv, kv_tokens=kv_tokens,
                       kv_heads=kv_heads, peak_growth=peak, load_after=os.getloadavg(),
                       param_bytes=sum(p.numel() * p.element_size() for p in local.parameters()))

@@ -42,9 +42,15 @@ Pipelines (pp > 1, one stage per rank): every stage runs the model's own forward
 cache, which fills only its layers, the blocks of earlier stages stubbed by what the stage
 received (_Pipeline says how, for stages cut by module hooks (Hugging Face models) and by
 torch.fx (examples/models.py's)); stage s receives the hidden state from s - 1 over the pp group
-and sends its own on; the last stage chooses the tokens and broadcasts them over pp. Prefill and
-decode run stage after stage (no micro-batching: one batch of sequences in flight). Virtual
-stages and context parallelism (cp > 1) are refused.
+and sends its own on; the last stage chooses the tokens and sends them to the first, and at the
+end broadcasts the output over pp. With ``micro_batches`` = 1 one batch of sequences is in
+flight (a stage idles while the others compute); with more, the rows follow each other round the
+pipeline in groups (_decode_pipelined). Virtual stages and context parallelism (cp > 1) are
+refused.
+
+The KV cache is pre-allocated for prompt + max_new_tokens by default (``cache="static"``) or grown
+token by token (``"dynamic"``); ``pm.generate_stats`` says what it held, and the caches are let
+go with the call.
 """
 
 import inspect
@@ -202,7 +208,9 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
         eos = list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    dp_sync = pm.dp > 1 and pm.zero_stage == 3  # every forward gathers over dp
+    # Every forward gathers over dp (ZeRO-3) or exchanges tokens over ep ranks inside dp (expert
+    # parallelism): the dp ranks run the same number of forwards.
+    dp_sync = pm.dp > 1 and (pm.zero_stage == 3 or pm.ep > 1)
     d = _Decode(pm=pm, stage=stage, wrapped=wrapped, plain=plain, hf=hf, device=device, ids=ids, mask=mask,
                 static=cache == "static", total=prompt_len + max_new_tokens,
                 max_new_tokens=max_new_tokens, eos=eos, eos_t=torch.tensor(eos, dtype=torch.long, device=device),
@@ -239,17 +247,33 @@ def generate(pm, input_ids, max_new_tokens, attention_mask=None, temperature=0.0
 
 
 def _micro_batches(pm, micro_batches, batch):
-    """The decode micro-batches: as asked, else the inference plan's, else 1 (one batch in flight)."""
+    """The decode micro-batches: as asked, else the inference plan's (at most this rank's batch:
+    the plan's is for batch_per_replica sequences), else 1 (one batch in flight). Where every
+    forward is collective over dp (ZeRO-3, expert parallelism) under a pipeline, the dp ranks
+    agree first, so a rank's bad value is an error on every rank, not a hang."""
     if micro_batches is None:
         inference = getattr(getattr(pm, "plan", None), "inference", None)
-        micro_batches = inference.decode_micro_batches if inference is not None else 1
+        micro_batches = min(inference.decode_micro_batches, batch) if inference is not None else 1
+    problem = None
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"generate: micro_batches must be an int >= 1, got {micro_batches!r}")
-    if micro_batches > 1 and pm.pp == 1:
-        raise ValueError(f"generate: micro_batches={micro_batches} splits the batch round a pipeline; this layout has "
-                         "pp=1")
-    if micro_batches > batch:
-        raise ValueError(f"generate: micro_batches={micro_batches} is more than the batch ({batch} sequences)")
+        problem = f"generate: micro_batches must be an int >= 1, got {micro_batches!r}"
+        micro_batches = 1
+    elif micro_batches > 1 and pm.pp == 1:
+        problem = f"generate: micro_batches={micro_batches} splits the batch round a pipeline; this layout has pp=1"
+    elif micro_batches > batch:
+        problem = f"generate: micro_batches={micro_batches} is more than the batch ({batch} sequences)"
+    if pm.pp > 1 and pm.dp > 1 and (pm.zero_stage == 3 or pm.ep > 1):
+        # Each micro-batch is a forward that gathers (or exchanges) over dp.
+        flags = torch.tensor([float(micro_batches), -float(micro_batches), 1.0 if problem else 0.0])
+        pm.mesh.group("dp").all_reduce_max(flags).wait()
+        if problem is None and flags[2] > 0:
+            problem = "generate: another dp rank refused its micro_batches (its error names why)"
+        elif problem is None and flags[0] != -flags[1]:
+            problem = (f"generate: the dp ranks decode in {int(-flags[1])} to {int(flags[0])} micro-batches; under "
+                       "ZeRO-3 (or expert parallelism) every forward is collective over dp: give every dp rank the "
+                       "same micro_batches (and at least that many rows)")
+    if problem is not None:
+        raise ValueError(problem)
     return micro_batches
 
 
@@ -286,7 +310,7 @@ def _decode_one_stage(d):
         step_ids = token[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-    pm._generate_cache = cache  # the last cache, for tests (kv heads per rank)
+    pm.generate_stats = _cache_stats([cache], 1)
     return torch.stack(tokens, dim=1) if tokens else d.ids[:, :0]
 
 
@@ -324,7 +348,7 @@ def _decode_pipelined(d, micro_batches):
                 continue  # stopped for good: no stage sends or expects anything for it
             if step > 0:
                 if first:  # the tokens the last stage chose for it in the previous step
-                    token = pipe.recv_tokens(r.stop - r.start)
+                    token = pipe.recv_tokens(j, r.stop - r.start)
                     if d.eos:
                         finished[j] |= torch.isin(token, d.eos_t)
                     step_ids[j] = token[:, None]
@@ -336,14 +360,14 @@ def _decode_pipelined(d, micro_batches):
                 go = not d.eos or step == 0 or d.agreed(bool((~finished[j]).any()))
                 received = None
             else:
-                received, go = pipe.recv_hidden()
+                received, go = pipe.recv_hidden(j)
             if not go:
                 active[j] = False
                 if not last:
-                    pipe.send_stop()
+                    pipe.send_stop(j)
                 continue
             ran = True
-            logits = pipe.forward(caches[j], step_ids[j], masks[j], positions[j], received)
+            logits = pipe.forward(j, caches[j], step_ids[j], masks[j], positions[j], received)
             if last:
                 token = d.choose(logits)
                 if d.eos:
@@ -351,7 +375,7 @@ def _decode_pipelined(d, micro_batches):
                     finished[j] |= torch.isin(token, d.eos_t)
                 step_tokens[r] = token
                 if step < d.max_new_tokens - 1:
-                    pipe.send_tokens(token)
+                    pipe.send_tokens(j, token)
         if not ran:
             break
         generated.append(step_tokens)
@@ -361,9 +385,40 @@ def _decode_pipelined(d, micro_batches):
     out = torch.stack(generated, dim=1) if steps else torch.empty(batch, 0, dtype=torch.long, device=d.device)
     if steps:
         pipe.group.broadcast(out, pm.num_stages - 1).wait()
-    pm._generate_cache = caches[0]  # for tests (kv heads and layers per rank)
-    pm._generate_caches = caches
+    pm.generate_stats = _cache_stats(caches, micro_batches)
     return out
+
+
+def _cache_stats(caches, micro_batches):
+    """What this rank's caches held at the end of the call (ParallelModel.generate_stats): the
+    caches themselves are let go with the call (a serving loop would otherwise hold the last
+    call's whole cache through the next call and any training after it).
+
+    kv_cache_bytes: the key and value storage of every layer of every micro-batch's cache (the
+    whole pre-allocation under cache="static"); layers: the layers this rank's caches hold;
+    kv_heads: key/value heads per layer here (the model's / tp); positions: tokens held per
+    layer; capacity: tokens allocated per layer (None: grown token by token); micro_batches."""
+    total, layers, heads, positions, capacity = 0, set(), None, None, None
+    for cache in caches:
+        if hasattr(cache, "layers"):  # Hugging Face: a DynamicCache or StaticCache per rank / stage
+            for i, layer in enumerate(cache.layers):
+                keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if keys is None or not keys.numel():
+                    continue
+                layers.add(i)
+                total += keys.numel() * keys.element_size() + values.numel() * values.element_size()
+                heads, positions = keys.shape[1], int(layer.get_seq_length())
+                capacity = keys.shape[2] if "Static" in type(layer).__name__ else None
+        else:  # ours: keys/values per layer index (views of pre-allocated storage when static)
+            for i in cache.keys:
+                layers.add(i)
+                storage = getattr(cache, "_storage", {}).get(i)
+                tensors = storage if storage is not None else (cache.keys[i], cache.values[i])
+                total += sum(t.numel() * t.element_size() for t in tensors)
+                heads, positions = cache.keys[i].shape[1], cache.keys[i].shape[2]
+                capacity = storage[0].shape[2] if storage is not None else None
+    return {"kv_cache_bytes": total, "layers": sorted(layers), "kv_heads": heads, "positions": positions,
+            "capacity": capacity, "micro_batches": micro_batches}
 
 
 def _whole_logits(logits, vocab, tp_group):
@@ -413,23 +468,27 @@ class _Pipeline:
         self.last = pm.num_stages - 1
         self.group = pm.mesh.group("pp")
         self.local = [i for i, s in enumerate(pm.layout.block_stage) if s == stage]
-        self._pending = []  # (work, tensor) of sends not waited for yet
+        self._pending = {}  # micro-batch -> [(work, tensor)] of sends not waited for yet
         if not pm._hook_stages:
             self._foreign = _foreign_modules(pm._root, pm._blocks, pm._plain[stage])
+        else:  # the last stage's head computes the last position only (HF's generate asks the same)
+            model = pm._plain[stage]._model
+            self._keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
+                type(model).forward).parameters else {}
 
     def new_cache(self, d):
         if self.pm._hook_stages:
             return _hf_stage_cache(self.pm.hf_config, self.local, d.total if d.static else None)
         return _new_cache(d, self.pm._root)
 
-    def forward(self, cache, step_ids, mask, positions, received):
-        """This stage on one micro-batch: the last stage returns the last position's logits;
-        the others send their output on and return None."""
+    def forward(self, j, cache, step_ids, mask, positions, received):
+        """This stage on micro-batch j: the last stage returns the last position's logits; the
+        others send their output on and return None."""
         pm, stage = self.pm, self.stage
         received = [] if received is None else [received]
         if pm._hook_stages:
             inputs = dict(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True)
+                          use_cache=True, **self._keep)
             out = pm._run_stage(stage, 0, received, [inputs])
             if stage == self.last:
                 return out.logits[:, -1]
@@ -442,7 +501,7 @@ class _Pipeline:
             out = self._run_fx_stage(cache, step_ids, received)
             if stage == self.last:
                 return out[:, -1]
-        self._send_hidden(out)
+        self._send_hidden(j, out)
         return None
 
     def _run_fx_stage(self, cache, step_ids, received):
@@ -481,27 +540,38 @@ class _Pipeline:
         finally:
             undo_stage()
 
-    def _post(self, tensor, peer):
-        # Completed sends are dropped as new ones go out (never waited for here: a stage
-        # waiting on a send mid-step could wait on a peer that waits on it).
-        self._pending = [(w, t) for w, t in self._pending if not w.done]
-        self._pending.append((self.group.send(tensor, peer), tensor))
+    # Sends are posted without waiting and kept (with their tensors) per micro-batch until they
+    # are known to have arrived: once this stage receives micro-batch j's message of step t, every
+    # message of step t - 1 for j has been received on every stage (the step-t message exists
+    # only after the last stage's step t - 1 tokens reached the first stage), so waiting on
+    # j's earlier sends then returns at once. A stage never waits on a send mid-step.
 
-    def _send_hidden(self, tensor):
+    def _post(self, j, tensor, peer):
+        self._pending.setdefault(j, []).append((self.group.send(tensor, peer), tensor))
+
+    def _settle(self, j):
+        for work, _ in self._pending.pop(j, []):
+            work.wait()
+
+    def _send_hidden(self, j, tensor):
         tensor = tensor.contiguous()
+        if tensor.dtype not in _DTYPES:
+            raise RuntimeError(f"generate: stage {self.stage} passes a {tensor.dtype} hidden state; a pipelined "
+                               f"generate passes {', '.join(str(t) for t in _DTYPES)}")
         header = torch.zeros(8, dtype=torch.long, device=tensor.device)
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-        self._post(header, self.stage + 1)
-        self._post(tensor, self.stage + 1)
+        self._post(j, header, self.stage + 1)
+        self._post(j, tensor, self.stage + 1)
 
-    def send_stop(self):
-        self._post(torch.full((8,), self._STOP, dtype=torch.long, device=self.device), self.stage + 1)
+    def send_stop(self, j):
+        self._post(j, torch.full((8,), self._STOP, dtype=torch.long, device=self.device), self.stage + 1)
 
-    def recv_hidden(self):
-        """(the previous stage's output, True), or (None, False) when it stopped this micro-batch."""
+    def recv_hidden(self, j):
+        """(the previous stage's output, True), or (None, False) when it stopped micro-batch j."""
         header = torch.empty(8, dtype=torch.long, device=self.device)
         self.group.recv(header, self.stage - 1).wait()
+        self._settle(j)
         ndim, dtype, *dims = header.tolist()
         if ndim == self._STOP:
             return None, False
@@ -509,18 +579,18 @@ class _Pipeline:
         self.group.recv(buf, self.stage - 1).wait()
         return buf, True
 
-    def send_tokens(self, token):
-        self._post(token.contiguous(), 0)
+    def send_tokens(self, j, token):
+        self._post(j, token.contiguous(), 0)
 
-    def recv_tokens(self, rows):
+    def recv_tokens(self, j, rows):
         token = torch.empty(rows, dtype=torch.long, device=self.device)
         self.group.recv(token, self.last).wait()
+        self._settle(j)
         return token
 
     def finish(self):
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
+        for j in list(self._pending):
+            self._settle(j)
 
 
 def _new_cache(d, model):

@@ -675,14 +675,17 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 virtual_stages=None, unit_stage=None, units=None, tp_plan=None, sequence_parallel=None,
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
                 embeddings=None, profile=None, compile=None, ep=None, cp=None, mode="training", batch=None,
-                prompt_len=None, max_new_tokens=None, latency_target=None, objective=None) -> ParallelModel:
+                prompt_len=None, max_new_tokens=None, latency_target=None, objective=None,
+                inference_options=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     ``mode="inference"`` (with ``example_input``, ``batch`` sequences per replica, ``prompt_len``
     and ``max_new_tokens``; ``latency_target`` seconds or ``objective="throughput"`` for the most
     tokens/s under it): the planner's inference objective chooses tp x pp (pins ``tp`` / ``pp``)
     with dp replicas, and ``generate`` decodes with the plan's micro-batches (torch_monarch.api.plan,
-    docs/cost_model.md "Inference").
+    docs/cost_model.md "Inference"). ``inference_options``: more of planner.plan_inference's
+    keywords (hbm_efficiency, host_seconds_per_op, ops_per_block, host_overlaps_device, max_batch,
+    weight_bytes, kv_bytes), e.g. this machine's eager dispatch cost per operator.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
     model is read on the meta device, the machine detected and its links probed, rank 0 plans
@@ -769,6 +772,14 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         raise ValueError(f"parallelize: mode must be 'training' or 'inference', got {mode!r}")
     generation = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                       latency_target=latency_target, objective=objective)
+    if inference_options is not None:
+        known = {"hbm_efficiency", "host_seconds_per_op", "ops_per_block", "host_overlaps_device", "max_batch",
+                 "weight_bytes", "kv_bytes", "tie_tolerance"}
+        unknown = sorted(set(inference_options) - known)
+        if mode != "inference" or unknown:
+            raise ValueError("parallelize: inference_options are planner.plan_inference's keywords for "
+                             f"mode='inference' ({sorted(known)}); got {sorted(inference_options)} with mode={mode!r}")
+        generation.update(inference_options)
     if mode == "training" and any(v is not None for v in generation.values()):
         raise ValueError(f"parallelize: {sorted(k for k, v in generation.items() if v is not None)} plan generation: "
                          "pass mode='inference'")

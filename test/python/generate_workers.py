@@ -197,23 +197,11 @@ def run_case(name, spec, rank):
         result["training_after"] = pm._plain[0].training
     ref = ours_reference(reference, rows, ids.shape[1], args) if kind.startswith("ours") \
         else hf_reference(reference, ids, mask, args)
-    cache = getattr(pm, "_generate_cache", None)
-    if cache is not None:
-        result["stage_layers"] = [i for i, s in enumerate(pm.layout.block_stage) if s == pm.local_stages[0]]
-        first = result["stage_layers"][0]
-        if isinstance(cache, ours.KVCache):
-            keys = cache.keys[first]
-            result["filled_layers"] = sorted(cache.keys)
-            result["capacity"] = cache._storage[first][0].shape[2] if cache._storage else None
-        else:
-            keys = cache.layers[first].keys
-            result["capacity"] = keys.shape[2] if type(cache).__mro__[1].__name__ == "StaticCache" or \
-                type(cache).__name__ == "StaticCache" else None
-            result["filled_layers"] = [i for i, layer in enumerate(cache.layers)
-                                       if getattr(layer, "keys", None) is not None and layer.keys.numel()]
-        result["kv_heads"] = keys.shape[1]
-        result["cache_len"] = keys.shape[2]
-    result["micro_batches_used"] = len(getattr(pm, "_generate_caches", [cache]))
+    stats = pm.generate_stats  # what this rank's caches held (the caches are let go with the call)
+    result["stage_layers"] = [i for i, s in enumerate(pm.layout.block_stage) if s == pm.local_stages[0]]
+    result.update(filled_layers=stats["layers"], capacity=stats["capacity"], kv_heads=stats["kv_heads"],
+                  cache_len=stats["positions"], micro_batches_used=stats["micro_batches"],
+                  kv_cache_bytes=stats["kv_cache_bytes"])
     result.update(out=out, ref=ref, equal=torch.equal(out, ref))
     if spec.get("count_checks"):  # the same generate for 2 tokens: what its checks count
         checked = [g.collectives_checked for g in groups]

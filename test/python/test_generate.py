@@ -66,6 +66,9 @@ def test_greedy_generation_equals_one_process(results, case):
     for res in results:
         by_dp.setdefault(res[case]["dp_rank"], []).append(res[case]["out"])
         assert res[case]["capacity"] == (WIDTH + new if static else None), (case, res[case]["capacity"])
+        if "_gqa_" in case and static:  # head dim 64 / 8: 4 rows x layers here x k,v x kv heads here x fp32
+            r = res[case]
+            assert r["kv_cache_bytes"] == 4 * len(r["filled_layers"]) * 2 * r["kv_heads"] * (WIDTH + new) * 8 * 4, r
         layers = 4 if case.endswith("_64") or "_gqa_" in case else 2
         if "pp2" in case:  # each stage's cache holds its own layers only
             half = layers // 2

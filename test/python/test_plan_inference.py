@@ -49,6 +49,9 @@ def test_llama3_8b_module_on_meta_plans_for_latency_and_throughput():
      r"needs batch=, prompt_len= and max_new_tokens="),
     (dict(mode="inference", example_input=torch.zeros(1, 8, dtype=torch.long), batch=4, prompt_len=8,
           max_new_tokens=8, zero_stage=3), r"\['zero_stage'\] are training choices; mode='inference' pins tp and pp"),
+    (dict(inference_options={"host_seconds_per_op": 3e-6}), r"inference_options are planner.plan_inference's keywords "
+                                                            r"for mode='inference'"),
+    (dict(mode="inference", inference_options={"hbm": 0.5}), r"got \['hbm'\] with mode='inference'"),
 ])
 def test_parallelize_inference_mode_refuses_what_it_cannot_honour(kwargs, message):
     """Each before any process group exists (one process, no launch)."""
