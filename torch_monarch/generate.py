@@ -505,34 +505,19 @@ class _Pipeline:
         return None
 
     def _run_fx_stage(self, cache, step_ids, received):
-        from .pipeline_hooks import _patch_forward, _StageDone
+        from .pipeline_hooks import _patch_forward, run_as_stage
         pm, stage, blocks = self.pm, self.stage, self.pm._blocks
         first, last = self.local[0], self.local[-1]
         root = pm._root
+        stubs = [(m, _zeros_of_output(n, m)) for n, m in self._foreign] if stage > 0 else []
 
         def run(*_args, **_kwargs):
-            undo = []
-            try:
-                if stage > 0:
-                    for i in range(first):
-                        undo.append(_patch_forward(blocks[i], lambda *a, **k: received[0]))
-                    for name, module in self._foreign:
-                        undo.append(_patch_forward(module, _zeros_of_output(name, module)))
-                if stage != self.last:
-                    def stop(_module, _args, output):
-                        raise _StageDone(output)
-                    undo.append(blocks[last].register_forward_hook(stop).remove)
-                try:
-                    return root(step_ids, cache=cache)
-                except _StageDone as done:
-                    if not isinstance(done.output, torch.Tensor):
-                        raise RuntimeError(f"generate: block {last} of stage {stage} returns a "
-                                           f"{type(done.output).__name__}; a pipelined generate passes one tensor "
-                                           "(the hidden state) between stages") from None
-                    return done.output
-            finally:
-                for u in reversed(undo):
-                    u()
+            out, stopped = run_as_stage(lambda: root(step_ids, cache=cache), blocks, first, last,
+                                        received[0] if stage > 0 else None, stubs, stop=stage != self.last)
+            if stopped and not isinstance(out, torch.Tensor):
+                raise RuntimeError(f"generate: block {last} of stage {stage} returns a {type(out).__name__}; a "
+                                   "pipelined generate passes one tensor (the hidden state) between stages")
+            return out
 
         undo_stage = _patch_forward(pm._plain[stage], run)
         try:

@@ -56,27 +56,13 @@ class HookStage(nn.Module):
     def forward(self, *received, _monarch_inputs=None):
         model, me = self._model, self.index
         local = [i for i, s in enumerate(self._unit_stage) if s == me]
-        first, last = local[0], local[-1]
-        undo = []
-        try:
-            if me > 0:
-                rebuilt = self._rebuild(received)
-                for i in range(first):
-                    undo.append(_patch_forward(self._blocks[i], lambda *a, **k: rebuilt))
-                for module, record in self._foreign_pre:
-                    undo.append(_patch_forward(module, _zeros_like_output(record)))
-            if me < self.num_stages - 1:
-                def stop(_module, _args, output):
-                    raise _StageDone(output)
-                undo.append(self._blocks[last].register_forward_hook(stop).remove)
-            inputs = _monarch_inputs if _monarch_inputs is not None else received
-            try:
-                return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-            except _StageDone as done:
-                return tuple(_leaves(done.output))
-        finally:
-            for u in reversed(undo):
-                u()
+        inputs = _monarch_inputs if _monarch_inputs is not None else received
+        out, stopped = run_as_stage(
+            lambda: model(**inputs) if isinstance(inputs, dict) else model(*inputs), self._blocks, local[0], local[-1],
+            self._rebuild(received) if me > 0 else None,
+            [(m, _zeros_like_output(record)) for m, record in self._foreign_pre] if me > 0 else [],
+            stop=me < self.num_stages - 1)
+        return tuple(_leaves(out)) if stopped else out
 
     def _rebuild(self, received):
         spec, constants = self._block_spec
@@ -84,6 +70,34 @@ class HookStage(nn.Module):
         for position in range(spec.num_leaves):
             leaves.append(constants[position] if position in constants else next(tensors))
         return tree_unflatten(leaves, spec)
+
+
+def run_as_stage(call, blocks, first, last, earlier_output, stubs, stop):
+    """Runs ``call()`` (the model's own forward) as the pipeline stage holding blocks ``first`` to
+    ``last``: the blocks before ``first`` return ``earlier_output`` (what the stage received, in a
+    block's output structure; None on the first stage), each ``(module, forward)`` of ``stubs``
+    runs that forward instead of its own (modules holding other stages' weights), and with
+    ``stop`` the forward ends after block ``last``. Returns (block ``last``'s output, True) when
+    stopped there, else (the model's output, False). Used by the hook cut (training) and by
+    generate on stages of either cut."""
+    undo = []
+    try:
+        if earlier_output is not None:
+            for i in range(first):
+                undo.append(_patch_forward(blocks[i], lambda *a, **k: earlier_output))
+        for module, forward in stubs:
+            undo.append(_patch_forward(module, forward))
+        if stop:
+            def hook(_module, _args, output):
+                raise _StageDone(output)
+            undo.append(blocks[last].register_forward_hook(hook).remove)
+        try:
+            return call(), False
+        except _StageDone as done:
+            return done.output, True
+    finally:
+        for u in reversed(undo):
+            u()
 
 
 def _attach(root, name, module):
