@@ -97,10 +97,11 @@ mp::TransformerConfig qwen3_moe(bool large) {
   return c;
 }
 
-// Llama 3 405B (Grattafiori et al. 2024, Table 3).
+// Llama 3 405B (Grattafiori et al. 2024, Table 3); no dropout (no masks kept).
 mp::TransformerConfig llama3_405b(int64_t seq) {
   mp::TransformerConfig c;
   c.name = "llama3-405b";
+  c.dropout = false;
   c.layers = 126;
   c.hidden = 16384;
   c.heads = 128;

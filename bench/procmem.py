@@ -36,11 +36,22 @@ def write_peak_growth(out_dir, baseline):
         json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
 
 
-def worst_peak_growth(script, ranks, *args):
-    """Runs ``script --worker *args OUT`` on ``ranks`` ranks through the launcher (glibc told to
-    return freed memory at once) and returns the largest peak growth its ranks wrote."""
+def write_rank_result(out_dir, result):
+    """A memory worker's result (a JSON-able dict), as rank<RANK>.json."""
     import json
     import os
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def run_workers(script, ranks, *args, mmap_threshold=1 << 20):
+    """Runs ``script --worker *args OUT`` on ``ranks`` ranks through the launcher, glibc told
+    to serve every allocation of ``mmap_threshold`` bytes or more by its own mapping (a fixed
+    MALLOC_MMAP_THRESHOLD_ also turns off glibc's raising of it), so that such tensors leave
+    the process as soon as they are freed; returns the dicts its ranks wrote, by rank."""
+    import json
+    import os
+    import shutil
     import socket
     import subprocess
     import sys
@@ -49,14 +60,21 @@ def worst_peak_growth(script, ranks, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(mmap_threshold))
     cmd = [sys.executable, "-m", "torch_monarch.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
            script, "--worker", *args, out]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-    peaks = []
-    for r in range(ranks):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            peaks.append(json.load(f)["peak_growth"])
-    import shutil
-    shutil.rmtree(out, ignore_errors=True)
-    return max(peaks)
+    try:
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        results = []
+        for r in range(ranks):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                results.append(json.load(f))
+        return results
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def worst_peak_growth(script, ranks, *args):
+    """Runs ``script --worker *args OUT`` on ``ranks`` ranks through the launcher (glibc told to
+    return freed memory at once) and returns the largest peak growth its ranks wrote."""
+    return max(r["peak_growth"] for r in run_workers(script, ranks, *args))

@@ -61,7 +61,10 @@ def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None
     engine keeps the gradients it accumulates and reduces, and the shards' reduced ones, in
     fp32 whatever the compute dtype: zero_grad_bytes = 4. Without ZeRO the gradients are the
     parameters' (``param_dtype``: the fp32 master weights under mixed precision,
-    torch_monarch.mixed_precision): master_grad_bytes is their element size. ``compiled``
+    torch_monarch.mixed_precision): master_grad_bytes is their element size, and each forward
+    casts them, its graph keeping the copies until its backward (weights_cast_per_forward). A
+    pipeline stage keeps what it sends until the step ends (pipeline_sends_kept: the
+    PipelineExecutor waits for its sends there). ``compiled``
     (blocks under torch.compile): neither the zero-bubble schedule nor selective
     recomputation, which run eagerly inside the blocks (torch_monarch.compile)."""
     pins = pins or {}
@@ -70,8 +73,15 @@ def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None
     if dtype == _planner.DType.fp32:
         t.param_bytes, t.grad_bytes, t.optimizer_bytes, t.activation_bytes = 4, 4, 8, 4
     t.zero_grad_bytes = 4  # fully_shard.cpp: unsharded and shard gradients in fp32
+    # pipeline.cpp: a stage keeps what it sends (outputs, input gradients) until the step's end.
+    t.pipeline_sends_kept = True
     if param_dtype is not None:
         t.master_grad_bytes = torch.empty((), dtype=param_dtype).element_size()
+        # torch_monarch.mixed_precision casts the weights per forward; each forward's graph
+        # keeps its copies until its backward (below ZeRO-3, which casts what it gathers).
+        compute = {_planner.DType.fp32: torch.float32, _planner.DType.bf16: torch.bfloat16,
+                   _planner.DType.fp16: torch.float16}.get(dtype)
+        t.weights_cast_per_forward = compute is not None and compute != param_dtype
     # The runtime recomputes whole blocks or their attention cores (torch_monarch/recompute.py).
     t.allow_recompute = len(info.blocks) > 0
     t.recompute_modes = [_planner.Recompute.none, _planner.Recompute.selective, _planner.Recompute.full]

@@ -16,7 +16,8 @@ depends only on the inputs.
     call stack. Matrix products of two activations (Q K^T, A V) are also counted as the
     attention part, which selective recomputation redoes (Korthikanti et al. 2022).
   * Activation bytes are the tensors autograd saves for backward (``saved_tensors_hooks``),
-    parameters excluded, each tensor once.
+    parameters excluded, each storage once (views of one tensor saved by several ops hold its
+    memory once: measured in bench/memory_prediction.py).
   * Blocks are the entries of the ``nn.ModuleList`` holding the most parameters (the rule the runtime cuts
     pipelines and shards by: ``blocks_of``). Layers of the graph are the blocks and the other
     top-level modules around them, in the order they first run.
@@ -131,7 +132,8 @@ class _Recorder:
         self.records = {}
         self.order = 0
         self.seen_saved = {}
-        self.saved_by = []  # (tensor, stack snapshot) for later classification
+        self.seen_storages = set()  # storages already counted (views of one tensor hold it once)
+        self.saved_by = []  # (tensor, stack snapshot, elements of its storage) for later classification
         self.alive = []     # tensors whose ids the records keep (held so no id is reused)
         self.core = {}      # id -> tensor: attention-core outputs (selective.makes_core), this block
         self.saved_core = set()  # ids of saved tensors that are attention-core tensors
@@ -161,14 +163,33 @@ class _Recorder:
 
     def pack(self, t):
         if isinstance(t, torch.Tensor) and not self.is_param(t) and id(t) not in self.seen_saved:
-            self.seen_saved[id(t)] = t
-            nbytes = float(t.numel() * t.element_size())
+            self.seen_saved[id(t)] = t  # (held: neither its id nor its storage's address is reused)
+            # Memory is a storage's, held once however many views of it are saved: a linear
+            # saves its own 2-D view of a 3-D input (q, k and v projections: three views of one
+            # tensor), a batched matmul views of its operands, also saved by the op before it.
+            key, elements = _storage_of(t)
+            if key is not None:
+                if key in self.seen_storages:
+                    return t
+                self.seen_storages.add(key)
+            nbytes = float(elements * t.element_size())
             for name in self.stack:
                 self.records[name].saved_bytes += nbytes
-            self.saved_by.append((t, tuple(self.stack)))
+            self.saved_by.append((t, tuple(self.stack), elements))
             if self.in_block() and self.is_core(t):
                 self.saved_core.add(id(t))
         return t
+
+
+def _storage_of(t):
+    """(identity, elements) of the storage ``t`` views, or (None, t.numel()) for a tensor without one.
+    The storage's elements, not the view's: a saved view keeps all of it alive (and an expanded
+    view holds fewer elements than it shows)."""
+    try:
+        storage = t.untyped_storage()
+        return storage._cdata, storage.nbytes() // max(t.element_size(), 1)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None, t.numel()
 
 
 def _on_one_device(args, kwargs):
@@ -235,6 +256,38 @@ def _make_mode(recorder):
             return out
 
     return FlopCounter()
+
+
+@contextlib.contextmanager
+def _sdpa_as_fused_kernel():
+    """``F.scaled_dot_product_attention`` read as the fused kernel the model runs with. On the
+    meta device torch picks its math fallback, which materializes the s x s scores (and repeats
+    grouped key-value heads) and saves them for backward; on CPU and GPU it runs a fused kernel
+    (FlashAttention, Dao et al. 2022; on CPU ``_scaled_dot_product_flash_attention_for_cpu``)
+    that keeps q, k and v as given (grouped heads unrepeated), the output and one log-sum-exp
+    per head and row. The CPU flash kernel's meta implementation saves exactly those, so the
+    read counts what the runtime keeps (measured in bench/memory_prediction.py); calls it
+    cannot take (nested tensors, arguments it refuses) go to torch's own function."""
+    import torch.nn.functional as F
+    original = F.scaled_dot_product_attention
+
+    def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        grouped = query.dim() == 4 and key.dim() == 4 and key.shape[-3] != query.shape[-3]
+        if query.is_meta and query.dim() == 4 and (enable_gqa or not grouped):
+            try:
+                out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+                return out
+            except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+                pass
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **({"enable_gqa": True} if enable_gqa else {}))
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _to_cpu(x):
@@ -340,7 +393,8 @@ def _capture(model, example_input, recorder, tensors):
         # causal mask from torch.ones, positions from torch.arange, a padding check such as
         # ``attention_mask.all()``, which reads values): only what a parameter touches is meta
         # (_on_one_device), so no activation or weight is ever allocated.
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder):
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _make_mode(recorder), \
+                _sdpa_as_fused_kernel():
             with torch.enable_grad():
                 torch.func.functional_call(model, tensors, _to_cpu(args), _to_cpu(kwargs))
     finally:
@@ -578,13 +632,15 @@ def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
     split_parents = {n.rpartition(".")[0] for n in col} | {n for n, s in plan.items() if isinstance(s, Heads)}
     prefix = lname + "." if lname else ""
     a = _planner.ActivationBytes()
-    for t, stack in recorder.saved_by:
+    sizes = []  # per sample, in the order the layer kept them
+    for t, stack, elements in recorder.saved_by:
         if lname not in stack or any(n in recorder.experts for n in stack):
             continue  # (an experts module's are counted from its routing: _moe_of)
         # Floating activations in the dtype the plan computes in (autocast); masks and
         # indices keep their own.
         size = act_bytes if t.is_floating_point() else t.element_size()
-        nbytes = t.numel() * size / per_sample
+        nbytes = elements * size / per_sample
+        sizes.append(nbytes)
         leaf = stack[-1]
         inner = [n for n in stack if n == lname or n.startswith(prefix)]
         if id(t) in recorder.saved_core:
@@ -598,7 +654,24 @@ def _classify_saved(recorder, lname, plan, hidden, seq, per_sample, act_bytes):
             a.tp_sharded += nbytes
         else:
             a.replicated += nbytes
+    a.backward_transient = _backward_transient(sizes)
     return a
+
+
+def _backward_transient(sizes):
+    """What a layer's backward holds at once beyond what it kept (the planner's
+    ActivationBytes.backward_transient), from the sizes of the tensors it kept, in forward
+    order: backward runs last to first, freeing each tensor once the op that kept it is done,
+    and the op that kept tensor k holds the gradients of k's size twice over (its output's and
+    its input's) while the tensors kept after k are already gone: max over k of
+    2 size(k) - sum of the sizes after k (0 at least). Exact for eager SwiGLU (silu(gate) x up)
+    and a softmax; one ffn-wide tensor high for a plain activation (GeLU keeps its input, not
+    its output). Checked against measured peaks in bench/memory_prediction.py."""
+    best, after = 0.0, 0.0
+    for size in reversed(sizes):
+        best = max(best, 2 * size - after)
+        after += size
+    return best
 
 
 def _per_token(t, seq):
@@ -628,11 +701,17 @@ def _layer(model, lname, kind_hint, record, recorder, plan, batch, seq, hidden, 
     out = record.output_shapes[0] if record.output_shapes else None
     layer.output_bytes_per_sample = (_numel(out) / batch * elem) if out else 0.0
     if layer.kind == _planner.LayerKind.head and out:
-        # The loss runs outside the model: it keeps the logits and their fp32 softmax, both
-        # split over tp under the vocabulary-parallel cross entropy (as build_transformer's head).
-        layer.activations.tp_sharded += _numel(out) / batch * (elem + 4.0)
+        # The loss runs outside the model (as build_transformer's head): it keeps the fp32
+        # softmax of the logits (F.cross_entropy on fp32 logits: log_softmax's output; the
+        # vocabulary-parallel one's softmax, split over tp), not the logits, which the runtime
+        # drops once the loss is computed (read once: memory traffic, not memory); its backward
+        # makes the fp32 gradients of the log-probabilities and of the logits.
+        logits = _numel(out) / batch
+        layer.activations.tp_sharded += 4.0 * logits
+        layer.activations.read_once = elem * logits
+        layer.activations.backward_transient = max(layer.activations.backward_transient, 2 * 4.0 * logits)
         layer.output_bytes_per_sample = 0.0
-    inputs = _input_bytes_per_sample(recorder, lname, batch)
+    inputs = _input_bytes_per_sample(recorder, lname, batch, elem)
     layer.activations.layer_input = inputs if inputs else layer.output_bytes_per_sample
     pattern, dims = _tp_of(model, lname, plan)
     layer.tp, layer.tp_dims = pattern, dims
@@ -809,11 +888,12 @@ def _gemms_of(recorder, lname, plan, batch, split):
     return out
 
 
-def _input_bytes_per_sample(recorder, lname, batch):
-    # The input a full recompute keeps: the first tensor the layer saved is usually its input.
-    for t, stack in recorder.saved_by:
+def _input_bytes_per_sample(recorder, lname, batch, act_bytes):
+    # The input a full recompute keeps: the first tensor the layer saved is usually its input
+    # (floating ones in the dtype the plan computes in, as _classify_saved counts them).
+    for t, stack, elements in recorder.saved_by:
         if lname in stack:
-            return t.numel() * t.element_size() / batch
+            return elements * (act_bytes if t.is_floating_point() else t.element_size()) / batch
     return 0.0
 
 
@@ -861,6 +941,10 @@ def _transformer_config(graph, plan, blocks, seq, hidden, dtype, model=None, exp
     # fused kernel such as torch 2.x's scaled_dot_product_attention).
     c.attention = (_planner.AttentionKernel.materialized if block_layers[0].activations.attention_scores > 0
                    else _planner.AttentionKernel.flash)
+    # What was read is eager PyTorch, op by op (not Megatron's fused kernels), with dropout
+    # when the model has a dropout module that drops anything.
+    c.fused_kernels = False
+    c.dropout = model is not None and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
     # Per-head width where heads x head_dim is not the hidden size (Qwen3): from the keys.
     kv = block_layers[0].kv_elements_per_token
     if kv and c.kv_heads and kv % (2 * c.kv_heads) == 0 and kv // (2 * c.kv_heads) * c.heads != hidden:

@@ -134,9 +134,12 @@ def _set_fields(obj, overrides, enums, what):
 
 def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, gated_mlp=False,
                 tied_embeddings=False, dtype="bf16", attention="flash", name="transformer",
-                head_dim=None, attention_params=None, moe=None):
+                head_dim=None, attention_params=None, moe=None, fused_kernels=True, dropout=True):
     """ModelGraph of a decoder-only transformer (embedding, blocks, final norm, LM head).
-    ``attention``: ``flash`` (no s x s scores kept) or ``materialized``. ``head_dim``: per-head
+    ``attention``: ``flash`` (no s x s scores kept) or ``materialized``. ``fused_kernels``: the
+    activations fused kernels keep (Megatron-LM / Transformer Engine), or eager PyTorch ops'
+    (False); ``dropout``: the model has dropout (False: Llama-style, no masks kept;
+    docs/cost_model.md, "Memory"). ``head_dim``: per-head
     width when heads x head_dim is not ``hidden``; ``attention_params``: attention weights per
     layer when not the q/k/v/o shapes' (e.g. MLA); ``moe``: a MoeConfig or a dict of its fields
     (experts, top_k, expert_ffn, shared_experts, first_dense_layers, every, capacity_factor,
@@ -146,7 +149,8 @@ def transformer(layers, hidden, heads, seq, vocab, *, kv_heads=None, ffn=None, g
         kv_heads=kv_heads or 0, ffn=ffn or 0, gated_mlp=gated_mlp,
         tied_embeddings=tied_embeddings, dtype=_enum(DType, dtype, "dtype"),
         attention=_enum(AttentionKernel, attention, "attention"),
-        head_dim=head_dim or 0, attention_params=attention_params or 0)
+        head_dim=head_dim or 0, attention_params=attention_params or 0,
+        fused_kernels=bool(fused_kernels), dropout=bool(dropout))
     if moe is not None:
         if isinstance(moe, dict):
             m = MoeConfig()

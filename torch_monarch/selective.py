@@ -261,6 +261,11 @@ def run(fn, module, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a block's forward) with its attention core recomputed in backward."""
     tape = Tape()
     weights = {_storage_ptr(t) for t in module.parameters()} | {_storage_ptr(t) for t in module.buffers()}
+    # Under mixed precision the block computes with copies of its parameters cast to the compute
+    # dtype, which torch_monarch.mixed_precision puts in the owning modules' instance dicts:
+    # weights too (else every linear would look like a product of two activations and start a
+    # core, and the block would keep more than without recomputation).
+    weights |= {_storage_ptr(v) for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)}
     weights.discard(None)
     recorder = _CoreRecorder(tape, weights)
 

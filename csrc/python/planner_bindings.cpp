@@ -190,6 +190,10 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("tp_sharded", &ActivationBytes::tp_sharded)
       .def_readwrite("attention_scores", &ActivationBytes::attention_scores)
       .def_readwrite("layer_input", &ActivationBytes::layer_input)
+      .def_readwrite("backward_transient", &ActivationBytes::backward_transient,
+                     "Live only while the layer's backward runs, beyond what it keeps (not in total()).")
+      .def_readwrite("read_once", &ActivationBytes::read_once,
+                     "Written and read once by the forward, not kept: memory traffic, not memory.")
       .def("total", &ActivationBytes::total)
       .def("__repr__", [](const ActivationBytes& a) {
         return "ActivationBytes(replicated=" + num(a.replicated) + ", tp_sharded=" + num(a.tp_sharded) +
@@ -295,6 +299,9 @@ void bind_model_graph(py::module_& m) {
       .def_readwrite("head_dim", &TransformerConfig::head_dim)
       .def_readwrite("attention_params", &TransformerConfig::attention_params)
       .def_readwrite("moe", &TransformerConfig::moe)
+      .def_readwrite("fused_kernels", &TransformerConfig::fused_kernels,
+                     "Activations as fused kernels keep them (Megatron-LM / Transformer Engine), or eager ops (False).")
+      .def_readwrite("dropout", &TransformerConfig::dropout, "The model has dropout (its masks are kept).")
       .def(py::self == py::self)
       .def("__repr__", [](const TransformerConfig& c) {
         std::ostringstream os;
@@ -463,6 +470,12 @@ void bind_cluster_training(py::module_& m) {
             t.inter_node_compression = compression_from_string(name, "training.inter_node_compression");
           },
           "Lossy compression the search may put on the inter-node hop: 'none', 'bf16' or 'int8'.")
+      .def_readwrite("pipeline_sends_kept", &TrainingConfig::pipeline_sends_kept,
+                     "Pipeline stages keep what they send until the step ends (torch_monarch's runtime), "
+                     "instead of freeing it once sent (Megatron-LM).")
+      .def_readwrite("weights_cast_per_forward", &TrainingConfig::weights_cast_per_forward,
+                     "Each forward casts the weights to the compute dtype and keeps the copies until its backward "
+                     "(torch_monarch's mixed precision below ZeRO-3).")
       .def(py::self == py::self)
       .def("__repr__", [](const TrainingConfig& t) {
         return "<TrainingConfig global_batch=" + std::to_string(t.global_batch) +

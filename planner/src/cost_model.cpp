@@ -223,10 +223,12 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     const double act_scale = training.activation_bytes / bytes_of(layer.param_dtype);
     const double t = split_divisor(layer, layout.tp);
     // Forward: matmuls at the achievable fraction of peak; everything else (norms,
-    // softmax, dropout, activations functions) is memory-bound: the bytes it keeps are
-    // written once and read once.
+    // softmax, dropout, activations functions) is memory-bound: the bytes it keeps, and
+    // those it reads once without keeping them (ActivationBytes::read_once), are written
+    // once and read once.
     const double stored = act_scale *
         layer_activation_bytes(layer, b, layout.tp, layout.sequence_parallel, Recompute::none) / cp;
+    const double moved = stored + act_scale * layer.activations.read_once * b / t / cp;
     // The layer's GEMMs at their shape's utilization, the rest of its FLOPs at the
     // large-GEMM rate. `effective` = the FLOPs one tp rank runs, each divided by its
     // utilization.
@@ -254,7 +256,7 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
       const double flops = 2.0 * m * n * k;
       effective += flops / gemm_utilization(m, n, k, cluster.sm_count) - flops;
     }
-    const double forward_compute = effective / flops_per_s + 2.0 * stored / cluster.hbm_bytes_per_s;
+    const double forward_compute = effective / flops_per_s + 2.0 * moved / cluster.hbm_bytes_per_s;
     // Backward: twice the forward (gradients w.r.t. inputs and weights), Narayanan et al.;
     // or the cluster's measured ratio.
     const double backward_compute = cluster.backward_forward_ratio * forward_compute;
@@ -317,12 +319,17 @@ std::vector<LayerCost> layer_costs(const ModelGraph& graph, const Cluster& clust
     }
     c.activation_bytes = act_scale * layer_activation_bytes(layer, b, layout.tp,
                                                             layout.sequence_parallel, layout.recompute) / cp;
-    // What backward rebuilds for one layer at a time: all its activations (full), or its
-    // attention core (selective).
-    c.workspace_bytes = !layer.recomputable                          ? 0.0
-                        : layout.recompute == Recompute::full        ? stored
-                        : layout.recompute == Recompute::selective   ? act_scale * layer.activations.attention_scores * b / t / cp
-                                                                     : 0.0;
+    // What this layer's backward holds beyond what it keeps: what it rebuilds (full: all its
+    // activations but the input it kept; selective: its attention core) and the gradients its
+    // backward makes (ActivationBytes::backward_transient).
+    const double rebuilt = !layer.recomputable                          ? 0.0
+                           : layout.recompute == Recompute::full        ? std::max(0.0, stored - c.activation_bytes)
+                           : layout.recompute == Recompute::selective   ? act_scale * layer.activations.attention_scores * b / t / cp
+                                                                        : 0.0;
+    // (The transient shrinks as the layer's split part does: a replicated layer's, a norm's,
+    // only along the sequence with sequence parallelism.)
+    const double transient_divisor = is_split(layer) ? t : replicated_divisor(layout.tp, layout.sequence_parallel);
+    c.workspace_bytes = rebuilt + act_scale * layer.activations.backward_transient * b / transient_divisor / cp;
     costs.push_back(c);
   }
   return costs;
@@ -372,6 +379,15 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   StageEstimate e;
   double forward = 0, backward = 0, tp_comm = 0, recompute = 0, largest_layer = 0;
   double backward_compute = 0, ep_comm = 0, cp_comm = 0;
+  // Backward runs the stage's layers last to first, freeing each one's activations as it
+  // goes: while layer i's backward runs, the layers after it hold nothing, so the stage's peak
+  // beyond what it keeps is max_i (workspace_i - sum_{j > i} kept_j).
+  double kept_after = 0;
+  for (int64_t i = last; i >= first; --i) {
+    const auto& c = costs[i];
+    e.workspace_bytes = std::max(e.workspace_bytes, c.workspace_bytes - kept_after);
+    kept_after += c.activation_bytes;
+  }
   for (int64_t i = first; i <= last; ++i) {
     const auto& c = costs[i];
     ep_comm += c.ep_comm_s;
@@ -383,7 +399,6 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     recompute += c.recompute_s;
     backward_compute += c.backward_compute_s;
     e.activation_bytes_per_micro_batch += c.activation_bytes;
-    e.workspace_bytes = std::max(e.workspace_bytes, c.workspace_bytes);
     largest_layer = std::max(largest_layer, c.params);
   }
   e.params = stage_params(graph, costs, first, last);
@@ -492,6 +507,42 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
   return e;
 }
 
+double peak_activation_bytes(const std::vector<Action>& program, const std::vector<double>& kept_bytes,
+                             const std::vector<double>& workspace_bytes,
+                             const std::vector<double>& sent_forward_bytes,
+                             const std::vector<double>& sent_backward_bytes) {
+  double now = 0, peak = 0;
+  for (const Action& a : program) {
+    const size_t s = static_cast<size_t>(a.stage);
+    switch (a.type) {
+      case ActionType::forward:
+        now += kept_bytes[s];
+        break;
+      case ActionType::send_activation:
+        now += sent_forward_bytes[s];
+        break;
+      case ActionType::send_gradient:
+        now += sent_backward_bytes[s];
+        break;
+      case ActionType::backward:
+        peak = std::max(peak, now + workspace_bytes[s]);
+        now -= kept_bytes[s];
+        break;
+      case ActionType::backward_input:  // the micro-batch's activations stay until its W
+        peak = std::max(peak, now + workspace_bytes[s]);
+        break;
+      case ActionType::backward_weight:
+        now -= kept_bytes[s];
+        break;
+      case ActionType::recv_activation:
+      case ActionType::recv_gradient:
+        break;
+    }
+    peak = std::max(peak, now);
+  }
+  return peak;
+}
+
 double estimated_in_flight(const Layout& layout, int64_t rank) {
   const double m = static_cast<double>(layout.num_micro_batches);
   const double p = static_cast<double>(layout.pp);
@@ -578,8 +629,6 @@ struct RankLoad {
   double params = 0;
   double expert_params = 0;                // routed experts' part of params (ZeRO over dp x cp / ep)
   double ep_comm_s = 0, cp_comm_s = 0;     // one micro-batch
-  double activations_per_micro_batch = 0;  // summed over the rank's chunks
-  double workspace = 0;
   double largest_gathered = 0;             // ZeRO-3: largest sharding unit
   double root_params = 0;                  // parameters outside the plan's sharding units
   double largest_block = 0;                // the runtime's default sharding unit
@@ -667,9 +716,28 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   std::vector<StageCosts> stage_costs(stages);
   double critical_path_p2p = 0;  // one activation down and one gradient up through every cut
   std::vector<RankLoad> ranks(layout.pp);
+  // Per stage: activations kept per micro-batch, the backward's workspace beyond them, and
+  // what it sends forward (its output) and back (its input's gradient) per micro-batch.
+  std::vector<double> stage_kept(stages), stage_workspace(stages), sent_forward(stages, 0.0),
+      sent_backward(stages, 0.0);
+  // With weights cast per forward (below ZeRO-3, which casts what it gathers), each micro-batch
+  // in flight also keeps a copy of the stage's weights its backward reads (its graph holds them;
+  // an embedding's backward reads only the indices); the model state counts one per stage.
+  const bool copies = training.weights_cast_per_forward && layout.zero_stage < 3;
+  std::vector<double> stage_copy(stages, 0.0);
   for (int64_t s = 0; s < stages; ++s) {
     const StageEstimate e = estimate_stage(graph, costs, cluster, training, layout, first[s], last[s]);
     stage_costs[s] = e.costs;
+    stage_kept[s] = e.activation_bytes_per_micro_batch;
+    stage_workspace[s] = e.workspace_bytes;
+    if (copies) {  // the weights the stage's backward reads (an embedding table's is not)
+      for (int64_t i = first[s]; i <= last[s]; ++i) {
+        if (graph.layers[i].kind != LayerKind::embedding) stage_copy[s] += costs[i].params * training.param_bytes;
+      }
+    }
+    if (training.pipeline_sends_kept && s + 1 < stages) {
+      sent_forward[s] = sent_backward[s + 1] = stage_p2p_bytes(graph, training, layout, last[s]);
+    }
     if (s + 1 < stages) critical_path_p2p += 2 * e.costs.p2p_s;
     RankLoad& r = ranks[s % layout.pp];
     r.params += e.params;
@@ -679,8 +747,6 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     r.state.params += e.state.params;
     r.state.grads += e.state.grads;
     r.state.optimizer += e.state.optimizer;
-    r.activations_per_micro_batch += e.activation_bytes_per_micro_batch;
-    r.workspace = std::max(r.workspace, e.workspace_bytes);
     for (int64_t i = first[s]; i <= last[s]; ++i) {
       if (plan.layers[i].kind == LayerKind::block) {
         r.largest_block = std::max(r.largest_block, costs[i].params);
@@ -805,8 +871,26 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     mem.params = load.state.params;
     mem.grads = load.state.grads;
     mem.optimizer = load.state.optimizer;
-    const double in_flight = static_cast<double>(sim.peak_in_flight[r]) / layout.virtual_stages;
-    mem.activations = load.activations_per_micro_batch * in_flight + load.workspace;
+    if (layout.virtual_stages == 1 && !training.pipeline_sends_kept) {
+      // One stage per rank, nothing sent kept: the walk's peak is the simulated peak count's
+      // activations with the workspace on top (a backward runs at that count in every
+      // schedule generated; test_activation_memory checks it), without walking again.
+      mem.activations = static_cast<double>(sim.peak_in_flight[r]) * stage_kept[r] + stage_workspace[r];
+    } else {
+      mem.activations = peak_activation_bytes(schedule.per_rank[r], stage_kept, stage_workspace, sent_forward,
+                                              sent_backward);
+    }
+    if (copies) {
+      std::vector<double> with_copy(stages);
+      double counted = 0;  // the copies the model state counts: one per stage of this rank
+      for (int64_t s = 0; s < stages; ++s) {
+        with_copy[s] = stage_kept[s] + stage_copy[s];
+        if (s % layout.pp == r) counted += stage_copy[s];
+      }
+      mem.activations = std::max(mem.activations, peak_activation_bytes(schedule.per_rank[r], with_copy,
+                                                                        stage_workspace, sent_forward, sent_backward) -
+                                                      counted);
+    }
     double buffers = 0;
     if (layout.replicas() > 1 && layout.zero_stage >= 3) {
       // The runtime's working set (fully_shard.cpp): the unit computing, the next one

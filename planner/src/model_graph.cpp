@@ -39,6 +39,8 @@ void check_layer(const Layer& l, size_t i) {
   require_finite_non_negative(l.activations.attention_scores,
                               path + ".activations.attention_scores");
   require_finite_non_negative(l.activations.layer_input, path + ".activations.layer_input");
+  require_finite_non_negative(l.activations.backward_transient, path + ".activations.backward_transient");
+  require_finite_non_negative(l.activations.read_once, path + ".activations.read_once");
   require_finite_non_negative(l.output_bytes_per_sample, path + ".output_bytes_per_sample");
   const std::pair<const char*, int64_t> dims[] = {{"heads", l.tp_dims.heads},
                                                   {"kv_heads", l.tp_dims.kv_heads},

@@ -40,7 +40,8 @@ bool TransformerConfig::operator==(const TransformerConfig& o) const {
          kv_heads == o.kv_heads && ffn == o.ffn && gated_mlp == o.gated_mlp && seq == o.seq &&
          attention == o.attention &&
          vocab == o.vocab && tied_embeddings == o.tied_embeddings && dtype == o.dtype &&
-         head_dim == o.head_dim && attention_params == o.attention_params && moe == o.moe;
+         head_dim == o.head_dim && attention_params == o.attention_params && moe == o.moe &&
+         fused_kernels == o.fused_kernels && dropout == o.dropout;
 }
 
 bool Cluster::operator==(const Cluster& o) const {
@@ -70,7 +71,8 @@ bool TrainingConfig::operator==(const TrainingConfig& o) const {
          allow_sequence_parallel == o.allow_sequence_parallel && schedules == o.schedules &&
          max_micro_batch_size == o.max_micro_batch_size && dp_bucket_bytes == o.dp_bucket_bytes &&
          allow_hierarchical_dp == o.allow_hierarchical_dp &&
-         inter_node_compression == o.inter_node_compression;
+         inter_node_compression == o.inter_node_compression && pipeline_sends_kept == o.pipeline_sends_kept &&
+         weights_cast_per_forward == o.weights_cast_per_forward;
 }
 
 namespace {

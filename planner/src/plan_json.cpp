@@ -51,6 +51,9 @@ Json transformer_to_json(const TransformerConfig& t) {
   // Written only when used: plans of dense models with the usual head width read as before.
   if (t.head_dim != 0) j["head_dim"] = t.head_dim;
   if (t.attention_params != 0) j["attention_params"] = t.attention_params;
+  // Written only when not the default (fused kernels, dropout): older plans read the same.
+  if (!t.fused_kernels) j["fused_kernels"] = false;
+  if (!t.dropout) j["dropout"] = false;
   if (t.moe.experts != 0) {
     Json m;
     m["experts"] = t.moe.experts;
@@ -137,6 +140,8 @@ Json training_to_json(const TrainingConfig& t) {
   j["dp_bucket_bytes"] = t.dp_bucket_bytes;
   j["allow_hierarchical_dp"] = t.allow_hierarchical_dp;
   j["inter_node_compression"] = to_string(t.inter_node_compression);
+  if (t.pipeline_sends_kept) j["pipeline_sends_kept"] = true;  // optional: false
+  if (t.weights_cast_per_forward) j["weights_cast_per_forward"] = true;  // optional: false
   return j;
 }
 
@@ -340,6 +345,9 @@ TransformerConfig transformer_from_json(const Fields& f) {
   // Optional (plans of dense models, and those written before MoE, have none).
   if (f.has("head_dim")) t.head_dim = f.integer("head_dim");
   if (f.has("attention_params")) t.attention_params = f.integer("attention_params");
+  // Optional (written only when false): plans written before them kept what both mean.
+  if (f.has("fused_kernels")) t.fused_kernels = f.boolean("fused_kernels");
+  if (f.has("dropout")) t.dropout = f.boolean("dropout");
   if (f.has("moe")) {
     const Fields m = f.object("moe", {"experts", "top_k", "expert_ffn", "shared_experts", "first_dense_layers",
                                       "every", "capacity_factor", "imbalance"});
@@ -362,7 +370,7 @@ void model_from_json(const Fields& f, Plan& p) {
     p.transformer = transformer_from_json(
         f.object("transformer", {"layers", "hidden", "heads", "kv_heads", "ffn", "gated_mlp",
                                  "seq", "vocab", "tied_embeddings", "dtype", "attention", "name",
-                                 "head_dim", "attention_params", "moe"}));
+                                 "head_dim", "attention_params", "moe", "fused_kernels", "dropout"}));
   }
 }
 
@@ -442,6 +450,10 @@ TrainingConfig training_from_json(const Fields& f) {
   if (f.has("inter_node_compression")) {
     t.inter_node_compression =
         compression_from_string(f.string("inter_node_compression"), f.path("inter_node_compression"));
+  }
+  if (f.has("pipeline_sends_kept")) t.pipeline_sends_kept = f.boolean("pipeline_sends_kept");  // optional: false
+  if (f.has("weights_cast_per_forward")) {  // optional: false
+    t.weights_cast_per_forward = f.boolean("weights_cast_per_forward");
   }
   return t;
 }
@@ -693,7 +705,8 @@ Plan plan_from_value(const Json& root) {
                    "optimizer_bytes", "activation_bytes", "allow_tensor_parallel",
                    "allow_pipeline_parallel", "allow_zero", "allow_recompute", "recompute_modes",
                    "allow_sequence_parallel", "schedules", "max_micro_batch_size",
-                   "dp_bucket_bytes", "allow_hierarchical_dp", "inter_node_compression"}));
+                   "dp_bucket_bytes", "allow_hierarchical_dp", "inter_node_compression",
+                   "pipeline_sends_kept", "weights_cast_per_forward"}));
   p.mesh = mesh_from_json(f.object("mesh", {"pp", "dp", "tp", "cp", "ep", "order"}));
   p.zero_stage = f.integer("zero_stage");
   p.micro_batch_size = f.integer("micro_batch_size");

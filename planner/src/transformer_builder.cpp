@@ -11,8 +11,30 @@
 //   replicated 10sbh  (layer-norm inputs 4sbh, QKV and MLP inputs 4sbh, two dropout masks 2sbh)
 //   tp-sharded 24sbh  (Q, K, V, attention output 8sbh; MLP intermediate in and out 16sbh)
 //   attention  5as^2b (softmax output 2, its dropout mask 1, dropout output 2)
-// generalized: K and V shrink by kv_heads/heads, the MLP part scales with ffn, gated MLPs
-// keep three ffn-wide tensors (gate, up, product) instead of two.
+// generalized, op by op as the kernels keep them (docs/cost_model.md, "Memory"):
+//   * dropout (TransformerConfig::dropout): the masks only when the model has dropout (torch
+//     keeps none at p = 0); Llama-style models have none.
+//   * attention: FlashAttention (Dao et al. 2022, Alg. 2 and its backward) keeps Q, K, V, the
+//     output O and one fp32 log-sum-exp per head and row, K and V at the kv heads' width (GQA:
+//     the kernel reads each kv head for its group of query heads); materialized attention the
+//     softmax output (and with dropout its mask and output), keys and values repeated to every
+//     query head in eager PyTorch (Hugging Face's repeat_kv).
+//   * MLP: a plain one its activation's input and output (2 ffn-wide); a gated one fused (Megatron's
+//     bias_swiglu: one kernel keeping its gate|up input, then the down projection's input) 3 ffn-wide,
+//     eager 4 (gate, silu(gate), up, their product).
+//   * norms: a fused norm (Apex / Transformer Engine, and torch's native layer_norm) keeps its
+//     input, its output is the next linear's input; eager RMSNorm (Hugging Face's Llama:
+//     weight * (x * rsqrt(mean(x^2)))) also keeps x * rsqrt (models with a gated MLP are taken
+//     to be Llama-style, RMSNorm; GPT-style ones use nn.LayerNorm, native in eager too).
+//   * the loss keeps its fp32 softmax over the vocabulary (Megatron's vocab-parallel cross
+//     entropy, and F.cross_entropy on fp32 logits: log_softmax's output), not the logits.
+// Backward transient (ActivationBytes::backward_transient): what a layer's backward holds at
+// once beyond what it keeps, where most, the tensors it kept after that point already freed
+// (backward runs last to first): the MLP's activation function (1 ffn-wide tensor for a plain
+// MLP, 2 for a gated one), materialized attention's softmax (2 s x s tensors less what the block
+// kept after it); the loss: eager cross entropy's gradients of the log-probabilities and of the
+// logits (2 x 4 sV); Megatron's computes its gradient in place in the kept softmax and only
+// casts it to the logits' dtype (act sV when act < 4).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -136,7 +158,7 @@ Layer embedding_layer(const TransformerConfig& c, double act) {
   l.params = c.vocab * c.hidden;
   l.param_dtype = c.dtype;
   l.forward_flops_per_sample = 0;  // a lookup
-  l.activations.replicated = s * h;  // embedding-dropout mask (1 byte)
+  l.activations.replicated = c.dropout ? s * h : 0.0;  // embedding-dropout mask (1 byte)
   l.activations.layer_input = 0;
   l.output_bytes_per_sample = act * s * h;
   l.tp = TpPattern::vocab;
@@ -154,7 +176,7 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
       ? static_cast<double>(c.attention_params)
       : h * q_width /*q*/ + 2 * h * kv_width /*k,v*/ + q_width * h /*out*/;
   const bool moe = c.is_moe_layer(index);
-  const double mlp_matrices = c.gated_mlp ? 3.0 : 2.0;
+  const double mlp_matrices = c.gated_mlp ? 3.0 : 2.0;  // weight matrices
   // MoE (moe_cost.cpp): routed experts (every one held, top_k run per token), shared experts
   // (run for every token) and the router's h x experts weights.
   const double fe = moe ? static_cast<double>(c.moe.expert_ffn) : 0.0;
@@ -174,8 +196,17 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
   const double matmul_flops = 2 * s * (attention_weights + active_mlp_weights) + 4 * s * s * q_width;
   l.forward_flops_per_sample = matmul_flops;
   l.attention_flops_per_sample = 4 * s * s * q_width;
-  l.activations.replicated = 4 * act * s * h + 2 * s * h;
-  l.activations.tp_sharded = act * s * (2 * q_width + 2 * kv_width);
+  // Per sample, in the order the block keeps them (for the backward transient below).
+  const double mask = c.dropout ? s * h : 0.0;  // one 1-byte dropout mask of the residual stream
+  // Norm inputs and outputs (the QKV and MLP inputs); eager RMSNorm also x * rsqrt(mean x^2).
+  const double norm_kept = (c.gated_mlp && !c.fused_kernels ? 3 : 2) * act * s * h;
+  // Materialized attention in eager PyTorch repeats K and V to every query head.
+  const double kv_kept = c.attention == AttentionKernel::materialized && !c.fused_kernels ? q_width : kv_width;
+  // MLP: the tensors kept, and the largest one (its backward's gradients are the transient).
+  const double mlp_tensors = !c.gated_mlp ? 2.0 : c.fused_kernels ? 3.0 : 4.0;
+  l.activations.replicated = 2 * norm_kept + 2 * mask;
+  l.activations.tp_sharded = act * s * (2 * q_width + 2 * kv_kept);
+  double mlp_unit = 0;  // one ffn-wide tensor of the (dense or routed) MLP, per sample
   if (moe) {
     // Per routed copy of a token (top_k x the load factor): the permuted input and the
     // expert's inner activations (as a dense MLP's); the shared experts' as a dense MLP's;
@@ -184,20 +215,38 @@ Layer block_layer(const TransformerConfig& c, int64_t index, double act) {
     // The routed experts are whole on each tp rank (the runtime does not split them; every tp
     // rank routes all its tokens): their inner activations do not shrink with tp.
     l.activations.replicated += act * s * h * copies + 4 * s * static_cast<double>(c.moe.experts) +
-                                mlp_matrices * act * s * fe * copies;
-    l.activations.tp_sharded += mlp_matrices * act * s * fe * static_cast<double>(c.moe.shared_experts);
+                                mlp_tensors * act * s * fe * copies;
+    l.activations.tp_sharded += mlp_tensors * act * s * fe * static_cast<double>(c.moe.shared_experts);
+    mlp_unit = act * s * fe * copies;
   } else {
-    l.activations.tp_sharded += mlp_matrices * act * s * f;
+    l.activations.tp_sharded += mlp_tensors * act * s * f;
+    mlp_unit = act * s * f;
   }
-  // Materialized: softmax output and dropped-out scores (act bytes each) and the dropout mask
-  // (1 byte); FlashAttention: one fp32 log-sum-exp per head and row (Dao et al. 2022, Alg. 2).
-  // Materialized scores are what selective recompute drops; flash's log-sum-exp is kept by it
-  // (the runtime's flash kernel saves it like any other tensor), split by heads under tp.
+  // Materialized: softmax output (act bytes), with dropout also its mask (1 byte) and the
+  // dropped-out scores (act bytes); FlashAttention: one fp32 log-sum-exp per head and row
+  // (Dao et al. 2022, Alg. 2). Materialized scores are what selective recompute drops; flash's
+  // log-sum-exp is kept by it (the runtime's flash kernel saves it like any other tensor),
+  // split by heads under tp.
+  const double score = act * a * s * s;  // one s x s tensor over the heads
   if (c.attention == AttentionKernel::materialized) {
-    l.activations.attention_scores = (2 * act + 1) * a * s * s;
+    l.activations.attention_scores = c.dropout ? (2 * act + 1) * a * s * s : score;
   } else {
     l.activations.tp_sharded += 4 * a * s;
   }
+  // Backward transient: the gradients live at once beyond what the block keeps, where most.
+  // The MLP's activation function, once the down projection's backward freed its input (the
+  // activation's output): a plain one holds the gradients of its output and input (2 ffn wide)
+  // of which one replaces the freed tensor: 1 ffn wide; a gated one (eager: silu(gate) x up;
+  // fused: one SwiGLU kernel) the product's gradient and those of its two (or one 2-wide)
+  // inputs: 2 ffn wide more than the freed product. Materialized attention's softmax backward
+  // holds the gradients of its output and input (2 s x s tensors), the block's tensors kept
+  // after the softmax (O, the second norm, the MLP, the masks) already freed.
+  const double mlp_kept = mlp_tensors * mlp_unit;
+  double transient = (c.gated_mlp ? 2 : 1) * mlp_unit - mask;
+  if (c.attention == AttentionKernel::materialized) {
+    transient = std::max(transient, 2 * score - (act * s * q_width + 2 * mask + norm_kept + mlp_kept));
+  }
+  l.activations.backward_transient = std::max(0.0, transient);
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = act * s * h;
   l.kv_elements_per_token = 2 * kv_width;
@@ -245,7 +294,9 @@ Layer final_norm_layer(const TransformerConfig& c, double act) {
   l.kind = LayerKind::norm;
   l.params = 2 * c.hidden;
   l.param_dtype = c.dtype;
-  l.activations.replicated = act * c.seq * c.hidden;
+  // Its input (its output is the head's input); eager RMSNorm also x * rsqrt(mean x^2).
+  l.activations.replicated = (c.gated_mlp && !c.fused_kernels ? 2 : 1) * act * c.seq * c.hidden;
+  l.activations.backward_transient = 2 * act * c.seq * c.hidden;
   l.activations.layer_input = act * c.seq * c.hidden;
   l.output_bytes_per_sample = act * c.seq * c.hidden;
   return l;
@@ -260,10 +311,17 @@ Layer head_layer(const TransformerConfig& c, double act) {
   l.param_dtype = c.dtype;
   l.forward_flops_per_sample = 2 * s * h * v;
   l.gemms = {{s, c.vocab, c.hidden, GemmSplit::n}};
-  // Input (for the weight gradient), logits, and the fp32 softmax of the vocab-parallel
-  // cross entropy; the last two are split over tp.
+  // Input (for the weight gradient) and the loss's fp32 softmax over the vocabulary (split
+  // over tp by the vocab-parallel cross entropy). The logits are not kept: the loss reads them
+  // once (Megatron's casts them to fp32 and keeps its softmax; F.cross_entropy on fp32 logits
+  // keeps log_softmax's output), and the runtimes drop them once the loss is computed.
   l.activations.replicated = act * s * h;
-  l.activations.tp_sharded = act * s * v + 4 * s * v;
+  l.activations.tp_sharded = 4 * s * v;
+  l.activations.read_once = act * s * v;  // the logits: written by the GEMM, read by the loss
+  // Backward: Megatron's cross entropy writes its gradient into the kept softmax and casts it
+  // to the logits' dtype; eager cross entropy makes the gradients of the log-probabilities and
+  // of the logits, both fp32.
+  l.activations.backward_transient = c.fused_kernels ? (act < 4 ? act * s * v : 0.0) : 2 * 4 * s * v;
   l.activations.layer_input = act * s * h;
   l.output_bytes_per_sample = 0;  // the loss
   l.tp = TpPattern::vocab;

@@ -33,7 +33,7 @@ const char* kUsage = R"(usage:
                            [--tp T] [--pp P] [--dp D] [--zero Z] [--micro-batch M]
                            [--schedule gpipe|1f1b|interleaved_1f1b|zb_h1] [--virtual-stages V]
                            [--recompute none|selective|full] [--sequence-parallel on|off]
-                           [--attention flash|materialized]
+                           [--attention flash|materialized] [--fused-kernels on|off] [--dropout on|off]
                            [--alternatives N] [--json]
                            [--profile profile.json] [--tie-tolerance T]
                            [--hierarchical-dp on|off] [--inter-node-compression none|bf16|int8]
@@ -52,6 +52,9 @@ const char* kUsage = R"(usage:
       --hierarchical-dp: may reduce dp in two levels where a dp group spans nodes with
       several ranks on each (default on); --inter-node-compression: the lossy compression
       its inter-node hop may use when faster (default none).
+      --fused-kernels: activations as fused kernels keep them (Megatron-LM / Transformer
+      Engine, the default) or as eager PyTorch ops do (off); --dropout off: a model without
+      dropout (Llama-style), whose blocks keep no masks (docs/cost_model.md, "Memory").
       --mode inference: plans generation instead of training (docs/cost_model.md,
       "Inference"): tp x pp with dp replicas for the lowest per-token latency at batch B
       (--objective latency, the default without --latency-target-ms) or the most tokens/s
@@ -189,7 +192,8 @@ int cmd_transformer(int argc, char** argv) {
                    "--head-dim", "--attention-params", "--cp", "--ep", "--experts", "--top-k", "--expert-ffn",
                    "--shared-experts", "--first-dense-layers", "--moe-every", "--capacity-factor",
                    "--moe-imbalance", "--mode", "--batch", "--prompt-len", "--max-new-tokens",
-                   "--objective", "--latency-target-ms", "--max-batch", "--hbm-efficiency"},
+                   "--objective", "--latency-target-ms", "--max-batch", "--hbm-efficiency", "--fused-kernels",
+                   "--dropout"},
                   {"--gated-mlp", "--tied-embeddings", "--json"});
   if (!args.positional().empty()) throw UsageError("unexpected argument '" + args.positional()[0] + "'");
   mp::TransformerConfig tc;
@@ -221,6 +225,8 @@ int cmd_transformer(int argc, char** argv) {
   tc.tied_embeddings = args.has("--tied-embeddings");
   tc.dtype = mp::dtype_from_string(args.str("--dtype", "bf16"), "--dtype");
   tc.attention = mp::attention_kernel_from_string(args.str("--attention", "flash"), "--attention");
+  if (args.has("--fused-kernels")) tc.fused_kernels = on_off("--fused-kernels", args.str("--fused-kernels"));
+  if (args.has("--dropout")) tc.dropout = on_off("--dropout", args.str("--dropout"));
   tc.name = args.str("--name", "transformer");
   tc.head_dim = args.integer("--head-dim").value_or(0);
   tc.attention_params = args.integer("--attention-params").value_or(0);

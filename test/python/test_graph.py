@@ -451,3 +451,64 @@ def test_the_planner_splits_experts_over_ep_when_their_state_does_not_fit():
     with pytest.raises(ValueError, match=r"layer model.layers.0: ep=3 does not divide its 16 experts "
                                          r"\(model.layers.0.mlp.experts\)"):
         torch_monarch.check_plan(bad, model)
+
+
+def test_what_the_reader_says_a_layer_keeps_is_what_autograd_keeps():
+    """Each storage once (q, k and v projections read one input: three views, one tensor), and
+    F.scaled_dot_product_attention as the fused kernel the device runs (on meta torch would pick
+    its math fallback, which keeps the s x s scores and repeats grouped heads): q, k and v (k, v
+    at the 2 key-value heads' width), the output and one fp32 log-sum-exp per head and row; the
+    head keeps the loss's fp32 softmax, not the logits. bench/memory_prediction.py measures these
+    against the runtime's resident memory."""
+    import torch.nn.functional as F
+    from torch import nn
+    from torch_monarch.api import runtime_training
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 16
+            self.q_proj, self.o_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+            self.k_proj, self.v_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
+            k = self.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
+            v = self.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return x + self.o_proj(out.transpose(1, 2).reshape(b, s, 64))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 64)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.lm_head = nn.Linear(64, 100, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(x)
+
+    info = read_model(Model(), torch.zeros(2, 16, dtype=torch.long))
+    block = next(layer for layer in info.graph.layers if layer.name == "blocks.0")
+    a = block.activations
+    # Per sample, fp32: x (once, not once per projection), q, k, v, the attention output (also
+    # o_proj's input: the fused kernel lays it out so that the transpose back is a view) and
+    # the log-sum-exp (4 heads x 16 rows).
+    assert a.attention_scores == 0
+    assert a.total() == 16 * (64 + 64 + 32 + 32 + 64) * 4 + 4 * 16 * 4
+    assert str(info.graph.transformer.attention).endswith("flash")
+    assert not info.graph.transformer.fused_kernels and not info.graph.transformer.dropout
+    head = info.graph.layers[-1].activations
+    assert head.replicated == 16 * 64 * 4                        # its input
+    assert head.tp_sharded == 4 * 16 * 100                       # the loss's fp32 softmax
+    assert head.read_once == 4 * 16 * 100                        # the (fp32) logits, read once
+    assert head.backward_transient == 2 * 4 * 16 * 100           # eager cross entropy's two fp32 gradients
+    # What the runtime holds beyond that: its pipeline's sends until the step ends, and under bf16
+    # mixed precision a copy of the weights per micro-batch in flight.
+    t = runtime_training(info, 8, "bf16", param_dtype=torch.float32)
+    assert t.pipeline_sends_kept and t.weights_cast_per_forward
+    assert not runtime_training(info, 8, "fp32", param_dtype=torch.float32).weights_cast_per_forward

@@ -102,6 +102,25 @@ def test_selective_rebuilds_the_attention_core_of_an_inline_attention_bit_for_bi
     assert after_selective == after  # the caller's random stream is where a plain backward leaves it
 
 
+def test_selective_under_mixed_precision_drops_only_the_attention_core():
+    """Computing with bf16 copies of the weights (torch_monarch.mixed_precision puts them in the
+    modules' instance dicts), a block's linears still read weights, not a second activation: the
+    core is the same 3 tensors per block as in fp32 (it was every linear's output too, and the block
+    kept more than without recomputation)."""
+    from torch_monarch import selective
+    from torch_monarch.mixed_precision import CastParameters
+    from torch_monarch.sharded import _default_units
+    model = _gpt(0.2)
+    recompute.apply(_default_units(model), "selective")
+    CastParameters(model, torch.bfloat16)
+    before = dict(selective.STATS)
+    tokens = torch.randint(64, (3, 17), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+    assert selective.STATS["dropped"] - before["dropped"] == 2 * 3, selective.STATS
+    assert selective.STATS["rebuilt"] - before["rebuilt"] == 2 * 3
+
+
 class Mlp(nn.Module):
     def __init__(self):
         super().__init__()

@@ -92,7 +92,9 @@ struct LayerCost {
   double params = 0;       // on one tp rank (and, for routed experts, one ep rank)
   double expert_params = 0;  // the routed experts' part of `params` (ZeRO over dp x cp / ep)
   double activation_bytes = 0;  // kept per micro-batch
-  double workspace_bytes = 0;   // live while recomputing
+  // Live only while this layer's backward runs, beyond what it keeps: what recomputation
+  // rebuilds and the backward's transient gradients (ActivationBytes::backward_transient).
+  double workspace_bytes = 0;
 };
 
 // The layout being scored (what a Plan says, before stages are known).
@@ -167,6 +169,9 @@ struct StageEstimate {
   double zero_comm_exposed_s = 0;  // ZeRO-2/3 per-micro-batch exposed collectives
   ModelStateBytes state;       // params, grads, optimizer after ZeRO division
   double activation_bytes_per_micro_batch = 0;
+  // The most one micro-batch's backward through the stage holds beyond the stage's kept
+  // activations: max over its layers i of workspace_i - what the layers after i kept (freed
+  // by then, backward running last to first).
   double workspace_bytes = 0;
   double params = 0;           // on one tp rank, before ZeRO division
   double expert_params = 0;    // the routed experts' part of params (already / ep)
@@ -205,6 +210,18 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
 // rank's two p2p buffers (activation in, gradient out).
 double stage_p2p_bytes(const ModelGraph& graph, const TrainingConfig& training,
                        const Layout& layout, int64_t last);
+
+// The activation memory of pipeline rank `rank` at its peak, walking its action list in
+// order (docs/cost_model.md, "Memory"): a forward of (micro-batch, stage) adds the stage's
+// kept bytes, its backward (ZB-H1: its W) frees them, and while a backward runs the stage's
+// workspace is live on top. Each virtual stage counts its own micro-batches (the true
+// in-flight count per chunk, not the rank's peak spread evenly over its chunks). With
+// `sent_bytes` (pipeline_sends_kept) every forward also adds what the stage sends forward and
+// every backward what it sends back, held until the step ends. Vectors are per stage.
+double peak_activation_bytes(const std::vector<Action>& program, const std::vector<double>& kept_bytes,
+                             const std::vector<double>& workspace_bytes,
+                             const std::vector<double>& sent_forward_bytes,
+                             const std::vector<double>& sent_backward_bytes);
 
 // Per-stage estimate (also used by the stage partitioner).
 StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCost>& costs,

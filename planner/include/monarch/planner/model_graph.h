@@ -40,6 +40,15 @@ struct ActivationBytes {
   double tp_sharded = 0;       // inside column/row-parallel regions: /tp
   double attention_scores = 0; // softmax/dropout over the s x s scores: /tp, dropped by selective recompute
   double layer_input = 0;      // what full recompute keeps (the layer's input): /tp with sequence parallel
+  // Live only while this layer's backward runs, beyond what it keeps: the gradients it holds
+  // at once where most, less what the layer kept after that point and freed by then
+  // (docs/cost_model.md, "Activations as kept"). /tp like tp_sharded (in a layer tp does not
+  // split, like replicated). Not in total().
+  double backward_transient = 0;
+  // Written by the forward and read once by a later op of the layer, not kept (the logits the
+  // loss reads): memory traffic of the forward's memory-bound ops, not memory. /tp like
+  // tp_sharded. Not in total().
+  double read_once = 0;
   double total() const { return replicated + tp_sharded + attention_scores; }
 };
 
@@ -143,6 +152,17 @@ struct TransformerConfig {
   // attention with this many weights (FLOPs 2 s x params) and heads x head_dim wide cores.
   int64_t attention_params = 0;
   MoeConfig moe;
+  // How the ops around the matmuls run (docs/cost_model.md, "Memory"): fused kernels keep
+  // what Megatron-LM with Transformer Engine keeps (a norm its input, a SwiGLU its gate and up
+  // halves as one input, the loss its fp32 softmax, gradients computed in place); false: eager
+  // PyTorch ops as Hugging Face's Llama writes them, each saving its own inputs (RMSNorm also
+  // x * rsqrt(mean x^2), SwiGLU also silu(gate), materialized attention's keys and values
+  // repeated to every query head). FlashAttention or not is `attention`.
+  bool fused_kernels = true;
+  // Dropout after attention, after the MLP and on the embeddings (GPT-2 / GPT-3, Korthikanti's
+  // 1-byte masks; materialized attention also drops out the softmax). Llama-style models have
+  // none, and with p = 0 torch keeps no mask.
+  bool dropout = true;
   bool is_moe_layer(int64_t index) const {
     return moe.experts > 0 && index >= moe.first_dense_layers &&
            (index - moe.first_dense_layers) % std::max<int64_t>(moe.every, 1) == 0;

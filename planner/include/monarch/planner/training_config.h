@@ -85,6 +85,18 @@ struct TrainingConfig {
   // The lossy compression the search may use on the inter-node hop of a hierarchical
   // all-reduce (it then compares it with none and keeps the faster); none: never compressed.
   Compression inter_node_compression = Compression::none;
+  // What a pipeline stage keeps of the tensors it sends (docs/cost_model.md, "Memory").
+  // false: Megatron-LM's (deallocate_output_tensor: a stage's output is freed once sent, only
+  // its autograd graph kept; sends waited as they complete). true: torch_monarch's runtime,
+  // whose PipelineExecutor keeps every tensor it sends (outputs forward, input gradients back)
+  // until it waits for the sends at the step's end.
+  bool pipeline_sends_kept = false;
+  // Mixed precision by casting per forward (torch_monarch.mixed_precision, layouts below
+  // ZeRO-3): each forward casts the master weights to the compute dtype and its graph keeps
+  // the copies (param_bytes per parameter) until that micro-batch's backward, so a stage with
+  // k micro-batches in flight holds k copies, where the model state counts one. false: one copy
+  // per step (Megatron-LM's bf16 model with fp32 main parameters).
+  bool weights_cast_per_forward = false;
   bool operator==(const TrainingConfig& o) const;
 };
 
