@@ -184,12 +184,12 @@ class _Recorder:
 def _storage_of(t):
     """(identity, elements) of the storage ``t`` views, or (None, t.numel()) for a tensor without one.
     The storage's elements, not the view's: a saved view keeps all of it alive (and an expanded
-    view holds fewer elements than it shows)."""
-    try:
-        storage = t.untyped_storage()
-        return storage._cdata, storage.nbytes() // max(t.element_size(), 1)
-    except (RuntimeError, NotImplementedError, TypeError):
+    view holds fewer elements than it shows). Nested and sparse tensors have no single storage:
+    their elements are counted."""
+    if t.is_nested or t.layout != torch.strided:
         return None, t.numel()
+    storage = t.untyped_storage()
+    return storage._cdata, storage.nbytes() // max(t.element_size(), 1)
 
 
 def _on_one_device(args, kwargs):
@@ -273,12 +273,13 @@ def _sdpa_as_fused_kernel():
 
     def fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         grouped = query.dim() == 4 and key.dim() == 4 and key.shape[-3] != query.shape[-3]
-        if query.is_meta and query.dim() == 4 and (enable_gqa or not grouped):
+        if query.is_meta and query.dim() == 4 and not query.is_nested and (enable_gqa or not grouped) and \
+                query.dtype == key.dtype == value.dtype:
             try:
                 out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
                 return out
-            except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+            except RuntimeError:  # the kernel's own refusal of its arguments (a mask shape it cannot take)
                 pass
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, **({"enable_gqa": True} if enable_gqa else {}))
