@@ -137,16 +137,23 @@ void build_one_f_one_b(Schedule& s) {
 // forward_backward_pipelining_with_interleaving): rank r holds chunks c = 0..v-1, i.e.
 // stages c * p + r. Forwards sweep chunks in groups of p micro-batches; backwards sweep
 // them in reverse chunk order.
+// The order of rank r's forwards and backwards (k = 0..m v - 1, k-th of each kind).
+struct InterleavedOrder {
+  int64_t p, m, v, r;
+  int64_t micro_batch(int64_t k) const { return (k / (p * v)) * p + k % p; }
+  int64_t forward_chunk(int64_t k) const { return (k / p) % v; }
+  int64_t backward_chunk(int64_t k) const { return v - 1 - (k / p) % v; }
+  int64_t total() const { return m * v; }  // virtual micro-batch steps per rank
+  int64_t warmup() const { return std::min((p - r - 1) * 2 + (v - 1) * p, total()); }
+};
+
 void build_interleaved(Schedule& s) {
-  const int64_t p = s.ranks, m = s.micro_batches, v = s.virtual_stages;
-  const int64_t total = m * v;  // virtual micro-batch steps per rank
+  const int64_t p = s.ranks;
   for (int64_t r = 0; r < p; ++r) {
-    auto micro_batch = [&](int64_t k) { return (k / (p * v)) * p + k % p; };
-    auto fwd_stage = [&](int64_t k) { return ((k / p) % v) * p + r; };
-    auto bwd_stage = [&](int64_t k) { return (v - 1 - (k / p) % v) * p + r; };
-    auto fwd = [&](int64_t k) { emit(s, ActionType::forward, micro_batch(k), fwd_stage(k)); };
-    auto bwd = [&](int64_t k) { emit(s, ActionType::backward, micro_batch(k), bwd_stage(k)); };
-    const int64_t warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    const InterleavedOrder o{p, s.micro_batches, s.virtual_stages, r};
+    auto fwd = [&](int64_t k) { emit(s, ActionType::forward, o.micro_batch(k), o.forward_chunk(k) * p + r); };
+    auto bwd = [&](int64_t k) { emit(s, ActionType::backward, o.micro_batch(k), o.backward_chunk(k) * p + r); };
+    const int64_t warmup = o.warmup(), total = o.total();
     for (int64_t k = 0; k < warmup; ++k) fwd(k);
     for (int64_t i = 0; i < total - warmup; ++i) {
       fwd(warmup + i);
@@ -381,6 +388,47 @@ std::string action_field(int64_t rank, size_t index) {
 }
 
 }  // namespace detail
+
+std::vector<int64_t> interleaved_stage_peak_in_flight(int64_t ranks, int64_t micro_batches,
+                                                      int64_t virtual_stages) {
+  const int64_t p = ranks, v = virtual_stages;
+  std::vector<int64_t> peak(p * v, 0), alive(v);
+  for (int64_t r = 0; r < p; ++r) {
+    const InterleavedOrder o{p, micro_batches, v, r};
+    std::fill(alive.begin(), alive.end(), 0);
+    auto forward = [&](int64_t k) {
+      const int64_t c = o.forward_chunk(k);
+      peak[c * p + r] = std::max(peak[c * p + r], ++alive[c]);
+    };
+    const int64_t warmup = o.warmup(), total = o.total();
+    for (int64_t k = 0; k < warmup; ++k) forward(k);
+    for (int64_t i = 0; i < total - warmup; ++i) {  // the cool-down's backwards only free
+      forward(warmup + i);
+      --alive[o.backward_chunk(i)];
+    }
+  }
+  return peak;
+}
+
+std::vector<int64_t> stage_peak_in_flight(const Schedule& schedule) {
+  std::vector<int64_t> alive(schedule.num_stages(), 0), peak(schedule.num_stages(), 0);
+  for (const auto& program : schedule.per_rank) {
+    for (const Action& a : program) {
+      switch (a.type) {
+        case ActionType::forward:
+          peak[a.stage] = std::max(peak[a.stage], ++alive[a.stage]);
+          break;
+        case ActionType::backward:
+        case ActionType::backward_weight:
+          --alive[a.stage];
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  return peak;
+}
 
 std::string schedule_size_problem(int64_t ranks, int64_t micro_batches, int64_t virtual_stages) {
   // Divisions, not the product, which could overflow int64 (all three are >= 1 here).

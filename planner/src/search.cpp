@@ -323,6 +323,7 @@ class Searcher {
       }
     }
     for (const auto& [pp, dp, cp, tp] : meshes_) search_mesh(pp, dp, cp, tp);
+    rescue_deferred();
     if (best_per_mesh_.empty()) {
       // Nothing fits: score the over-memory layouts too, to report the smallest need (and
       // to return the least bad one when the caller allows it).
@@ -519,22 +520,26 @@ class Searcher {
   double prune_threshold(const MeshKey& mesh) const {
     const auto it = best_per_mesh_.find(mesh);
     if (it == best_per_mesh_.end() || it->second.over_memory) return kInf;
+    // A layout up to same_time_ slower than its mesh's best may still be its layout (simpler).
+    return std::min(it->second.plan.prediction.step_time_s * (1 + same_time_), alternatives_threshold());
+  }
+
+  // Above this a mesh's best can be neither among the alternatives nor the choice: once as
+  // many meshes as the plan keeps (alternatives + 1) have one that fits, a mesh whose best is
+  // slower than the last of them (by more than same_time_) and than the tie tolerance of the
+  // fastest is not used. (A mesh within the tie tolerance of the fastest may still be chosen,
+  // having fewer moving parts: it is not cut for missing the alternatives list.)
+  double alternatives_threshold() const {
     std::vector<double> times;
     for (const auto& [_, c] : best_per_mesh_) {
       if (!c.over_memory) times.push_back(c.plan.prediction.step_time_s);
     }
     const size_t keep = static_cast<size_t>(options_.alternatives) + 1;
-    // A layout up to same_time_ slower than its mesh's best may still be its layout (simpler).
-    double threshold = it->second.plan.prediction.step_time_s * (1 + same_time_);
-    if (times.size() >= keep) {
-      std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
-      // A mesh whose best is within the tie tolerance of the fastest may still be chosen
-      // (fewer moving parts): it is not cut for missing the alternatives list.
-      const double fastest = *std::min_element(times.begin(), times.end());
-      threshold = std::min(threshold, std::max(times[keep - 1] * (1 + same_time_),
-                                               fastest * (1 + std::max(options_.tie_tolerance, same_time_))));
-    }
-    return threshold;
+    if (times.size() < keep) return kInf;
+    std::nth_element(times.begin(), times.begin() + (keep - 1), times.end());
+    const double fastest = *std::min_element(times.begin(), times.end());
+    return std::max(times[keep - 1] * (1 + same_time_),
+                    fastest * (1 + std::max(options_.tie_tolerance, same_time_)));
   }
 
   // Model state of the most loaded rank is at least the average over pipeline ranks, and
@@ -587,6 +592,43 @@ class Searcher {
     // Cheap memory test first: the model state alone may not fit on the average rank.
     const bool hopeless = state_lower_bound_bytes(l, costs) > limit;
     auto partition = hopeless ? std::nullopt : partition_for(l, costs, limit);
+    if (!partition && !hopeless && l.virtual_stages > 1) {
+      // Its chunks may still share the rank's memory in another split: tried once every
+      // layout has been seen (rescue_deferred), when most such layouts are pruned by the
+      // fastest that fit, since the attempt is costly and rarely succeeds.
+      if (!scoring_over_memory_) {
+        deferred_.push_back(l);
+        return;
+      }
+      partition = partition_sharing_rank_memory(l, costs, limit);
+    }
+    score(l, costs, std::move(partition));
+  }
+
+  // Layouts whose interleaved chunks did not fit their shares of a rank's memory (consider):
+  // each still under its mesh's prune threshold gets partition_sharing_rank_memory.
+  void rescue_deferred() {
+    std::vector<Layout> deferred;
+    deferred.swap(deferred_);
+    const double limit = cluster_.usable_memory_bytes();
+    for (const Layout& l : deferred) {
+      const auto& costs = costs_for(l);
+      // A mesh with nothing that fits: what the rescue finds becomes its best.
+      const MeshKey mesh{l.pp, l.dp, l.cp, l.tp};
+      const bool mesh_fits = best_per_mesh_.count(mesh) && !best_per_mesh_.at(mesh).over_memory;
+      const double threshold = mesh_fits ? prune_threshold(mesh) : alternatives_threshold();
+      if (lower_bound_s(l, costs) * (1 - 1e-9) >= threshold) {
+        ++stats_.pruned;
+        continue;
+      }
+      score(l, costs, partition_sharing_rank_memory(l, costs, limit));
+    }
+  }
+
+  // Scores a layout with its stage partition (none: no split fits memory).
+  void score(const Layout& l, const std::vector<LayerCost>& costs, std::optional<Partition> partition) {
+    const MeshKey mesh{l.pp, l.dp, l.cp, l.tp};
+    const double limit = cluster_.usable_memory_bytes();
     bool over = false;
     if (!partition) {
       ++stats_.over_memory;
@@ -690,6 +732,11 @@ class Searcher {
 
   std::optional<Partition> partition_for(const Layout& l, const std::vector<LayerCost>& costs,
                                          double limit) {
+    return partition_stages(partition_problem(l, costs, limit));
+  }
+
+  // The stage partition's problem for a rank memory of `limit` bytes.
+  PartitionProblem partition_problem(const Layout& l, const std::vector<LayerCost>& costs, double limit) {
     PartitionProblem p;
     const int64_t stages = l.pp * l.virtual_stages;
     p.stages = stages;
@@ -726,7 +773,7 @@ class Searcher {
         }
       }
     }
-    for (int64_t s = 0; s < stages; ++s) p.stage_in_flight.push_back(estimated_in_flight(l, s % l.pp));
+    p.stage_in_flight = stage_in_flight(l);
     // Per rank, as predict() charges them: the recompute workspace, two p2p buffers, two
     // gradient buckets or two gathered ZeRO-3 units.
     double buffers = workspace + (l.pp > 1 ? 2 * p2p : 0.0);
@@ -734,11 +781,151 @@ class Searcher {
       buffers += l.zero_stage >= 3 ? 2 * largest_params * training_.param_bytes
                                    : 2 * training_.dp_bucket_bytes;
     }
-    // A rank holds v interleaved chunks: each chunk gets its share of the memory and of the
-    // rank's buffers.
     p.stage_fixed_bytes = buffers / static_cast<double>(l.virtual_stages);
-    p.stage_memory_limit_bytes = limit / static_cast<double>(l.virtual_stages);
-    return partition_stages(p);
+    set_rank_memory(p, l, limit);
+    return p;
+  }
+
+  // The stages' memory limits for `limit` bytes per rank. A rank holds v interleaved chunks:
+  // each gets 1/v of the rank's buffers (p.stage_fixed_bytes) and a share of the rest of its
+  // memory in proportion to what the chunk keeps when the layers are spread evenly (its
+  // state, and its activations times its own micro-batches in flight). An even split then
+  // fits exactly when the rank's sum does; a split that puts more layers in the chunks
+  // holding more micro-batches (the early ones) is charged for it.
+  static void set_rank_memory(PartitionProblem& p, const Layout& l, double limit) {
+    const double v = static_cast<double>(l.virtual_stages);
+    p.stage_memory_limit_bytes = limit / v;
+    p.stage_memory_limits_bytes.clear();
+    if (l.virtual_stages == 1) return;
+    const double buffers = p.stage_fixed_bytes * v;
+    double state = 0, activations = 0;
+    for (size_t i = 0; i < p.layer_state_bytes.size(); ++i) {
+      state += p.layer_state_bytes[i];
+      activations += p.layer_activation_bytes[i];
+    }
+    const int64_t stages = p.stages;
+    std::vector<double> expected(stages), rank_total(l.pp, 0.0);
+    for (int64_t s = 0; s < stages; ++s) {
+      expected[s] = state + activations * p.stage_in_flight[s];
+      rank_total[s % l.pp] += expected[s];
+    }
+    for (int64_t s = 0; s < stages; ++s) {
+      const double share = rank_total[s % l.pp] > 0 ? expected[s] / rank_total[s % l.pp] : 1 / v;
+      p.stage_memory_limits_bytes.push_back(buffers / v + (limit - buffers) * share);
+    }
+  }
+
+  // Per stage: the micro-batches whose activations it keeps at once. With one stage per rank,
+  // the rank's count (estimated_in_flight: equal to the simulated one). With interleaved
+  // chunks, each chunk's own peak along its rank's action list: the early chunks run ahead in
+  // the warm-up and the LM head's holds one at a time, so the rank's peak spread evenly
+  // under-charges the first and over-charges the last.
+  std::vector<double> stage_in_flight(const Layout& l) {
+    std::vector<double> out;
+    if (l.virtual_stages == 1) {
+      for (int64_t s = 0; s < l.pp; ++s) out.push_back(estimated_in_flight(l, s));
+      return out;
+    }
+    const SimulationCache::ScheduleKey key{static_cast<int>(l.schedule), l.pp, l.num_micro_batches, l.virtual_stages};
+    auto it = in_flight_cache_.find(key);
+    if (it == in_flight_cache_.end()) {
+      const auto peaks = interleaved_stage_peak_in_flight(l.pp, l.num_micro_batches, l.virtual_stages);
+      it = in_flight_cache_.emplace(key, std::vector<double>(peaks.begin(), peaks.end())).first;
+    }
+    return it->second;
+  }
+
+  // The least, over splits into contiguous non-empty stages, of the stages' state plus
+  // activations times their in-flight counts: min over the last stage's start i of
+  // best[k-1][i] + in_flight[k-1] (A_j - A_i), with a running minimum of best[k-1][i] -
+  // in_flight[k-1] A_i, O(stages x layers).
+  static double least_total_bytes(const PartitionProblem& p) {
+    const size_t n = p.layer_state_bytes.size();
+    const size_t S = static_cast<size_t>(p.stages);
+    if (n < S || S == 0) return kInf;
+    double state = 0;
+    std::vector<double> A(n + 1, 0.0);
+    for (size_t i = 0; i < n; ++i) {
+      state += p.layer_state_bytes[i];
+      A[i + 1] = A[i] + p.layer_activation_bytes[i];
+    }
+    std::vector<double> best(n + 1, kInf), next(n + 1, kInf);
+    for (size_t j = 1; j <= n; ++j) best[j] = p.stage_in_flight[0] * A[j];
+    for (size_t k = 2; k <= S; ++k) {
+      const double f = p.stage_in_flight[k - 1];
+      double running = kInf;
+      std::fill(next.begin(), next.end(), kInf);
+      for (size_t j = k; j <= n; ++j) {
+        running = std::min(running, best[j - 1] - f * A[j - 1]);
+        next[j] = running + f * A[j];
+      }
+      best.swap(next);
+    }
+    return state + best[n];
+  }
+
+  // The partition gives each of a rank's v interleaved chunks a fixed share of its memory,
+  // where the chunks share it: a rank whose head chunk needs more than its share may fit when
+  // its other chunks need less. When no partition fits the shares, the rank's memory they are
+  // shares of is loosened (alpha times it, alpha in (1, v]) to about the least that admits a
+  // partition (six halvings), and that split is kept if every rank fits with each of its
+  // chunks at its own peak count at once (a bound on the walk: the chunks' peaks need not
+  // coincide). predict() then walks the schedule and decides.
+  std::optional<Partition> partition_sharing_rank_memory(const Layout& l, const std::vector<LayerCost>& costs,
+                                                         double limit) {
+    const double v = static_cast<double>(l.virtual_stages);
+    PartitionProblem p = partition_problem(l, costs, limit);
+    const double buffers = p.stage_fixed_bytes * v;
+    // Necessary: the ranks' memory together holds every layer's state, its activations times
+    // the fewest micro-batches in flight any split into non-empty stages gives them, and each
+    // rank's buffers.
+    if (least_total_bytes(p) + static_cast<double>(l.pp) * buffers > static_cast<double>(l.pp) * limit) {
+      return std::nullopt;
+    }
+    // The least alpha is searched with the partition's O(layers) necessary condition, then
+    // one partition is made there (the dynamic program, at O(stages x layers x log), only
+    // where it can succeed).
+    auto admits = [&](double alpha) {
+      set_rank_memory(p, l, limit * alpha);
+      return memory_may_admit_partition(p);
+    };
+    auto split = [&](double alpha) {
+      set_rank_memory(p, l, limit * alpha);
+      return partition_stages(p);
+    };
+    if (!admits(v)) return std::nullopt;  // not even with the rank's whole memory for every chunk
+    double lo = 1, hi = v;                // nothing at lo; maybe at hi
+    for (int i = 0; i < 6; ++i) {
+      const double mid = 0.5 * (lo + hi);
+      (admits(mid) ? hi : lo) = mid;
+    }
+    auto found = split(hi);
+    // The condition is not sufficient (cuts, non-empty stages): then the dynamic program
+    // itself between hi and v.
+    if (!found) {
+      lo = hi;
+      hi = v;
+      found = split(hi);
+      if (!found) return std::nullopt;
+      for (int i = 0; i < 6; ++i) {
+        const double mid = 0.5 * (lo + hi);
+        if (auto q = split(mid)) {
+          hi = mid;
+          found = std::move(q);
+        } else {
+          lo = mid;
+        }
+      }
+    }
+    std::vector<double> rank_bytes(l.pp, buffers);
+    for (size_t i = 0; i < found->stage_of_layer.size(); ++i) {
+      const int64_t s = found->stage_of_layer[i];
+      rank_bytes[s % l.pp] += p.layer_state_bytes[i] + p.layer_activation_bytes[i] * p.stage_in_flight[s];
+    }
+    for (double bytes : rank_bytes) {
+      if (bytes > limit) return std::nullopt;
+    }
+    return found;
   }
 
   Plan make_plan(const Layout& l, const Partition& partition) {
@@ -1160,6 +1347,8 @@ class Searcher {
   const SearchOptions options_;
   const bool allow_over_memory_;
   SimulationCache sims_;
+  std::vector<Layout> deferred_;  // consider() -> rescue_deferred()
+  std::map<SimulationCache::ScheduleKey, std::vector<double>> in_flight_cache_;  // stage_in_flight()
   std::map<std::tuple<int64_t, bool, int, int64_t, int64_t, int64_t>, std::vector<LayerCost>> cost_cache_;
   std::map<MeshKey, Candidate> best_per_mesh_;
   // Per mesh, the layouts that fit within same_time_ of its fastest (finish() takes the simplest).

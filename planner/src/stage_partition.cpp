@@ -39,6 +39,9 @@ void check_sizes(const PartitionProblem& p) {
   require(p.cut_allowed.size(), n, "cut_allowed");
   if (p.stages < 1) return;
   require(p.stage_in_flight.size(), static_cast<size_t>(p.stages), "stage_in_flight");
+  if (!p.stage_memory_limits_bytes.empty()) {
+    require(p.stage_memory_limits_bytes.size(), static_cast<size_t>(p.stages), "stage_memory_limits_bytes");
+  }
   if (p.stages > kMaxPartitionCells / static_cast<int64_t>(std::max<size_t>(n, 1))) {
     throw ValidationError("stages", std::to_string(p.stages) + " stages x " + std::to_string(n) +
                                         " layers is too large a partition (at most " +
@@ -48,6 +51,45 @@ void check_sizes(const PartitionProblem& p) {
 
 }  // namespace
 
+namespace {
+
+// Whether layers [i, j) fit as stage `stage`.
+struct StageFits {
+  const PartitionProblem& p;
+  const Prefix& pre;
+  bool operator()(int64_t i, int64_t j, int64_t stage) const {
+    const double bytes = pre.state[j] - pre.state[i] +
+                         (pre.activations[j] - pre.activations[i]) * p.stage_in_flight[stage] +
+                         p.stage_fixed_bytes;
+    return bytes <= (p.stage_memory_limits_bytes.empty() ? p.stage_memory_limit_bytes
+                                                         : p.stage_memory_limits_bytes[stage]);
+  }
+};
+
+// Fills each stage with as many layers as its memory allows. Any partition can be turned
+// into this one without breaking a stage's limit (a shorter suffix is easier for the stages
+// after it), so if even this leaves layers over, nothing fits.
+bool greedy_fill_places_every_layer(const PartitionProblem& p, const Prefix& pre) {
+  const int64_t n = static_cast<int64_t>(p.layer_time_s.size());
+  const StageFits fits{p, pre};
+  int64_t next = 0;
+  for (int64_t stage = 0; stage < p.stages && next < n; ++stage) {
+    int64_t end = next;
+    while (end < n && fits(next, end + 1, stage)) ++end;
+    next = end;
+  }
+  return next == n;
+}
+
+}  // namespace
+
+bool memory_may_admit_partition(const PartitionProblem& p) {
+  check_sizes(p);
+  const int64_t n = static_cast<int64_t>(p.layer_time_s.size());
+  if (p.stages < 1 || n < p.stages) return false;
+  return greedy_fill_places_every_layer(p, Prefix(p));
+}
+
 std::optional<Partition> partition_stages(const PartitionProblem& p) {
   check_sizes(p);
   const int64_t n = static_cast<int64_t>(p.layer_time_s.size());
@@ -55,25 +97,8 @@ std::optional<Partition> partition_stages(const PartitionProblem& p) {
   if (S < 1 || n < S) return std::nullopt;
   const Prefix pre(p);
   auto seg_time = [&](int64_t i, int64_t j) { return pre.time[j] - pre.time[i]; };  // layers [i, j)
-  auto fits = [&](int64_t i, int64_t j, int64_t stage) {
-    const double bytes = pre.state[j] - pre.state[i] +
-                         (pre.activations[j] - pre.activations[i]) * p.stage_in_flight[stage] +
-                         p.stage_fixed_bytes;
-    return bytes <= p.stage_memory_limit_bytes;
-  };
-
-  // Quick refusal: fill each stage with as many layers as its memory allows. Any partition
-  // can be turned into this one without breaking a stage's limit (a shorter suffix is
-  // easier for the stages after it), so if even this leaves layers over, nothing fits.
-  {
-    int64_t next = 0;
-    for (int64_t stage = 0; stage < S && next < n; ++stage) {
-      int64_t end = next;
-      while (end < n && fits(next, end + 1, stage)) ++end;
-      next = end;
-    }
-    if (next < n) return std::nullopt;
-  }
+  const StageFits fits{p, pre};
+  if (!greedy_fill_places_every_layer(p, pre)) return std::nullopt;  // quick refusal
 
   // best[k][j]: slowest stage when layers [0, j) form stages 0..k-1; from[k][j]: first layer
   // of stage k-1 in that optimum.

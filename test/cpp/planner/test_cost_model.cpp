@@ -334,7 +334,7 @@ TEST_CASE("estimated in-flight micro-batches match the simulated schedules",
     for (int64_t m : {1, 2, 3, 4, 8, 16}) {
       for (ScheduleKind kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe,
                                 ScheduleKind::zero_bubble_h1, ScheduleKind::interleaved_1f1b}) {
-        for (int64_t v : {1, 2, 3, 4}) {
+        for (int64_t v : {1, 2, 3, 4, 6}) {
           if ((kind == ScheduleKind::interleaved_1f1b) != (v > 1)) continue;
           if (kind == ScheduleKind::interleaved_1f1b && m % p != 0) continue;
           Layout l;
@@ -342,10 +342,26 @@ TEST_CASE("estimated in-flight micro-batches match the simulated schedules",
           l.num_micro_batches = m;
           l.schedule = kind;
           l.virtual_stages = v;
-          const SimulationResult sim = simulate(make_schedule(kind, p, m, v), {StageCosts{}});
+          const Schedule schedule = make_schedule(kind, p, m, v);
+          const SimulationResult sim = simulate(schedule, {StageCosts{}});
+          // Per stage (the search's partition charges these under interleaving): each
+          // chunk's own peak is at most its rank's, and together they cover the rank's.
+          const std::vector<int64_t> stage_peaks = stage_peak_in_flight(schedule);
+          REQUIRE(stage_peaks.size() == static_cast<size_t>(p * v));
+          if (kind == ScheduleKind::interleaved_1f1b) {  // counted without the schedule: the same
+            CHECK(interleaved_stage_peak_in_flight(p, m, v) == stage_peaks);
+          }
           for (int64_t r = 0; r < p; ++r) {
             INFO(to_string(kind) << " p=" << p << " m=" << m << " v=" << v << " rank " << r);
             const double simulated = static_cast<double>(sim.peak_in_flight[r]);
+            int64_t chunks_sum = 0;
+            for (int64_t c = 0; c < v; ++c) {
+              CHECK(stage_peaks[r + c * p] <= sim.peak_in_flight[r]);
+              CHECK(stage_peaks[r + c * p] >= 1);
+              chunks_sum += stage_peaks[r + c * p];
+            }
+            CHECK(chunks_sum >= sim.peak_in_flight[r]);
+            if (v == 1) CHECK(stage_peaks[r] == sim.peak_in_flight[r]);
             if (kind == ScheduleKind::interleaved_1f1b) {
               CHECK(estimated_in_flight(l, r) >= simulated / static_cast<double>(v));
             } else {
@@ -356,6 +372,18 @@ TEST_CASE("estimated in-flight micro-batches match the simulated schedules",
       }
     }
   }
+}
+
+TEST_CASE("interleaved chunks keep their own micro-batches in flight", "[cost_model][schedule]") {
+  // Megatron-LM's interleaved 1F1B on p=2, v=2, m=4. The last rank warms up with
+  // (p - r - 1) 2 + (v - 1) p = 2 forwards of its first chunk (stage 1, micro-batches 0 and 1);
+  // in the steady state each forward of its head chunk (stage 3) is followed by that micro-
+  // batch's backward, and its first chunk's third forward comes before its first backward.
+  const std::vector<int64_t> peaks = stage_peak_in_flight(make_schedule(ScheduleKind::interleaved_1f1b, 2, 4, 2));
+  CHECK(peaks[3] == 1);
+  CHECK(peaks[1] == 3);
+  // Spread evenly, the rank's peak of 3 would charge each chunk 1.5.
+  CHECK(simulate(make_schedule(ScheduleKind::interleaved_1f1b, 2, 4, 2), {StageCosts{}}).peak_in_flight[1] == 3);
 }
 
 TEST_CASE("p2p transfers and buffers are the stage output's tp shard with sequence parallelism",

@@ -278,13 +278,12 @@ TEST_CASE("interleaved chunks share their rank's buffers", "[search][memory]") {
   const Plan roomy = evaluate_layout(g, cluster, batch(256), pins);
   const double need = roomy.prediction.memory_bytes_per_device;
   REQUIRE(roomy.prediction.memory.activations > 0.5 * need);
-  // 25% more than the plan needs: fits. (The partition charges each chunk its rank's peak
-  // in-flight count spread evenly and 1/v of the rank's workspace, where the prediction walks
-  // the schedule: the last rank's last chunk, the head's, holds one micro-batch at a time, not
-  // 1.5, so on this model the partition needs 18% more than the plan it makes, 7% when the
-  // prediction spread the peak evenly too. Charging every chunk the whole buffers, what this
-  // guards against, needs 56% more.)
-  cluster.device_memory_bytes = cluster.memory_reserved_bytes + 1.25 * need;
+  // 10% more than the plan needs: fits. (The partition gives each chunk 1/v of the rank's
+  // memory, charged its own in-flight peak; the last rank's head chunk holds one micro-batch at
+  // a time but is the larger. Where no split fits those shares, they are loosened and predict()
+  // decides: search.cpp, partition_sharing_rank_memory. Charging every chunk the whole buffers,
+  // what this guards against, needs 56% more.)
+  cluster.device_memory_bytes = cluster.memory_reserved_bytes + 1.1 * need;
   const Plan tight = evaluate_layout(g, cluster, batch(256), pins);
   CHECK(tight.prediction.memory_bytes_per_device <= cluster.usable_memory_bytes());
 }

@@ -31,12 +31,17 @@ double stage_bytes(const PartitionProblem& p, size_t first, size_t end, int64_t 
   return state + activations * p.stage_in_flight[stage] + p.stage_fixed_bytes;
 }
 
+// Stage `stage`'s memory limit, as partition_stages reads it.
+double limit_of(const PartitionProblem& p, int64_t stage) {
+  return p.stage_memory_limits_bytes.empty() ? p.stage_memory_limit_bytes : p.stage_memory_limits_bytes[stage];
+}
+
 // Exhaustive optimum for small inputs: layers [start, n) as stages stage..stages-1.
 double brute_force(const PartitionProblem& p, size_t start, int64_t stage) {
   const size_t n = p.layer_time_s.size();
   const int64_t left = p.stages - stage;  // stages still to fill, this one included
   if (left == 1) {
-    if (start >= n || stage_bytes(p, start, n, stage) > p.stage_memory_limit_bytes) return 1e300;
+    if (start >= n || stage_bytes(p, start, n, stage) > limit_of(p, stage)) return 1e300;
     double t = 0;
     for (size_t i = start; i < n; ++i) t += p.layer_time_s[i];
     return t;
@@ -44,7 +49,7 @@ double brute_force(const PartitionProblem& p, size_t start, int64_t stage) {
   double best = 1e300, t = 0;
   for (size_t end = start + 1; end + (left - 1) <= n; ++end) {  // this stage: [start, end)
     t += p.layer_time_s[end - 1];
-    if (stage_bytes(p, start, end, stage) > p.stage_memory_limit_bytes) break;
+    if (stage_bytes(p, start, end, stage) > limit_of(p, stage)) break;
     if (!p.cut_allowed[end]) continue;
     best = std::min(best, std::max(t, brute_force(p, end, stage + 1)));
   }
@@ -92,7 +97,7 @@ void check_valid(const PartitionProblem& p, const Partition& r) {
       if (d == 0) continue;
       CHECK(p.cut_allowed[i]);
     }
-    CHECK(stage_bytes(p, first, i, r.stage_of_layer[first]) <= p.stage_memory_limit_bytes);
+    CHECK(stage_bytes(p, first, i, r.stage_of_layer[first]) <= limit_of(p, r.stage_of_layer[first]));
     first = i;
   }
 }
@@ -136,8 +141,15 @@ TEST_CASE("partition is optimal against brute force", "[partition]") {
       p.stage_memory_limit_bytes =
           std::floor(total * (0.1 + 0.9 * (next() % 100) / 100.0) / stages * 2);
     }
+    if (trial % 7 == 3) {  // each stage its own limit (interleaved chunks' shares of a rank)
+      for (int64_t s = 0; s < stages; ++s) {
+        p.stage_memory_limits_bytes.push_back(std::floor(p.stage_memory_limit_bytes * (0.5 + (next() % 100) / 100.0)));
+      }
+    }
     const double expect = brute_force(p, 0, 0);
     const auto r = partition_stages(p);
+    // The quick test is a necessary condition: where it says no, there is no partition.
+    if (!memory_may_admit_partition(p)) CHECK(expect >= 1e300);
     INFO("trial " << trial << " n=" << n << " stages=" << stages << " in-flight kind "
                   << trial % 4);
     if (expect >= 1e300) {
@@ -166,6 +178,22 @@ TEST_CASE("stages with more micro-batches in flight get fewer layers", "[partiti
   CHECK(r->stage_of_layer == std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 1});
   p.stage_memory_limit_bytes = 3;  // nothing fits
   CHECK_FALSE(partition_stages(p));
+}
+
+TEST_CASE("each stage may have its own memory limit", "[partition]") {
+  auto p = problem(std::vector<double>(8, 1.0), 2);
+  p.layer_state_bytes.assign(8, 1);
+  p.stage_memory_limits_bytes = {2, 100};  // the first stage holds at most 2 layers
+  const auto r = partition_stages(p);
+  REQUIRE(r);
+  CHECK(r->stage_of_layer == std::vector<int64_t>{0, 0, 1, 1, 1, 1, 1, 1});
+  p.stage_memory_limits_bytes = {100, 5};  // the second at most 5: the first takes 3
+  CHECK(partition_stages(p)->stage_of_layer == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  p.stage_memory_limits_bytes = {3, 4};  // 7 of 8 layers fit
+  CHECK_FALSE(memory_may_admit_partition(p));
+  CHECK_FALSE(partition_stages(p));
+  p.stage_memory_limits_bytes = {1};
+  CHECK_THROWS_WITH(partition_stages(p), Catch::Contains("stage_memory_limits_bytes"));
 }
 
 TEST_CASE("more stages than layers is refused", "[partition]") {

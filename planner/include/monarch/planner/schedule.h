@@ -65,6 +65,16 @@ Schedule make_schedule(ScheduleKind kind, int64_t ranks, int64_t micro_batches,
 // finishes (no deadlock). Throws ValidationError naming the first broken action.
 void check_schedule(const Schedule& schedule);
 
+// Per virtual stage: the most of its micro-batches whose activations are alive at once along
+// its rank's action list (a forward keeps them; the backward, or under the zero-bubble split
+// the weight gradient, frees them). Under interleaving a rank's chunks differ: its first chunks
+// run ahead in the warm-up, the last stage (the LM head's) holds one at a time.
+std::vector<int64_t> stage_peak_in_flight(const Schedule& schedule);
+// The same for make_schedule(interleaved_1f1b, ranks, micro_batches, virtual_stages), counted
+// from the schedule's order without building it (the search asks for it per layout).
+std::vector<int64_t> interleaved_stage_peak_in_flight(int64_t ranks, int64_t micro_batches,
+                                                      int64_t virtual_stages);
+
 // Durations of one micro-batch's work on one virtual stage.
 struct StageCosts {
   double forward_s = 1;

@@ -18,6 +18,9 @@ struct PartitionProblem {
   std::vector<double> stage_in_flight;       // per stage: micro-batches alive at once
   double stage_fixed_bytes = 0;              // per stage: buffers, recompute workspace
   double stage_memory_limit_bytes = 0;
+  // Per stage, when not empty: its own limit in place of stage_memory_limit_bytes (a rank's
+  // interleaved chunks share its memory in proportion to what each is expected to keep).
+  std::vector<double> stage_memory_limits_bytes;
   int64_t stages = 1;
 };
 
@@ -27,12 +30,17 @@ struct Partition {
 };
 
 // Splits the layer chain into `stages` contiguous non-empty stages minimizing the slowest
-// stage's time subject to every stage's memory <= the limit. Exact for any in-flight
+// stage's time subject to every stage's memory <= its limit. Exact for any in-flight
 // profile and any allowed cuts: dp[k][j] = min over i of max(dp[k-1][i], time(i..j-1)),
 // each minimum found by binary search over the suffix minima of dp[k-1] (O(stages * layers
 // * log layers)). Layer times must be >= 0. Deterministic. Returns nullopt when no partition
 // fits memory. Throws ValidationError when the per-layer or per-stage vectors have the
 // wrong length, or stages x layers exceeds kMaxPartitionCells ("stages").
 std::optional<Partition> partition_stages(const PartitionProblem& problem);
+
+// A necessary condition for partition_stages to find a partition, in O(layers): filling each
+// stage in turn with as many layers as its memory allows places every layer. (Not sufficient:
+// it ignores cut_allowed and that every stage needs a layer.) Throws as partition_stages does.
+bool memory_may_admit_partition(const PartitionProblem& problem);
 
 }  // namespace monarch::planner
