@@ -304,6 +304,7 @@ class Searcher {
                             "must be >= 0, got " + std::to_string(options_.alternatives));
     }
     check_pins(graph_, cluster_, training_, pins_);
+    for (size_t i = 0; i < graph_.layers.size(); ++i) cut_before_.push_back(graph_.can_cut_before(static_cast<int>(i)));
     const int64_t world = cluster_.world_size();
     for (int64_t tp : divisors(world)) {
       if (pins_.tp ? tp != *pins_.tp : !tp_allowed(tp)) continue;
@@ -747,11 +748,11 @@ class Searcher {
       p.layer_state_bytes.push_back(
           layout_model_state_bytes(c.params, c.expert_params, l, training_, training_.grad_bytes).total());
       p.layer_activation_bytes.push_back(c.activation_bytes);
-      p.cut_allowed.push_back(i == 0 || graph_.can_cut_before(static_cast<int>(i)));
+      p.cut_allowed.push_back(i == 0 || cut_before_[i]);
       largest_params = std::max(largest_params, c.params);
       workspace = std::max(workspace, c.workspace_bytes);
       // A stage can end where the next may start: the largest output any stage may send.
-      if (i + 1 == costs.size() || graph_.can_cut_before(static_cast<int>(i) + 1)) {
+      if (i + 1 == costs.size() || cut_before_[i + 1]) {
         p2p = std::max(p2p, stage_p2p_bytes(graph_, training_, l, static_cast<int64_t>(i)));
       }
     }
@@ -1348,6 +1349,7 @@ class Searcher {
   const bool allow_over_memory_;
   SimulationCache sims_;
   std::vector<Layout> deferred_;  // consider() -> rescue_deferred()
+  std::vector<bool> cut_before_;  // graph_.can_cut_before(i), O(layers + edges) each: asked per layout
   std::map<SimulationCache::ScheduleKey, std::vector<double>> in_flight_cache_;  // stage_in_flight()
   std::map<std::tuple<int64_t, bool, int, int64_t, int64_t, int64_t>, std::vector<LayerCost>> cost_cache_;
   std::map<MeshKey, Candidate> best_per_mesh_;
