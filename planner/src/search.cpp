@@ -867,16 +867,25 @@ class Searcher {
 
   // The partition gives each of a rank's v interleaved chunks a fixed share of its memory,
   // where the chunks share it: a rank whose head chunk needs more than its share may fit when
-  // its other chunks need less. When no partition fits the shares, the rank's memory they are
-  // shares of is loosened (alpha times it, alpha in (1, v]) to about the least that admits a
-  // partition (six halvings), and that split is kept if every rank fits with each of its
-  // chunks at its own peak count at once (a bound on the walk: the chunks' peaks need not
-  // coincide). predict() then walks the schedule and decides.
+  // its other chunks need less. When no partition fits the shares, a split is looked for with
+  // the rank's peak count spread evenly over its chunks (the partition before the shares);
+  // failing that, the rank's memory the shares are of is loosened (alpha times it, alpha in
+  // (1, v]) to about the least that admits a partition (six halvings), and that split is kept
+  // if every rank fits with each of its chunks at its own peak count at once (a bound on the
+  // walk: the chunks' peaks need not coincide). predict() then walks the schedule and decides.
   std::optional<Partition> partition_sharing_rank_memory(const Layout& l, const std::vector<LayerCost>& costs,
                                                          double limit) {
     const double v = static_cast<double>(l.virtual_stages);
     PartitionProblem p = partition_problem(l, costs, limit);
     const double buffers = p.stage_fixed_bytes * v;
+    {
+      // First the rank's peak spread evenly over its chunks, each within 1/v of its memory:
+      // exact for the rank's sum where the chunks are alike, and predict()'s walk decides.
+      PartitionProblem even = p;
+      even.stage_memory_limits_bytes.clear();
+      for (int64_t s = 0; s < p.stages; ++s) even.stage_in_flight[s] = estimated_in_flight(l, s % l.pp);
+      if (auto found = partition_stages(even)) return found;
+    }
     // Necessary: the ranks' memory together holds every layer's state, its activations times
     // the fewest micro-batches in flight any split into non-empty stages gives them, and each
     // rank's buffers.
