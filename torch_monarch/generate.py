@@ -598,14 +598,23 @@ def _hf_stage_cache(config, local, max_len):
     base = DynamicCache if max_len is None else StaticCache
 
     class StageCache(base):
-        """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, which
-        another stage holds: this stage's first layer answers instead."""
+        """Hugging Face reads the cache's length (positions, mask sizes) from layer 0, or for
+        each attention kind (sliding window, full) from the kind's first layer, which another
+        stage may hold: this stage's first layer of the same kind answers instead."""
+
+        def _here(self, layer_idx):
+            if layer_idx in local:
+                return layer_idx
+            sliding = self.is_sliding  # one entry per layer of the model (its config's layer types)
+            if layer_idx < len(sliding):
+                return next((i for i in local if sliding[i] == sliding[layer_idx]), local[0])
+            return local[0]
 
         def get_seq_length(self, layer_idx=0):
-            return super().get_seq_length(layer_idx if layer_idx in local else local[0])
+            return super().get_seq_length(self._here(layer_idx))
 
         def get_mask_sizes(self, query_length, layer_idx=0):
-            return super().get_mask_sizes(query_length, layer_idx if layer_idx in local else local[0])
+            return super().get_mask_sizes(query_length, self._here(layer_idx))
 
     return StageCache(config=config) if max_len is None else StageCache(config=config, max_cache_len=max_len)
 

@@ -76,6 +76,11 @@ def _matrix_model(kind):
         model = T.LlamaForCausalLM(_small(T.LlamaConfig, **gqa))
     elif kind == "hf_qwen2_gqa":
         model = T.Qwen2ForCausalLM(_small(T.Qwen2Config, **gqa))
+    elif kind == "hf_gemma2_window8":
+        # sliding-window layers (window 8, far shorter than the 75 positions) alternating with
+        # full-attention ones: Hugging Face sizes each kind's mask from the cache of the kind's
+        # first layer, which the second pipeline stage does not hold
+        model = T.Gemma2ForCausalLM(_small(T.Gemma2Config, **gqa, head_dim=8, sliding_window=8))
     else:
         model = T.GPT2LMHeadModel(_no_dropout(T.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=VOCAB,
                                                            n_positions=128)))
@@ -86,7 +91,7 @@ def _matrix_model(kind):
 
 
 def build_case(kind):
-    if kind in MATRIX_MODELS:
+    if kind in MATRIX_MODELS or kind == "hf_gemma2_window8":
         return _matrix_model(kind)
     if kind == "ours_gpt2":
         torch.manual_seed(0)
@@ -248,6 +253,9 @@ CASES = {
                                                                              "micro_batches": 2}},
     "ours_gpt2_pp2_zero3_eos_m2": {"model": "ours_gpt2", "mesh": {"pp": 2}, "zero_stage": 3,
                                    "args": {"eos_token_id": "auto", "micro_batches": 2}},
+    # sliding-window and full-attention layers in each pipeline stage's cache
+    "hf_gemma2_window8_pp2_64": {"model": "hf_gemma2_window8", "plan": {"pp": 2, "dp": 2},
+                                 "args": {"max_new_tokens": 64}},
     # the KV cache grown token by token instead of pre-allocated (the default)
     "hf_llama_gqa_tp2_dynamic": {"model": "hf_llama_gqa", "mesh": {"tp": 2}, "args": {"cache": "dynamic"}},
     "ours_llama_gqa_pp2_dynamic": {"model": "ours_llama_gqa", "mesh": {"pp": 2}, "args": {"cache": "dynamic"}},

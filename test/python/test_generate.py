@@ -13,6 +13,8 @@ pipeline under ZeRO-3, EOS (tp, dp=4 ZeRO-3 where ranks finish apart, pipelines 
 Micro-batched pipelined decode (the rows in 2 or 4 groups following each other round the stages):
 64 tokens on our Llama tp=2 x pp=2 and HF Qwen2 pp=2, and with EOS (groups whose rows all stopped
 are skipped; under ZeRO-3 the dp ranks agree group by group), equal to one process.
+Gemma 2 (sliding-window layers, window 8, alternating with full-attention ones) on pp=2 x dp=2, 64
+tokens: each stage sizes each kind's mask from its own first layer of that kind.
 Sampled (temperature, top-k, top-p, seed): every rank the same, and equal to HF's sampling from
 the global RNG seeded alike. EOS: rows stop and emit padding; all finished -> the loop ends early.
 """
@@ -29,12 +31,13 @@ MATRIX = [f"{m}_{layout}_64" for m in MATRIX_MODELS for layout in MATRIX_TP]
 # micro-batched pipelined decode (the rows in groups following each other round the stages)
 MICRO = ["ours_llama_gqa_tp2_pp2_m2_64", "hf_qwen2_gqa_pp2_m4_64"]
 GREEDY = ["llama_tp2", "qwen2_tp2_zero3", "qwen3_tp2_zero1", "mistral_dp4_zero3", "llama_tp2_trained",
-          "ours_llama_dp4_zero3", "ours_llama_pp2_zero3", "hf_llama_gqa_tp2_dynamic", "ours_llama_gqa_pp2_dynamic"]
+          "ours_llama_dp4_zero3", "ours_llama_pp2_zero3", "hf_llama_gqa_tp2_dynamic", "ours_llama_gqa_pp2_dynamic",
+          "hf_gemma2_window8_pp2_64"]
 # key/value heads each rank's cache holds: the model's kv heads / tp (the matrix's models have 4)
 KV_HEADS = {"llama_tp2": 1, "qwen2_tp2_zero3": 1, "qwen3_tp2_zero1": 1, "mistral_dp4_zero3": 2,
             "llama_tp2_trained": 1, "ours_llama_dp4_zero3": 2, "ours_llama_pp2_zero3": 2, "llama_tp2_sampled": 1,
             "ours_llama_gqa_tp2_pp2_m2_64": 2, "hf_qwen2_gqa_pp2_m4_64": 4, "hf_llama_gqa_tp2_dynamic": 2,
-            "ours_llama_gqa_pp2_dynamic": 4,
+            "ours_llama_gqa_pp2_dynamic": 4, "hf_gemma2_window8_pp2_64": 4,
             **{f"{m}_{layout}_64": 4 // tp for m in MATRIX_MODELS for layout, tp in MATRIX_TP.items()}}
 
 
@@ -78,6 +81,9 @@ def test_greedy_generation_equals_one_process(results, case):
             assert res[case]["filled_layers"] == list(range(layers)), res[case]
     for outs in by_dp.values():
         assert all(torch.equal(o, outs[0]) for o in outs)
+    if case == "hf_gemma2_window8_pp2_64":  # per stage: a sliding layer's 8 positions, a full one's 75
+        for res in results:  # 4 rows x k,v x 4 kv heads x head dim 8 x fp32
+            assert res[case]["kv_cache_bytes"] == 4 * (8 + WIDTH + new) * 2 * 4 * 8 * 4, res[case]
     if len(by_dp) > 1:  # dp replicas had their own prompts
         assert not torch.equal(by_dp[0][0], by_dp[1][0])
 
