@@ -607,7 +607,7 @@ def _hf_stage_cache(config, local, max_len):
                 return layer_idx
             sliding = self.is_sliding  # one entry per layer of the model (its config's layer types)
             if layer_idx < len(sliding):
-                return next((i for i in local if sliding[i] == sliding[layer_idx]), local[0])
+                return next((i for i in local if i < len(sliding) and sliding[i] == sliding[layer_idx]), local[0])
             return local[0]
 
         def get_seq_length(self, layer_idx=0):

@@ -496,7 +496,14 @@ class Searcher {
     const auto key = std::make_tuple(l.tp, l.sequence_parallel, static_cast<int>(l.recompute),
                                      l.micro_batch_size, l.cp, l.ep);
     auto it = cost_cache_.find(key);
-    if (it == cost_cache_.end()) it = cost_cache_.emplace(key, estimator_.layer_costs(graph_, cluster_, training_, l)).first;
+    if (it == cost_cache_.end()) {
+      auto costs = estimator_.layer_costs(graph_, cluster_, training_, l);
+      if (costs.size() != graph_.layers.size()) {  // a custom Estimator's mistake, said where
+        throw ValidationError("estimator", "layer_costs gave " + std::to_string(costs.size()) + " entries for " +
+                                               std::to_string(graph_.layers.size()) + " layers");
+      }
+      it = cost_cache_.emplace(key, std::move(costs)).first;
+    }
     return it->second;
   }
 
@@ -593,26 +600,32 @@ class Searcher {
     // Cheap memory test first: the model state alone may not fit on the average rank.
     const bool hopeless = state_lower_bound_bytes(l, costs) > limit;
     auto partition = hopeless ? std::nullopt : partition_for(l, costs, limit);
-    if (!partition && !hopeless && l.virtual_stages > 1) {
-      // Its chunks may still share the rank's memory in another split: tried once every
-      // layout has been seen (rescue_deferred), when most such layouts are pruned by the
-      // fastest that fit, since the attempt is costly and rarely succeeds.
-      if (!scoring_over_memory_) {
-        deferred_.push_back(l);
-        return;
-      }
-      partition = partition_sharing_rank_memory(l, costs, limit);
+    if (hopeless || l.virtual_stages == 1 || scoring_over_memory_) {
+      score(l, costs, std::move(partition));
+      return;
     }
-    score(l, costs, std::move(partition));
+    // Interleaved chunks whose shares of the rank's memory admit no split, or whose split
+    // predict() finds over memory, may still share the rank's memory in another split: tried
+    // once every layout has been seen (rescue_deferred), when most such layouts are pruned by
+    // the fastest that fit, since the attempt is costly and rarely succeeds. (The second pass,
+    // over memory, follows a first whose rescues were not pruned: none fitted.)
+    Deferred d{l, std::nullopt};
+    if (partition) {
+      d.tried = partition->stage_of_layer;
+      if (score(l, costs, std::move(partition)) != Scored::over_memory) return;
+    }
+    deferred_.push_back(std::move(d));
   }
 
   // Layouts whose interleaved chunks did not fit their shares of a rank's memory (consider):
-  // each still under its mesh's prune threshold gets partition_sharing_rank_memory.
+  // each still under its mesh's prune threshold is scored with the other splits in turn (the
+  // rank's peak spread evenly over its chunks, then the loosened shares), until one fits.
   void rescue_deferred() {
-    std::vector<Layout> deferred;
+    std::vector<Deferred> deferred;
     deferred.swap(deferred_);
     const double limit = cluster_.usable_memory_bytes();
-    for (const Layout& l : deferred) {
+    for (const Deferred& d : deferred) {
+      const Layout& l = d.layout;
       const auto& costs = costs_for(l);
       // A mesh with nothing that fits: what the rescue finds becomes its best.
       const MeshKey mesh{l.pp, l.dp, l.cp, l.tp};
@@ -622,23 +635,37 @@ class Searcher {
         ++stats_.pruned;
         continue;
       }
-      score(l, costs, partition_sharing_rank_memory(l, costs, limit));
+      std::vector<std::vector<int64_t>> tried;
+      if (d.tried) tried.push_back(*d.tried);
+      bool settled = false;
+      auto attempt = [&](std::optional<Partition> split) {
+        if (settled || !split) return;
+        if (std::find(tried.begin(), tried.end(), split->stage_of_layer) != tried.end()) return;
+        tried.push_back(split->stage_of_layer);
+        settled = score(l, costs, std::move(split)) != Scored::over_memory;
+      };
+      attempt(even_split(l, costs, limit));
+      if (!settled) attempt(loosened_split(l, costs, limit));
+      if (tried.empty()) score(l, costs, std::nullopt);  // no split at all: counted over memory
     }
   }
 
-  // Scores a layout with its stage partition (none: no split fits memory).
-  void score(const Layout& l, const std::vector<LayerCost>& costs, std::optional<Partition> partition) {
+  enum class Scored { fits, over_memory, pruned };
+
+  // Scores a layout with its stage partition (none: no split fits memory); says whether it
+  // fits, does not, or could not beat the threshold.
+  Scored score(const Layout& l, const std::vector<LayerCost>& costs, std::optional<Partition> partition) {
     const MeshKey mesh{l.pp, l.dp, l.cp, l.tp};
     const double limit = cluster_.usable_memory_bytes();
     bool over = false;
     if (!partition) {
       ++stats_.over_memory;
-      if (!scoring_over_memory_) return;
-      if (state_lower_bound_bytes(l, costs) >= smallest_need_) return;  // cannot need less
+      if (!scoring_over_memory_) return Scored::over_memory;
+      if (state_lower_bound_bytes(l, costs) >= smallest_need_) return Scored::over_memory;  // cannot need less
       // Score the time-balanced split to report how much memory it would need.
       partition = partition_for(l, costs, kInf);
       over = true;
-      if (!partition) return;
+      if (!partition) return Scored::over_memory;
     }
     Candidate c;
     c.plan = make_plan(l, *partition);
@@ -674,7 +701,7 @@ class Searcher {
     }
     if (!prediction) {
       ++stats_.pruned;
-      return;
+      return Scored::pruned;
     }
     c.plan.dp_reduction = std::get<0>(chosen);
     c.plan.inter_node_compression = std::get<1>(chosen);
@@ -688,8 +715,9 @@ class Searcher {
         smallest_need_ = c.plan.prediction.memory_bytes_per_device;
         smallest_need_plan_ = c.plan;
       }
-      if (!scoring_over_memory_ || !allow_over_memory_) return;
+      if (!scoring_over_memory_ || !allow_over_memory_) return Scored::over_memory;
     }
+    const Scored result = c.over_memory ? Scored::over_memory : Scored::fits;
     auto [it, inserted] = best_per_mesh_.emplace(mesh, c);
     if (!inserted && better(c, it->second)) it->second = c;
     // The mesh's near ties: every layout that fits within same_time_ of its fastest.
@@ -701,6 +729,7 @@ class Searcher {
                                 [&](const Candidate& n) { return n.plan.prediction.step_time_s > limit_s; }),
                  near.end());
     }
+    return result;
   }
 
   // The dp reductions to score for a layout: flat; and where the training config allows it and
@@ -797,23 +826,29 @@ class Searcher {
     const double v = static_cast<double>(l.virtual_stages);
     p.stage_memory_limit_bytes = limit / v;
     p.stage_memory_limits_bytes.clear();
-    if (l.virtual_stages == 1) return;
+    if (l.virtual_stages == 1 || !std::isfinite(limit)) return;  // (no limit: the same for each)
     const double buffers = p.stage_fixed_bytes * v;
+    for (double share : chunk_shares(p, l)) p.stage_memory_limits_bytes.push_back(buffers / v + (limit - buffers) * share);
+  }
+
+  // Per stage: its share of its rank's memory beyond the buffers (set_rank_memory).
+  static std::vector<double> chunk_shares(const PartitionProblem& p, const Layout& l) {
+    const double v = static_cast<double>(l.virtual_stages);
     double state = 0, activations = 0;
     for (size_t i = 0; i < p.layer_state_bytes.size(); ++i) {
       state += p.layer_state_bytes[i];
       activations += p.layer_activation_bytes[i];
     }
     const int64_t stages = p.stages;
-    std::vector<double> expected(stages), rank_total(l.pp, 0.0);
+    std::vector<double> expected(stages), rank_total(l.pp, 0.0), shares(stages);
     for (int64_t s = 0; s < stages; ++s) {
       expected[s] = state + activations * p.stage_in_flight[s];
       rank_total[s % l.pp] += expected[s];
     }
     for (int64_t s = 0; s < stages; ++s) {
-      const double share = rank_total[s % l.pp] > 0 ? expected[s] / rank_total[s % l.pp] : 1 / v;
-      p.stage_memory_limits_bytes.push_back(buffers / v + (limit - buffers) * share);
+      shares[s] = rank_total[s % l.pp] > 0 ? expected[s] / rank_total[s % l.pp] : 1 / v;
     }
+    return shares;
   }
 
   // Per stage: the micro-batches whose activations it keeps at once. With one stage per rank,
@@ -865,36 +900,42 @@ class Searcher {
     return state + best[n];
   }
 
-  // The partition gives each of a rank's v interleaved chunks a fixed share of its memory,
-  // where the chunks share it: a rank whose head chunk needs more than its share may fit when
-  // its other chunks need less. When no partition fits the shares, a split is looked for with
-  // the rank's peak count spread evenly over its chunks (the partition before the shares);
-  // failing that, the rank's memory the shares are of is loosened (alpha times it, alpha in
-  // (1, v]) to about the least that admits a partition (six halvings), and that split is kept
-  // if every rank fits with each of its chunks at its own peak count at once (a bound on the
-  // walk: the chunks' peaks need not coincide). predict() then walks the schedule and decides.
-  std::optional<Partition> partition_sharing_rank_memory(const Layout& l, const std::vector<LayerCost>& costs,
-                                                         double limit) {
+  // The rank's peak count spread evenly over its chunks, each within 1/v of the rank's memory
+  // (the partition before the shares): exact for the rank's sum where the chunks are alike;
+  // it under-charges the early chunks, so predict()'s walk decides.
+  std::optional<Partition> even_split(const Layout& l, const std::vector<LayerCost>& costs, double limit) {
+    PartitionProblem even = partition_problem(l, costs, limit);
+    even.stage_memory_limits_bytes.clear();
+    for (int64_t s = 0; s < even.stages; ++s) even.stage_in_flight[s] = estimated_in_flight(l, s % l.pp);
+    return partition_stages(even);
+  }
+
+  // The shares of a rank's memory are fixed where its chunks really share it: a rank whose
+  // head chunk needs more than its share may fit when its other chunks need less. The rank's
+  // memory the shares divide is loosened (alpha times it) from 1 up to where every chunk's
+  // limit reaches the rank's whole memory, to about the least alpha that admits a split (six
+  // halvings), and that split is kept if every rank fits with each of its chunks at its own
+  // peak count at once (the chunks' peaks need not coincide: a bound on predict()'s walk, which
+  // then decides).
+  std::optional<Partition> loosened_split(const Layout& l, const std::vector<LayerCost>& costs, double limit) {
     const double v = static_cast<double>(l.virtual_stages);
     PartitionProblem p = partition_problem(l, costs, limit);
     const double buffers = p.stage_fixed_bytes * v;
-    {
-      // First the rank's peak spread evenly over its chunks, each within 1/v of its memory:
-      // exact for the rank's sum where the chunks are alike, and predict()'s walk decides.
-      PartitionProblem even = p;
-      even.stage_memory_limits_bytes.clear();
-      for (int64_t s = 0; s < p.stages; ++s) even.stage_in_flight[s] = estimated_in_flight(l, s % l.pp);
-      if (auto found = partition_stages(even)) return found;
-    }
     // Necessary: the ranks' memory together holds every layer's state, its activations times
     // the fewest micro-batches in flight any split into non-empty stages gives them, and each
     // rank's buffers.
     if (least_total_bytes(p) + static_cast<double>(l.pp) * buffers > static_cast<double>(l.pp) * limit) {
       return std::nullopt;
     }
-    // The least alpha is searched with the partition's O(layers) necessary condition, then
-    // one partition is made there (the dynamic program, at O(stages x layers x log), only
-    // where it can succeed).
+    // A stage's limit at alpha is buffers / v + (alpha limit - buffers) share: it reaches the
+    // rank's memory at alpha = ((limit - buffers / v) / share + buffers) / limit.
+    double widest = 1;
+    for (double share : chunk_shares(p, l)) {
+      if (share > 0) widest = std::max(widest, ((limit - buffers / v) / share + buffers) / limit);
+    }
+    // The least alpha is searched with the partition's O(layers) necessary condition, then a
+    // partition is made there (the dynamic program, at O(stages x layers x log), only where it
+    // can succeed).
     auto admits = [&](double alpha) {
       set_rank_memory(p, l, limit * alpha);
       return memory_may_admit_partition(p);
@@ -903,18 +944,18 @@ class Searcher {
       set_rank_memory(p, l, limit * alpha);
       return partition_stages(p);
     };
-    if (!admits(v)) return std::nullopt;  // not even with the rank's whole memory for every chunk
-    double lo = 1, hi = v;                // nothing at lo; maybe at hi
+    if (!admits(widest)) return std::nullopt;  // not even with the rank's whole memory for each chunk
+    double lo = 1, hi = widest;               // hi admits; lo need not
     for (int i = 0; i < 6; ++i) {
       const double mid = 0.5 * (lo + hi);
       (admits(mid) ? hi : lo) = mid;
     }
     auto found = split(hi);
     // The condition is not sufficient (cuts, non-empty stages): then the dynamic program
-    // itself between hi and v.
+    // itself between hi and the widest.
     if (!found) {
       lo = hi;
-      hi = v;
+      hi = widest;
       found = split(hi);
       if (!found) return std::nullopt;
       for (int i = 0; i < 6; ++i) {
@@ -1357,7 +1398,12 @@ class Searcher {
   const SearchOptions options_;
   const bool allow_over_memory_;
   SimulationCache sims_;
-  std::vector<Layout> deferred_;  // consider() -> rescue_deferred()
+  // consider() -> rescue_deferred(): a layout, and the split already scored for it (if any)
+  struct Deferred {
+    Layout layout;
+    std::optional<std::vector<int64_t>> tried;
+  };
+  std::vector<Deferred> deferred_;
   std::vector<bool> cut_before_;  // graph_.can_cut_before(i), O(layers + edges) each: asked per layout
   std::map<SimulationCache::ScheduleKey, std::vector<double>> in_flight_cache_;  // stage_in_flight()
   std::map<std::tuple<int64_t, bool, int, int64_t, int64_t, int64_t>, std::vector<LayerCost>> cost_cache_;

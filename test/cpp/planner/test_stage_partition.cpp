@@ -187,8 +187,8 @@ TEST_CASE("each stage may have its own memory limit", "[partition]") {
   const auto r = partition_stages(p);
   REQUIRE(r);
   CHECK(r->stage_of_layer == std::vector<int64_t>{0, 0, 1, 1, 1, 1, 1, 1});
-  p.stage_memory_limits_bytes = {100, 5};  // the second at most 5: the first takes 3
-  CHECK(partition_stages(p)->stage_of_layer == std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1});
+  p.stage_memory_limits_bytes = {100, 3};  // the second at most 3: the first takes 5
+  CHECK(partition_stages(p)->stage_of_layer == std::vector<int64_t>{0, 0, 0, 0, 0, 1, 1, 1});
   p.stage_memory_limits_bytes = {3, 4};  // 7 of 8 layers fit
   CHECK_FALSE(memory_may_admit_partition(p));
   CHECK_FALSE(partition_stages(p));
