@@ -287,6 +287,9 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
     pin; ``tie_tolerance`` (default 0.03): layouts this close to the best are tied (latency
     then takes the fewest devices per replica). The plan's ``inference.prediction`` has ``ttft_s``, ``per_token_s``,
     ``tokens_per_s``, ``kv_cache_bytes``, ``weights_bytes``; ``choices`` says why.
+    ``host_overlaps_device`` defaults to False on CPU ranks (``cluster.cores_per_node`` > 0, as
+    ``cluster.detect`` sets it: host dispatch and compute add) and True otherwise (a GPU runs
+    behind its host).
     InfeasibleError (a ValueError) names the memory when nothing fits.
     """
     config = InferenceConfig()
@@ -306,8 +309,11 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
         config.host_seconds_per_op = float(host_seconds_per_op)
     if ops_per_block is not None:
         config.ops_per_block = float(ops_per_block)
-    if host_overlaps_device is not None:
-        config.host_overlaps_device = bool(host_overlaps_device)
+    if host_overlaps_device is None:
+        # CPU ranks (the cluster's devices share its cores: cluster.detect says how many)
+        # dispatch and compute on the same threads; a GPU runs behind its host.
+        host_overlaps_device = not getattr(cluster, "cores_per_node", 0) > 0
+    config.host_overlaps_device = bool(host_overlaps_device)
     if weight_bytes is not None:
         config.weight_bytes = float(weight_bytes)
     if kv_bytes is not None:

@@ -58,3 +58,26 @@ def test_parallelize_inference_mode_refuses_what_it_cannot_honour(kwargs, messag
     model = models.LlamaForCausalLM(vocab=64, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2)
     with pytest.raises(ValueError, match=message):
         torch_monarch.parallelize(model, **kwargs)
+
+
+def test_host_dispatch_adds_to_compute_on_cpu_ranks_and_overlaps_on_gpus():
+    # The same job on CPU ranks (the cluster's devices share its cores, as cluster.detect
+    # says) and on a GPU cluster: the host's dispatch time adds to a CPU rank's compute,
+    # where a GPU runs behind its host (max of the two).
+    graph = planner.transformer(32, 4096, 32, 64, 128256, kv_heads=8, ffn=14336, gated_mlp=True)
+    gpu = planner.cluster("h100-80gb", 1)
+    cpu = planner.cluster("h100-80gb", 1)
+    cpu.cores_per_node = 2.0
+    args = dict(batch=1, prompt_len=32, max_new_tokens=32, tp=1, host_seconds_per_op=10e-6)
+    on_gpu = planner.plan_inference(graph, gpu, **args)
+    on_cpu = planner.plan_inference(graph, cpu, **args)
+    assert on_gpu.inference.config.host_overlaps_device and not on_cpu.inference.config.host_overlaps_device
+    p_gpu, p_cpu = on_gpu.inference.prediction, on_cpu.inference.prediction
+    assert p_cpu.decode_host_s == pytest.approx(32 * 71 * 10e-6)  # 32 blocks x 71 operators x 10 us
+    # the device's part: the same on both (the clusters differ only in cores_per_node)
+    device = p_cpu.per_token_s - p_cpu.decode_host_s
+    assert device > 0
+    assert p_gpu.per_token_s == pytest.approx(max(device, p_cpu.decode_host_s), rel=1e-6)
+    # said explicitly, the CPU cluster overlaps too
+    told = planner.plan_inference(graph, cpu, host_overlaps_device=True, **args)
+    assert told.inference.prediction.per_token_s == pytest.approx(p_gpu.per_token_s, rel=1e-6)
