@@ -611,7 +611,17 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
                 [output, received, chunk, parts]() mutable {
                   // Low-precision sums in fp32; fp64 stays fp64.
                   auto wide = at::promote_types(received.scalar_type(), at::kFloat);
-                  output.view({-1}).copy_(received.view({parts, chunk}).to(wide).sum(0));
+                  auto rows = received.view({parts, chunk});
+                  if (output.scalar_type() != wide) {
+                    output.view({-1}).copy_(rows.to(wide).sum(0));
+                    return;
+                  }
+                  // Summed in the output, part after part: the bits of the widened sum over
+                  // dim 0 (which adds the rows in order), without a widened copy of all the
+                  // parts (bf16 gradients: twice what arrived) or a separate result.
+                  auto out = output.view({-1});
+                  out.copy_(rows[0]);
+                  for (int64_t p = 1; p < parts; ++p) out.add_(rows[p]);
                 })
       .traced("reduce_scatter", sent, name_);
 }
