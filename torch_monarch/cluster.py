@@ -331,8 +331,27 @@ def _cpu_cache_usable(cached):
 # link (on GPUs NVLink reaches its bandwidth only at tens of MiB).
 _PROBE_SIZES_CPU = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 23)
 _PROBE_SIZES_CUDA = (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28)
-# Cached links are reused only if timed this way (2: interleaved medians, fit checked).
-_LINKS_METHOD = 2
+# Cached links are reused only if timed this way (2: interleaved medians, fit checked; 3: on
+# CPU ranks of one node, latency from the messages the shared-memory path takes).
+_LINKS_METHOD = 3
+
+
+def _split_at_node_limit(group, sizes, device):
+    """For a node's group on CPU ranks: (small, large) probe sizes on either side of the
+    shared-memory all-reduce's limit (small messages run there, in the caller's thread, large
+    ones over Gloo: communicator.h, set_node_local), when each side has two sizes to fit;
+    else None (one path serves every size)."""
+    limit = _runtime_limit()
+    if device != "cpu" or not getattr(group, "node_local", False) or limit <= 0:
+        return None
+    small = tuple(s for s in sizes if s <= limit)
+    large = tuple(s for s in sizes if s > limit)
+    return (small, large) if len(small) >= 2 and len(large) >= 2 else None
+
+
+def _runtime_limit():
+    from . import _runtime
+    return _runtime.node_all_reduce_bytes()
 
 
 def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
@@ -378,13 +397,25 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
             if group is None:
                 continue
-            latency, bandwidth, times, error = measure_link(group, n, sizes, rounds, device)
+            split = _split_at_node_limit(group, sizes, device)
+            if split is None:
+                latency, bandwidth, times, error = measure_link(group, n, sizes, rounds, device)
+                sizes_timed = sizes
+            else:
+                # The cost model has one latency + size / bandwidth line per link: its latency
+                # from the small messages (the path they take), its bandwidth from the large
+                # ones (Gloo's ring). Either fit failing keeps the preset's figures.
+                latency, _, small_times, _ = measure_link(group, n, split[0], rounds, device)
+                _, bandwidth, large_times, _ = measure_link(group, n, split[1], rounds, device)
+                times, sizes_timed = small_times + large_times, split[0] + split[1]
+                if latency == 0 or bandwidth == 0:
+                    latency = bandwidth = 0.0
             values[at], values[at + 1] = latency, bandwidth
             if bandwidth == 0 and world.rank == 0:
                 _log("cluster").warning(
                     "the %s all-reduce times fit no latency + size / bandwidth line (medians %s s at %s bytes); "
                     "keeping the %s preset's %.3g s and %.3g B/s for this link", level,
-                    ", ".join(f"{t:.3g}" for t in times), ", ".join(str(s) for s in sizes), cluster.name,
+                    ", ".join(f"{t:.3g}" for t in times), ", ".join(str(s) for s in sizes_timed), cluster.name,
                     *((cluster.intra_node_latency_s, cluster.intra_node_bytes_per_s) if at == 0 else
                       (cluster.inter_node_latency_s, cluster.inter_node_bytes_per_s)))
         if device != "cpu":

@@ -12,6 +12,7 @@
 #include "monarch/runtime/data_parallel.h"
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/fully_shard.h"
+#include "monarch/runtime/node_all_reduce.h"
 #include "monarch/runtime/pipeline.h"
 #include "monarch/runtime/replicas.h"
 #include "monarch/runtime/sharded_embeddings.h"
@@ -432,6 +433,8 @@ PYBIND11_MODULE(_runtime, m) {
       .def("wait", &Handle::wait, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("done", &Handle::done);
 
+  m.def("node_all_reduce_bytes", &NodeAllReduce::limit_bytes,
+        "The largest all-reduce a node-local group runs through shared memory (MONARCH_NODE_ALL_REDUCE_BYTES)");
   py::class_<Communicator>(m, "Communicator")
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("size", &Communicator::size)
@@ -459,6 +462,8 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("step", &Communicator::step)
       .def_property_readonly("collectives_checked", &Communicator::collectives_checked)
       .def_property("checks_collectives", &Communicator::checks_collectives, &Communicator::set_checks_collectives)
+      .def_property_readonly("node_local", &Communicator::node_local)
+      .def_property_readonly("node_all_reduces", &Communicator::node_all_reduces)
       .def("expect_all", [](Communicator& c, const std::string& what) { c.expect_all(what); }, py::arg("what"),
            py::call_guard<py::gil_scoped_release>());
 

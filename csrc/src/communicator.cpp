@@ -5,6 +5,8 @@
 
 #include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
+#include "monarch/runtime/node_all_reduce.h"
+#include "monarch/runtime/shared_memory.h"
 #include "monarch/runtime/trace.h"
 
 #include <algorithm>
@@ -489,12 +491,55 @@ Handle Communicator::all_reduce(at::Tensor buffer, bool average) {
            }).traced("all_reduce", sent, name_);
   }
 #endif
+  if (NodeAllReduce* node = node_path(buffer)) {
+    // Runs here, through a Handle so that a failure takes the same path (latch, flight
+    // recorder, the others' announcements) and the trace records it.
+    ++node_all_reduces_;
+    const std::string what = describe(CollectiveKind::all_reduce, buffer) + " (shared memory)";
+    Handle handle = Handle::completion([node, buffer, average]() mutable { node->all_reduce(buffer, average); },
+                                       what, {}, failure_);
+    handle.set_group(info_);
+    handle = std::move(handle).traced("all_reduce", sent, name_);
+    handle.wait();
+    return {};
+  }
   if (buffer.scalar_type() == at::kBFloat16) return all_reduce_bf16(buffer, average).traced("all_reduce", sent, name_);
   std::vector<at::Tensor> tensors{buffer.detach()};
   auto work = group_->allreduce(tensors);
   std::function<void()> finish;
   if (average) finish = [buffer, n]() mutable { buffer.div_(n); };
   return make(work, describe(CollectiveKind::all_reduce, buffer), std::move(finish)).traced("all_reduce", sent, name_);
+}
+
+NodeAllReduce* Communicator::node_path(const at::Tensor& buffer) {
+  if (!node_local_ || node_unavailable_ || size() == 1 || !buffer.device().is_cpu() ||
+      !NodeAllReduce::summable(buffer.scalar_type())) {
+    return nullptr;
+  }
+  if (node_ && node_->fits(buffer)) return node_.get();
+  // Every member decides alike from here on: same element count and dtype (the fingerprint
+  // checked them), same environment (the mesh's agreement covers MONARCH_* settings).
+  const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  const int64_t limit = NodeAllReduce::limit_bytes();
+  if (bytes > limit || !NodeSharedBuffer::enabled()) return nullptr;
+  // Start at 64 KiB and double (at most to the limit) so a few growths cover a run.
+  int64_t capacity = node_ ? node_->capacity_bytes() : 64 * 1024;
+  while (capacity < bytes) capacity *= 2;
+  capacity = std::min(capacity, limit);
+  Phase phase(*this, "shared-memory all-reduce setup");
+  node_.reset();  // free the old slots first
+  // The setup's own small collectives are not the caller's traffic: the counters stay as
+  // they were (the planner's byte predictions compare with them).
+  std::array<double, kCollectiveKinds> before{};
+  for (size_t k = 0; k < kCollectiveKinds; ++k) before[k] = counters_.bytes(static_cast<CollectiveKind>(k));
+  node_ = NodeAllReduce::create(*this, capacity, gloo_group::timeout(group_));
+  counters_.reset();
+  for (size_t k = 0; k < kCollectiveKinds; ++k) counters_.add(static_cast<CollectiveKind>(k), before[k]);
+  if (!node_) {
+    node_unavailable_ = true;
+    return nullptr;
+  }
+  return node_.get();
 }
 
 Handle Communicator::all_reduce_max(at::Tensor buffer) {

@@ -22,6 +22,12 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
   // otherwise pair with a real collective).
   const char* checks = std::getenv("MONARCH_CHECK_COLLECTIVES");
   request << " MONARCH_CHECK_COLLECTIVES=" << (checks != nullptr && *checks ? checks : "all");
+  // So must the shared-memory all-reduce's settings (members would otherwise take different
+  // paths for the same all-reduce).
+  for (const char* name : {"MONARCH_SHARED_MEMORY", "MONARCH_NODE_ALL_REDUCE_BYTES"}) {
+    const char* value = std::getenv(name);
+    request << " " << name << "=" << (value != nullptr ? value : "");
+  }
   // Ranks per node (checked when a group is split by node, node_groups).
   ranks_per_node_ = world_->size();
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr && *local) {
@@ -116,6 +122,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       auto group = world_->new_group(ranks, name);
       ends_ = std::make_unique<Communicator>(group, ranks, world_->rank(), "pp_ends", world_->store(),
                                              "monarch/group/" + std::to_string(world_->groups_created()) + "/" + name);
+      ends_->set_node_local(on_one_node(ranks));
     } else {
       world_->skip_group();
     }
@@ -134,6 +141,16 @@ void DeviceMesh::add_group(const std::string& key, const std::vector<int>& ranks
   groups_[key] = std::make_unique<Communicator>(group, ranks, world_->rank(), key, world_->store(),
                                                 "monarch/group/" + std::to_string(world_->groups_created()) + "/" +
                                                     name.str());
+  groups_[key]->set_node_local(on_one_node(ranks));
+}
+
+bool DeviceMesh::on_one_node(const std::vector<int>& ranks) const {
+  // ranks_per_node_ is the world size without LOCAL_WORLD_SIZE: one node, as torchrun's
+  // single-node launch; ranks that turn out not to share memory fall back to Gloo anyway.
+  for (int r : ranks) {
+    if (r / ranks_per_node_ != ranks.front() / ranks_per_node_) return false;
+  }
+  return true;
 }
 
 bool DeviceMesh::has_pipeline_ends_group() const {

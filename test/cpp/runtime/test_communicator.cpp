@@ -42,6 +42,23 @@ TEST_CASE("collectives give the expected values and count their bytes", "[runtim
   }
 }
 
+TEST_CASE("the node's shared-memory all-reduce gives the sum in group order on every rank", "[runtime][collectives]") {
+  for (int n : {2, 3, 4}) {
+    const LaunchResult r = launch_ranks(n, "node_all_reduce", std::chrono::seconds(120));
+    INFO("world " << n << r.describe());
+    REQUIRE(r.all_ok());
+    for (int rank = 0; rank < n; ++rank) {
+      const auto facts = load_record(r.output_dir + "/rank" + std::to_string(rank) + ".pt").params.at(0);
+      INFO("rank " << rank << ": " << facts);
+      // 600 calls, 8 cases: 7 of every 8 fit in 256 KiB (the 100000-float one does not).
+      CHECK(facts[0].item<double>() == 525);  // every fitting call took the shared path
+      CHECK(facts[1].item<double>() == 525);
+      CHECK(facts[2].item<double>() == 0);    // bit for bit the sum in group order
+      CHECK(facts[3].item<double>() < 1e-3);  // Gloo's ring sums in another order
+    }
+  }
+}
+
 namespace {
 std::string read_text(const std::string& path) {
   std::ifstream in(path);
@@ -65,6 +82,24 @@ TEST_CASE("ranks making different collectives fail on every rank naming both sid
     CHECK(text.find("cannot be used after a failed collective", second) != std::string::npos);
     CHECK(text.find("of 4 Float in a direct call", second) != std::string::npos);
   }
+}
+
+TEST_CASE("a rank that exits during the shared-memory all-reduce is named at once, not after the timeout",
+          "[runtime][faults]") {
+  const LaunchResult r = launch_ranks(2, "node_all_reduce_dead", std::chrono::seconds(60));
+  INFO(r.describe());
+  REQUIRE(r.all_ok());
+  const std::string text = read_text(r.output_dir + "/rank0.pt.txt");
+  INFO(text);
+  CHECK(text.find("shared-memory all-reduce #3 on group dp: rank 1 (pid ") != std::string::npos);
+  CHECK(text.find("exited before arriving") != std::string::npos);
+  const auto at = text.find("seconds ");
+  REQUIRE(at != std::string::npos);
+  CHECK(std::stod(text.substr(at + 8)) < 5.0);
+  // Later calls repeat the first error.
+  const auto second = text.find("---");
+  REQUIRE(second != std::string::npos);
+  CHECK(text.find("exited before arriving", second) != std::string::npos);
 }
 
 TEST_CASE("an operation only one rank calls fails within its deadline and leaves the group usable",

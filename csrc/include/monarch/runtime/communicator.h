@@ -43,6 +43,7 @@ class ByteCounters {
 };
 
 class NcclBackend;  // nccl_backend.h (MONARCH_WITH_NCCL builds)
+class NodeAllReduce;  // node_all_reduce.h
 namespace flight {
 struct GroupInfo;  // flight_recorder.h
 struct CallGroup;
@@ -189,6 +190,17 @@ class Communicator {
     const char* previous_;
   };
   bool checks_collectives() const { return check_; }
+  // Marks this group's members as running on one node (the mesh does, from
+  // LOCAL_WORLD_SIZE; every member must mark it alike): its small CPU all-reduces then run
+  // through shared memory in the caller's thread (node_all_reduce.h), up to
+  // MONARCH_NODE_ALL_REDUCE_BYTES, instead of through Gloo's threads and loopback sockets.
+  // The shared slots are made at the first such call (collective, as every all-reduce is)
+  // and remade larger when a larger message comes; where the members cannot share memory
+  // every member keeps Gloo. Synchronous: such an all-reduce has completed when it returns.
+  void set_node_local(bool on) { node_local_ = on; }
+  bool node_local() const { return node_local_; }
+  // All-reduces that took the shared-memory path so far.
+  int64_t node_all_reduces() const { return node_all_reduces_; }
   // Turns the agreement check off (or back on) for this rank's later collectives on this
   // group. Every member must switch between the same two collectives (a checked collective
   // on one side and an unchecked one on the other pair a fingerprint exchange with the data):
@@ -232,7 +244,14 @@ class Communicator {
   // (throws, naming `op`, when CPU and CUDA are mixed, or on a build without NCCL).
   bool on_cuda(const char* op, std::initializer_list<const at::Tensor*> tensors) const;
   std::shared_ptr<NcclBackend> nccl(const at::Tensor& t, const std::string& what);
+  // The shared-memory path for this call, or nullptr (node_local_ off, the buffer does not
+  // qualify, or the members cannot share memory). Makes or regrows the slots (collective).
+  NodeAllReduce* node_path(const at::Tensor& buffer);
   std::shared_ptr<NcclBackend> nccl_;
+  bool node_local_ = false;
+  bool node_unavailable_ = false;  // a try to make the slots found no shared memory
+  std::shared_ptr<NodeAllReduce> node_;
+  int64_t node_all_reduces_ = 0;
   void* cuda_stream_ = nullptr;
   compat::BackendPtr group_;
   std::vector<int> ranks_;

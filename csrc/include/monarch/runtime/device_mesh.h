@@ -53,6 +53,8 @@ class DeviceMesh {
  private:
   int axis_index(const std::string& axis) const;
   void add_group(const std::string& key, const std::vector<int>& ranks);
+  // Whether all of `ranks` run on one node (global rank / LOCAL_WORLD_SIZE).
+  bool on_one_node(const std::vector<int>& ranks) const;
   // The name a group is kept under: dp_cp is dp without cp, edp is dp_cp when ep == 1.
   std::string canonical(const std::string& axis) const;
   std::shared_ptr<World> world_;
