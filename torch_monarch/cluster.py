@@ -387,13 +387,15 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                                cached["inter_bytes_per_s"]] + [cached.get(k, 0.0) for k in _CPU_KEYS],
                               dtype=torch.float64)
     else:
-        intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=local, tp=1)  # dp groups: one node each
+        # tp groups of one node each: the path tensor parallelism's all-reduces take (small ones
+        # through the node's shared memory: docs/communication.md)
+        intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=1, tp=local)
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
         if device == "cpu" and not on_cpu and world.rank == 0:
             _log("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
                                     "tensors, and CUDA tensors cannot be reduced by this build")
         sizes = sizes or (_PROBE_SIZES_CPU if device == "cpu" else _PROBE_SIZES_CUDA)
-        for level, group, n, at in (("intra-node", intra.group("dp") if local > 1 else None, local, 0),
+        for level, group, n, at in (("intra-node", intra.group("tp") if local > 1 else None, local, 0),
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
             if group is None:
                 continue

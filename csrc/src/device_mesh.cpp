@@ -122,7 +122,6 @@ DeviceMesh::DeviceMesh(std::shared_ptr<World> world, const planner::Mesh& mesh)
       auto group = world_->new_group(ranks, name);
       ends_ = std::make_unique<Communicator>(group, ranks, world_->rank(), "pp_ends", world_->store(),
                                              "monarch/group/" + std::to_string(world_->groups_created()) + "/" + name);
-      ends_->set_node_local(on_one_node(ranks));
     } else {
       world_->skip_group();
     }
@@ -141,7 +140,11 @@ void DeviceMesh::add_group(const std::string& key, const std::vector<int>& ranks
   groups_[key] = std::make_unique<Communicator>(group, ranks, world_->rank(), key, world_->store(),
                                                 "monarch/group/" + std::to_string(world_->groups_created()) + "/" +
                                                     name.str());
-  groups_[key]->set_node_local(on_one_node(ranks));
+  // Tensor parallelism's all-reduces are small, latency-bound and on the critical path, and
+  // every member runs the same program in the same order (a synchronous collective cannot
+  // wait on a member that waits on something else first): its group takes the node's
+  // shared-memory path where it can. Data-parallel buckets stay asynchronous on Gloo.
+  if (key == "tp") groups_[key]->set_node_local(on_one_node(ranks));
 }
 
 bool DeviceMesh::on_one_node(const std::vector<int>& ranks) const {

@@ -189,6 +189,8 @@ def run_case(name, spec, rank):
         return result
     groups = [mesh.group(n) for n in ("tp", "pp", "dp") if mesh.group(n).size > 1]
     checked = [g.collectives_checked for g in groups]
+    tp = mesh.group("tp")
+    node_before = tp.node_all_reduces
     start = time.perf_counter()
     out = pm.generate(ids, attention_mask=mask, max_new_tokens=args.pop("max_new_tokens", NEW), pad_token_id=PAD,
                       **args)
@@ -197,6 +199,8 @@ def run_case(name, spec, rank):
     # back on afterwards (the same count as a generate of 2 tokens).
     result["checked"] = [g.collectives_checked - c for g, c in zip(groups, checked)]
     result["checks_on_after"] = all(g.checks_collectives for g in groups)
+    result["tp_node_local"] = tp.node_local
+    result["tp_node_all_reduces"] = tp.node_all_reduces - node_before  # the shared-memory path's calls
     args = dict(spec.get("args", {}))
     if spec.get("train_first"):
         result["training_after"] = pm._plain[0].training

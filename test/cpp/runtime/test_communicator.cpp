@@ -91,7 +91,7 @@ TEST_CASE("a rank that exits during the shared-memory all-reduce is named at onc
   REQUIRE(r.all_ok());
   const std::string text = read_text(r.output_dir + "/rank0.pt.txt");
   INFO(text);
-  CHECK(text.find("shared-memory all-reduce #3 on group dp: rank 1 (pid ") != std::string::npos);
+  CHECK(text.find("shared-memory all-reduce #3 on group tp: rank 1 (pid ") != std::string::npos);
   CHECK(text.find("exited before arriving") != std::string::npos);
   const auto at = text.find("seconds ");
   REQUIRE(at != std::string::npos);

@@ -294,12 +294,16 @@ int run_worker(const std::string& scenario) {
   } else if (scenario == "collectives") {
     save_record(exercise_collectives(dp), out);
   } else if (scenario == "node_all_reduce") {
-    // The shared-memory all-reduce (the mesh marks its groups node-local): every rank makes
+    // The shared-memory all-reduce (the mesh marks tp groups node-local): every rank makes
     // every rank's data from its seed and checks the result bit for bit against the sum in
     // group order. Sizes: small ones, one that regrows the slots past 64 KiB, one over the
     // 256 KiB limit (Gloo's path); some ranks late on some calls. Record: [calls that took
     // the shared path, calls checked, mismatches, largest difference on the Gloo path].
-    const int64_t n = dp.size();
+    planner::Mesh tp_shape;  // the mesh gives tp groups the shared-memory path
+    tp_shape.tp = world->size();
+    DeviceMesh tp_mesh(world, tp_shape);
+    Communicator& tp = tp_mesh.group("tp");
+    const int64_t n = tp.size();
     int64_t checked = 0, mismatches = 0;
     double gloo_difference = 0;
     const auto data = [&](int64_t rank, int64_t call, int64_t numel, torch::ScalarType dtype) {
@@ -313,9 +317,9 @@ int run_worker(const std::string& scenario) {
     for (int64_t call = 0; call < 600; ++call) {
       const auto [numel, dtype] = cases[static_cast<size_t>(call) % cases.size()];
       const bool average = call % 5 == 3 && dtype != torch::kLong;
-      if (call % 7 == dp.group_rank()) std::this_thread::sleep_for(std::chrono::microseconds(300 * (call % 3)));
-      auto buffer = data(dp.group_rank(), call, numel, dtype);
-      dp.all_reduce(buffer, average).wait();
+      if (call % 7 == tp.group_rank()) std::this_thread::sleep_for(std::chrono::microseconds(300 * (call % 3)));
+      auto buffer = data(tp.group_rank(), call, numel, dtype);
+      tp.all_reduce(buffer, average).wait();
       const bool narrow = dtype == torch::kBFloat16 || dtype == torch::kHalf;
       auto expect = data(0, call, numel, dtype).to(narrow ? torch::kFloat : dtype);
       for (int64_t q = 1; q < n; ++q) expect.add_(data(q, call, numel, dtype));
@@ -329,28 +333,32 @@ int run_worker(const std::string& scenario) {
       }
     }
     TrainRecord record;
-    record.params.push_back(torch::tensor({static_cast<double>(dp.node_all_reduces()), static_cast<double>(checked),
+    record.params.push_back(torch::tensor({static_cast<double>(tp.node_all_reduces()), static_cast<double>(checked),
                                            static_cast<double>(mismatches), gloo_difference},
                                           torch::kDouble));
     save_record(record, out);
   } else if (scenario == "node_all_reduce_dead") {
     // Rank 1 exits before its third all-reduce (checks off: the data path itself must notice).
+    planner::Mesh tp_shape;
+    tp_shape.tp = world->size();
+    DeviceMesh tp_mesh(world, tp_shape);
+    Communicator& tp = tp_mesh.group("tp");
     std::ofstream text(out + ".txt");
     auto t = torch::ones({16});
-    dp.all_reduce(t).wait();
-    dp.set_checks_collectives(false);
-    dp.all_reduce(t).wait();
-    if (dp.group_rank() == 1) std::_Exit(0);
+    tp.all_reduce(t).wait();
+    tp.set_checks_collectives(false);
+    tp.all_reduce(t).wait();
+    if (tp.group_rank() == 1) std::_Exit(0);
     const auto start = std::chrono::steady_clock::now();
     try {
-      dp.all_reduce(t).wait();
+      tp.all_reduce(t).wait();
       text << "no error\n";
     } catch (const c10::Error& e) {
       text << e.what_without_backtrace() << "\n";
     }
     text << "seconds " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << "\n";
     try {
-      dp.all_reduce(t).wait();
+      tp.all_reduce(t).wait();
     } catch (const c10::Error& e) {
       text << "---\n" << e.what_without_backtrace() << "\n";
     }

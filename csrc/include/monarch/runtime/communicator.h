@@ -190,13 +190,13 @@ class Communicator {
     const char* previous_;
   };
   bool checks_collectives() const { return check_; }
-  // Marks this group's members as running on one node (the mesh does, from
-  // LOCAL_WORLD_SIZE; every member must mark it alike): its small CPU all-reduces then run
-  // through shared memory in the caller's thread (node_all_reduce.h), up to
-  // MONARCH_NODE_ALL_REDUCE_BYTES, instead of through Gloo's threads and loopback sockets.
-  // The shared slots are made at the first such call (collective, as every all-reduce is)
-  // and remade larger when a larger message comes; where the members cannot share memory
-  // every member keeps Gloo. Synchronous: such an all-reduce has completed when it returns.
+  // Marks this group's members as running on one node (the mesh does so for tp groups, by
+  // LOCAL_WORLD_SIZE; members mark alike): small CPU all-reduces then run through shared
+  // memory in the caller's thread (node_all_reduce.h), up to MONARCH_NODE_ALL_REDUCE_BYTES,
+  // not through Gloo's threads and sockets. Slots are made at the first such call (a
+  // collective) and regrown for a larger message; without shared memory Gloo stays. It is
+  // synchronous (done when it returns): members must reach it in the same order relative to
+  // their other groups' calls, as tensor parallelism's members (one program) do.
   void set_node_local(bool on) { node_local_ = on; }
   bool node_local() const { return node_local_; }
   // All-reduces that took the shared-memory path so far.
