@@ -194,7 +194,6 @@ void FullyShardEngine::init_unit(Unit& u, std::vector<at::Tensor> params) {
     u.shards.push_back(mine.view(shape).detach().requires_grad_(true));
   }
   u.pending = u.params.size();
-  u.arrived = 0;
   // After each parameter's gradient accumulator, as DDP's reducer: the gradient seen is the
   // one the parameter's own hooks (registered before or after) produced, and the copy the
   // accumulator stored can be dropped at once. Taken while the parameter has its full shape:
@@ -279,7 +278,7 @@ void FullyShardEngine::start_gather(int64_t unit) {
       gather_unit_from_secondary(*nodes, secondary, padded, compression);
     });
   } else {
-    const bool keep = reshards_after_forward(unit) && training;
+    const bool keep = options_.reshard_after_forward && unit != 0 && training;
     auto arriving = std::make_shared<at::Tensor>();
     const at::Tensor shard = u.flat_shard;
     done = nodes->worker.submit([nodes, shard, padded, compression, keep, arriving] {
@@ -407,17 +406,9 @@ void FullyShardEngine::after_forward(int64_t unit, const std::vector<at::Tensor>
       out.register_hook([this, unit](const at::Tensor&) { before_backward(unit); });
     }
   }
-  if (reshards_after_forward(unit)) free_parameters(unit);
-}
-
-// The root unit stays gathered through backward (its weights, e.g. a tied embedding, are
-// used again at the end of forward), and so does the last unit: backward starts with it, so
-// freeing it would only gather it again at once (one more all-gather per step, and at the
-// start of backward, where activations peak, its padded copy in flight beside the unpacked
-// one and the next unit's prefetch; PyTorch FSDP users keep it so by hand, torchtitan's
-// reshard_after_forward=False on the last block).
-bool FullyShardEngine::reshards_after_forward(int64_t unit) const {
-  return options_.reshard_after_forward && unit != 0 && unit != num_units() - 1;
+  // The root unit stays gathered through backward (its weights, e.g. a tied embedding,
+  // are used again at the end of forward).
+  if (unit != 0 && options_.reshard_after_forward) free_parameters(unit);
 }
 
 void FullyShardEngine::before_backward(int64_t unit) {
@@ -430,12 +421,7 @@ void FullyShardEngine::before_backward(int64_t unit) {
   u.backward_ready = true;
   Communicator::Phase phase(group_, "fully_shard backward (re-gather)");
   finish_gather(unit);
-  // Backward runs the units in reverse: the one before is prefetched now, except behind the
-  // last unit, whose backward starts where activations peak (every unit's are alive): its
-  // gradients start that gather instead (on_gradient), once the first of the unit's
-  // activations have gone (half of its gradients have arrived), and it still overlaps the
-  // rest of the unit's backward.
-  if (unit > 0 && unit != num_units() - 1) start_gather(unit - 1);
+  if (unit > 0) start_gather(unit - 1);  // backward runs the units in reverse
 }
 
 void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor& grad) {
@@ -443,68 +429,19 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
   callback_->queue([this] { finish_backward(); });
   at::NoGradGuard no_grad;
   Unit& u = units_[unit];
-  // Half of the last unit's parameters (by elements) have their gradient: the unit's
-  // backward is under way and part of its activations gone; prefetch the unit before it
-  // (before_backward). A no-op when it is gathered or in flight.
-  u.arrived += u.numels[index];
-  if (sharded_parameters() && unit > 0 && unit == num_units() - 1 && 2 * u.arrived >= u.numel) {
-    start_gather(unit - 1);
-  }
-  if (grad.defined()) {
-    // Held as it is until the unit's last gradient arrives, then packed with the others: a
-    // unit-wide buffer exists from the end of the unit's backward on (as PyTorch FSDP's
-    // reduce-scatter input), not from its first gradient, while the unit's activations are
-    // still alive (measured: a GPT-2 block's fp32 buffer is twice its bf16 gradients, and
-    // the root's, whose first gradient comes at the start of backward, lived through all of
-    // it). Packed at once instead when a buffer already accumulates (micro-batches without
-    // sync), or when the gradient views a larger storage (holding it would hold that).
-    const bool own_storage = grad.is_contiguous() && grad.storage_offset() == 0 &&
-                             grad.storage().nbytes() == static_cast<size_t>(grad.numel()) * grad.element_size();
-    if (u.held.empty()) u.held.resize(u.params.size());
-    at::Tensor& held = u.held[index];
-    if (u.grad_flat.defined() || !own_storage) {
-      if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
-      if (held.defined()) {
-        pack_add(u, index, u.grad_flat, held.reshape({-1}).to(u.grad_flat.scalar_type()));
-        held = at::Tensor();
-      }
-      pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(u.grad_flat.scalar_type()));
-    } else {
-      held = held.defined() ? held + grad : grad;  // a second accumulation in one backward
-    }
-  }
-  // The accumulator's reference is not needed: the unit holds the gradient (the optimizer
+  if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
+  if (grad.defined()) pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(at::kFloat));
+  // The accumulator's copy is not needed: the unit's flat buffer holds it (the optimizer
   // reads the reduced rows from the shards' .grad; the parameters' .grad stays empty).
   u.params[index].mutable_grad() = at::Tensor();
   if (--u.pending == 0) {
     // Every operation that read the unit's parameters has run its backward (an accumulator
-    // runs after all of its parameter's uses): the gathered parameters can go now, before
-    // the gradients are packed.
+    // runs after all of its parameter's uses): the gathered parameters can go now.
     if (sharded_parameters() && unit != 0) free_parameters(unit);
-    pack_held(u);
     if (!sync_) return;  // accumulating: the sum is reduced by the next synced backward
     unit_grads_ready_[unit] = true;
     if (options_.zero_stage == 1) return;  // stage 1 keeps whole gradients until backward ends
     while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
-  }
-}
-
-void FullyShardEngine::pack_held(Unit& u) {
-  bool any = false;
-  for (const auto& h : u.held) any = any || h.defined();
-  if (!any) return;
-  if (!u.grad_flat.defined()) {
-    // A synced backward's buffer that nothing accumulated into yet takes the gradients in the
-    // dtype they are reduced in (bf16 under a bf16 plan): the same bits as adding them to fp32
-    // zeros and rounding for the wire (zeros plus one gradient is exact), in half the bytes,
-    // and no fp32 copy of the unit. Without sync, micro-batches add up in fp32.
-    const at::ScalarType dtype = sync_ ? options_.effective_reduce_dtype() : at::kFloat;
-    u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::TensorOptions().dtype(dtype));
-  }
-  for (size_t i = 0; i < u.held.size(); ++i) {
-    if (!u.held[i].defined()) continue;
-    pack_add(u, i, u.grad_flat, u.held[i].reshape({-1}).to(u.grad_flat.scalar_type()));
-    u.held[i] = at::Tensor();  // one unit's gradients in two forms at most one tensor at a time
   }
 }
 
@@ -568,7 +505,6 @@ void FullyShardEngine::finish_unit(int64_t k) {
   u.reduce = Handle();
   u.reduce_launched = false;
   u.pending = u.params.size();
-  u.arrived = 0;
   u.backward_ready = false;  // the next backward (another micro-batch's) gathers it again
   if (sharded_parameters() && k != 0) free_parameters(k);
 }
@@ -583,9 +519,7 @@ void FullyShardEngine::finish_backward() {
   at::NoGradGuard no_grad;
   if (!sync_) {  // gradients stay in the units' flat buffers until a synced backward
     for (auto& u : units_) {
-      pack_held(u);  // a unit some of whose parameters got no gradient
       u.pending = u.params.size();
-      u.arrived = 0;
       u.backward_ready = false;
     }
     callback_->done();
@@ -595,7 +529,6 @@ void FullyShardEngine::finish_backward() {
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
     if (!unit_grads_ready_[k]) {
-      pack_held(u);  // the gradients of those parameters that got one
       if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
       unit_grads_ready_[k] = true;
     }
@@ -639,10 +572,8 @@ void FullyShardEngine::recover_if_abandoned() {
     settle(u.reduce);
     u.reduced = at::Tensor();
     u.grad_flat = at::Tensor();
-    u.held.clear();
     u.reduce_launched = false;
     u.pending = u.params.size();
-    u.arrived = 0;
     u.backward_ready = false;
     if (sharded_parameters()) free_parameters(k);
   }

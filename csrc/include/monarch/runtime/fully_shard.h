@@ -17,9 +17,8 @@
 //   stage 2: + gradients reduce-scattered per unit as backward produces them, full gradients
 //            dropped after backward (P_os+g)
 //   stage 3: + parameters sharded: gathered before a unit's forward (the next unit is
-//            prefetched), freed after it when reshard_after_forward (not the root unit nor
-//            the last, which backward needs first), gathered again before its backward
-//            (P_os+g+p; Zhao et al. 2023, PyTorch FSDP)
+//            prefetched), freed after it when reshard_after_forward, gathered again before
+//            its backward (P_os+g+p; Zhao et al. 2023, PyTorch FSDP)
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -137,20 +136,13 @@ class FullyShardEngine {
     // the full parameters (shards_alias_parameters), whose storage then holds them.
     at::Tensor flat_shard;
     std::vector<at::Tensor> shards;  // per parameter: leaf views of shard_storage (its version counter)
-    // The unit's gradient in the padded rank-major layout, from the end of the unit's backward
-    // (or while micro-batches accumulate) until its reduction: fp32, or straight in the dtype
-    // it is reduced in when one synced backward fills it (pack_held).
-    at::Tensor grad_flat;
-    // Per parameter: its gradient as autograd made it (compute dtype), held from its
-    // accumulator until the unit's last one arrives and they are packed into grad_flat.
-    std::vector<at::Tensor> held;
+    at::Tensor grad_flat;          // fp32 gradient in the padded rank-major layout during backward
     at::Tensor full;               // gathered parameters (compute dtype) when gathered
     at::Tensor incoming;           // all-gather output (padded rank-major) while in flight
     Handle gather;                 // prefetch in flight
     Handle reduce;                 // gradient reduction in flight
     at::Tensor reduced;            // its output
     size_t pending = 0;            // parameters whose gradient has not arrived
-    int64_t arrived = 0;           // elements of the parameters whose gradient has arrived
     bool gathered = false;
     bool backward_ready = false;   // re-gathered for this backward
     bool reduce_launched = false;  // its gradient reduction was started this backward
@@ -176,17 +168,12 @@ class FullyShardEngine {
   void free_parameters(int64_t unit);
   void before_backward(int64_t unit);
   void on_gradient(int64_t unit, size_t index, const at::Tensor& grad);
-  // Packs the unit's held gradients into grad_flat (allocated if need be) and drops them.
-  void pack_held(Unit& u);
   void reduce_unit(int64_t unit);
   void finish_unit(int64_t unit);
   void finish_backward();
   void recover_if_abandoned();
   void drop_secondaries();
   bool sharded_parameters() const { return options_.zero_stage >= 3; }
-  // Whether the unit is freed after its forward (reshard_after_forward; never the root or
-  // the last unit).
-  bool reshards_after_forward(int64_t unit) const;
   // Stages 1-2 computing in fp32: the whole parameters stay on every rank in fp32, so this
   // rank's rows of them are the optimizer's shards themselves (views), not a second fp32
   // copy of Psi / N: the optimizer steps on them in place and the refresh gathers the other
