@@ -81,6 +81,10 @@ profile of tp=2 under a load of 1.4: 7 ms of CPU per token, 40 ms of wall time).
 prints the load average; tp timings mean something only on a quiet machine.
 """
 
+import os as _os
+# tp decode's all-reduces through the node's shared memory (opt-in: docs/communication.md);
+# the ranks this bench launches inherit it.
+_os.environ.setdefault("MONARCH_NODE_ALL_REDUCE_BYTES", str(256 * 1024))
 import argparse
 import copy
 import json

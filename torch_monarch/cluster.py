@@ -202,7 +202,8 @@ def _time_all_reduces(group, sizes, rounds, device):
     # The link alone: without the agreement check's own exchange before each call (on CPU
     # ranks of one node it costs more than a small all-reduce through shared memory: 0.6 ms
     # against 20 us at tp=2 here), as generate's decode steps run once checked.
-    checks = getattr(group, "checks_collectives", None)
+    checks = getattr(group, "checks_collectives", None) if getattr(group, "node_local", False) and \
+        _runtime_limit() > 0 else None
     if checks is not None:
         group.checks_collectives = False
     per = [[] for _ in sizes]
@@ -397,15 +398,17 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                                cached["inter_bytes_per_s"]] + [cached.get(k, 0.0) for k in _CPU_KEYS],
                               dtype=torch.float64)
     else:
-        # tp groups of one node each: the path tensor parallelism's all-reduces take (small ones
-        # through the node's shared memory: docs/communication.md)
-        intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=1, tp=local)
+        # With the shared-memory all-reduce on (MONARCH_NODE_ALL_REDUCE_BYTES), tp groups of one
+        # node each: the path tensor parallelism's all-reduces take (docs/communication.md).
+        shared = _runtime.node_all_reduce_bytes() > 0
+        intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=1 if shared else local, tp=local if shared else 1)
+        intra_axis = "tp" if shared else "dp"
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
         if device == "cpu" and not on_cpu and world.rank == 0:
             _log("cluster").warning("torch_monarch was built without NCCL: the links are timed over Gloo with CPU "
                                     "tensors, and CUDA tensors cannot be reduced by this build")
         sizes = sizes or (_PROBE_SIZES_CPU if device == "cpu" else _PROBE_SIZES_CUDA)
-        for level, group, n, at in (("intra-node", intra.group("tp") if local > 1 else None, local, 0),
+        for level, group, n, at in (("intra-node", intra.group(intra_axis) if local > 1 else None, local, 0),
                                     ("inter-node", inter.group("dp") if inter is not None else None, cluster.nodes, 2)):
             if group is None:
                 continue

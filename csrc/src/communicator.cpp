@@ -521,18 +521,28 @@ NodeAllReduce* Communicator::node_path(const at::Tensor& buffer) {
   // checked them), same environment (the mesh's agreement covers MONARCH_* settings).
   const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
   const int64_t limit = NodeAllReduce::limit_bytes();
-  if (bytes > limit || !NodeSharedBuffer::enabled()) return nullptr;
+  if (limit <= 0 || bytes > limit || !NodeSharedBuffer::enabled()) return nullptr;
   // Start at 64 KiB and double (at most to the limit) so a few growths cover a run.
   int64_t capacity = node_ ? node_->capacity_bytes() : 64 * 1024;
   while (capacity < bytes) capacity *= 2;
   capacity = std::min(capacity, limit);
   Phase phase(*this, "shared-memory all-reduce setup");
   node_.reset();  // free the old slots first
-  // The setup's own small collectives are not the caller's traffic: the counters stay as
-  // they were (the planner's byte predictions compare with them).
+  // The setup's own small collectives are not the caller's: the byte counters stay as they
+  // were (the planner's byte predictions compare with them), and they run unchecked (this
+  // call's fingerprint, just exchanged, covers them; every member is here), so the count of
+  // checked collectives does not depend on when the slots were made.
   std::array<double, kCollectiveKinds> before{};
   for (size_t k = 0; k < kCollectiveKinds; ++k) before[k] = counters_.bytes(static_cast<CollectiveKind>(k));
-  node_ = NodeAllReduce::create(*this, capacity, gloo_group::timeout(group_));
+  const bool checks = check_;
+  check_ = false;
+  try {
+    node_ = NodeAllReduce::create(*this, capacity, gloo_group::timeout(group_));
+  } catch (...) {
+    check_ = checks;
+    throw;
+  }
+  check_ = checks;
   counters_.reset();
   for (size_t k = 0; k < kCollectiveKinds; ++k) counters_.add(static_cast<CollectiveKind>(k), before[k]);
   if (!node_) {

@@ -103,7 +103,7 @@ bool NodeAllReduce::summable(at::ScalarType dtype) {
 
 int64_t NodeAllReduce::limit_bytes() {
   const char* value = std::getenv("MONARCH_NODE_ALL_REDUCE_BYTES");
-  if (value == nullptr || *value == '\0') return 256 * 1024;
+  if (value == nullptr || *value == '\0') return 0;  // opt-in for now: docs/communication.md
   char* end = nullptr;
   const long long v = std::strtoll(value, &end, 10);
   TORCH_CHECK(*end == '\0' && v >= 0, "monarch: MONARCH_NODE_ALL_REDUCE_BYTES='", value,
@@ -119,12 +119,13 @@ bool NodeAllReduce::fits(const at::Tensor& buffer) const {
 std::unique_ptr<NodeAllReduce> NodeAllReduce::create(Communicator& group, int64_t capacity_bytes,
                                                      std::chrono::milliseconds timeout) {
   TORCH_CHECK(capacity_bytes > 0, "monarch: shared-memory all-reduce of ", capacity_bytes, " bytes");
-  const int64_t capacity = round_up(capacity_bytes, 4096);
-  auto shared = NodeSharedBuffer::create(group, kControl + 2 * capacity, at::kByte);
+  const int64_t stride = round_up(capacity_bytes, 4096);  // each data area page-aligned
+  auto shared = NodeSharedBuffer::create(group, kControl + 2 * stride, at::kByte);
   if (!shared) return nullptr;
   std::unique_ptr<NodeAllReduce> out(new NodeAllReduce());
   out->shared_ = std::move(shared);
-  out->capacity_ = capacity;
+  out->capacity_ = capacity_bytes;  // not the rounded size: the limit stays the limit
+  out->stride_ = stride;
   out->me_ = group.group_rank();
   out->size_ = group.size();
   out->spin_ = group.size() <= cores_available();
@@ -196,7 +197,7 @@ void NodeAllReduce::all_reduce(at::Tensor& buffer, bool average) {
   TORCH_CHECK(fits(buffer), "monarch: shared-memory all-reduce on group ", group_name_, " cannot take a ",
               buffer.scalar_type(), " buffer of ", buffer.numel(), " elements (capacity ", capacity_, " bytes)");
   const int64_t call = ++calls_;
-  const int64_t area = kControl + (call % 2) * capacity_;
+  const int64_t area = kControl + (call % 2) * stride_;
   const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
   std::memcpy(base_of(*shared_, me_) + area, buffer.data_ptr(), static_cast<size_t>(bytes));
   __atomic_store_n(seq_of(*shared_, me_), call, __ATOMIC_SEQ_CST);

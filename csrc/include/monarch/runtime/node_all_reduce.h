@@ -41,8 +41,8 @@ class NodeAllReduce {
   // Whether `buffer` can take this path: a contiguous CPU tensor of a summable dtype (fp32,
   // fp64, bf16, fp16, int32, int64) of at most capacity_bytes().
   bool fits(const at::Tensor& buffer) const;
-  // What the path takes at most (MONARCH_NODE_ALL_REDUCE_BYTES, default 256 KiB; 0 turns it
-  // off): larger messages keep the group's Gloo all-reduce, whose ring moves 2(n-1)/n of the
+  // What the path takes at most (MONARCH_NODE_ALL_REDUCE_BYTES, e.g. 262144; unset or 0: the
+  // path is off, the default for now, see docs/communication.md): larger messages keep the group's Gloo all-reduce, whose ring moves 2(n-1)/n of the
   // buffer per rank where this path reads n buffers per rank.
   static int64_t limit_bytes();
   static bool summable(at::ScalarType dtype);
@@ -60,7 +60,8 @@ class NodeAllReduce {
   NodeAllReduce() = default;
   void wait_for_all(int64_t call);
   std::shared_ptr<NodeSharedBuffer> shared_;
-  int64_t capacity_ = 0;
+  int64_t capacity_ = 0;  // bytes one call takes
+  int64_t stride_ = 0;    // bytes between the two data areas (capacity_ rounded up to pages)
   int me_ = 0;
   int size_ = 0;
   int64_t calls_ = 0;
