@@ -385,6 +385,11 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     if not on_cpu and _runtime.built_with_nccl:
         device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
     backend = "gloo" if device == "cpu" else "nccl"
+    # Whether small CPU all-reduces inside a node take the shared-memory path (opt-in): the
+    # latency a job sees differs by 10-50x, so a cache timed the other way is not reused.
+    shared = device == "cpu" and _runtime.node_all_reduce_bytes() > 0
+    if cached and cached.get("links_shared", False) != shared:
+        cached = None
     if cached and (cached.get("links_method") != _LINKS_METHOD or cached.get("links_backend") != backend):
         # Links timed the earlier way (best of 3 per size in turn: too noisy to keep), or over
         # the other backend (a build with or without NCCL).
@@ -400,7 +405,6 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     else:
         # With the shared-memory all-reduce on (MONARCH_NODE_ALL_REDUCE_BYTES), tp groups of one
         # node each: the path tensor parallelism's all-reduces take (docs/communication.md).
-        shared = _runtime.node_all_reduce_bytes() > 0
         intra = _runtime.DeviceMesh(world, pp=cluster.nodes, dp=1 if shared else local, tp=local if shared else 1)
         intra_axis = "tp" if shared else "dp"
         inter = _runtime.DeviceMesh(world, pp=1, dp=cluster.nodes, tp=local) if cluster.nodes > 1 else None
@@ -445,7 +449,8 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
                 cpu["cpu_threads"] = torch.get_num_threads()
             _write_cache(path, {"intra_latency_s": values[0].item(), "intra_bytes_per_s": values[1].item(),
                                 "inter_latency_s": values[2].item(), "inter_bytes_per_s": values[3].item(),
-                                "links_method": _LINKS_METHOD, "links_backend": backend, **cpu})
+                                "links_method": _LINKS_METHOD, "links_backend": backend, "links_shared": shared,
+                                **cpu})
     c = _copy_cluster(cluster)
     if values[1] > 0:  # measured (measure_link returns 0 for a link that fits no line)
         c.intra_node_latency_s, c.intra_node_bytes_per_s = values[0].item(), values[1].item()
