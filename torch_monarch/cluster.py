@@ -387,7 +387,7 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     backend = "gloo" if device == "cpu" else "nccl"
     # Whether small CPU all-reduces inside a node take the shared-memory path (opt-in): the
     # latency a job sees differs by 10-50x, so a cache timed the other way is not reused.
-    shared = device == "cpu" and _runtime.node_all_reduce_bytes() > 0
+    shared = device == "cpu" and _runtime_limit() > 0
     if cached and cached.get("links_shared", False) != shared:
         cached = None
     if cached and (cached.get("links_method") != _LINKS_METHOD or cached.get("links_backend") != backend):

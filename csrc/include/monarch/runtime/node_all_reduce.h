@@ -53,8 +53,6 @@ class NodeAllReduce {
   // exited (checked every 100 ms) or has not arrived within the timeout.
   void all_reduce(at::Tensor& buffer, bool average);
 
-  // Calls made so far (each a sequence number every member shares).
-  int64_t calls() const { return calls_; }
 
  private:
   NodeAllReduce() = default;
