@@ -249,5 +249,12 @@ def release_other_stages(stages: StageModules, local):
             for module in stage.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None and id(p) not in mine and not p.is_meta:
-                        module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                                requires_grad=p.requires_grad)
+                        stub = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                            requires_grad=p.requires_grad)
+                        # What the layout marked on the tensor goes with it (an expert-parallel
+                        # weight, a tp shard): the engine's whole-model state dict reads the
+                        # marks of every stage's entries, a released one's included.
+                        for key, value in vars(p).items():
+                            if key.startswith("_monarch"):
+                                setattr(stub, key, value)
+                        module._parameters[name] = stub

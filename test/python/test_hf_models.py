@@ -120,6 +120,9 @@ PINNED = {
     "mixtral@ep2": {"dp": 4, "ep": 2},
     "qwen2_moe@ep4_zero3": {"dp": 4, "ep": 4, "zero_stage": 3},
     "mixtral@ep2_tp2": {"tp": 2, "ep": 2},
+    # Experts split over ep inside a pipeline: the state dict gathers the experts of the stage
+    # this rank does not run too (their released weights keep the expert mark).
+    "mixtral@pp2_ep2": {"pp": 2, "dp": 2, "ep": 2},
     # Blocks under torch.compile (torch_monarch.compile), inside tp, the hook-cut pipeline, ZeRO-3.
     "llama@tp2_compiled": {"tp": 2, "compile": True},
     "gpt2@pp2_compiled": {"pp": 2, "compile": True},
