@@ -48,9 +48,11 @@ max_new_tokens=64, tp=<the run's>, pp=1, ...) with inputs measured in the run on
 never on the bench's model or its decode:
   pred     (the scored one, "probed_host") cluster.probe(cluster.detect(...)) on the run's own
            ranks (loopback Gloo latency and bandwidth fitted; FLOP/s and memory bandwidth per
-           rank with all ranks busy); the host's dispatch (host_probe: microseconds per aten
-           op of a tiny HF Llama's decode step, and its ops per decoder block counted at the
-           dispatcher; a CPU rank dispatches and computes on one thread); and the bandwidth a
+           rank with all ranks busy); the host's time (host_probe: HF generate's decode step
+           on a tiny HF Llama at 2 and 4 layers, a line: per block, as seconds per aten op x
+           ops per block counted at the dispatcher, and the loop's own time per step, outside
+           the blocks; a CPU rank dispatches and computes on one thread; every rank probes at
+           once, after a barrier, as its ranks decode in lockstep); and the bandwidth a
            decode's skinny matmuls reach (decode_read_probe: 256 MiB of 1024 x 4096 weights
            times a [4, 1024] input) as hbm_efficiency = that / the probe's bandwidth;
   no host  the probed cluster with the default hbm_efficiency 0.7 and no host term (what the
@@ -215,8 +217,8 @@ def predictions(model, tp, cluster, host, read_bw):
     """The planner's predictions for the run: on the probed cluster (default hbm_efficiency 0.7),
     the same with hbm_efficiency 1, and on the cpu preset; and the one the bench scores
     ("probed_host"): the probed cluster with what decode reaches on this machine, measured on
-    generic kernels (``host``: host_probe's seconds per op and ops per block, a CPU rank
-    dispatching and computing on one thread; ``read_bw``: decode_read_probe's bytes/s, as
+    generic kernels (``host``: host_probe's seconds per op, ops per block and the loop's
+    seconds per step, a CPU rank dispatching and computing on one thread; ``read_bw``: decode_read_probe's bytes/s, as
     hbm_efficiency = read_bw / the probe's bandwidth)."""
     import torch
     import torch_monarch
@@ -226,7 +228,9 @@ def predictions(model, tp, cluster, host, read_bw):
     out = {}
     _, graph = model_graph(model, x)
     out["probed_host"] = planner.plan_inference(graph, cluster, batch=BATCH, prompt_len=WIDTH, max_new_tokens=NEW,
-                                                tp=tp, pp=1, host_seconds_per_op=host[0], ops_per_block=host[1],
+                                                tp=tp, pp=1, host_seconds_per_op=host["seconds_per_op"],
+                                                ops_per_block=host["ops_per_block"],
+                                                host_seconds_per_step=host["seconds_per_step"],
                                                 host_overlaps_device=False,
                                                 hbm_efficiency=min(1.0, read_bw / cluster.hbm_bytes_per_s))
     for key, c, eff in (("probed", cluster, None), ("probed_eff1", cluster, 1.0)):
@@ -251,15 +255,27 @@ def predictions(model, tp, cluster, host, read_bw):
     return result
 
 
-def host_probe(steps=40):
-    """The host's time per operator in an eager decode step, measured apart from the bench's
-    model: a Hugging Face Llama of the same architecture but tiny (hidden 64, 8 heads over 4 kv
-    heads, vocabulary 256), whose decode step does next to no arithmetic. Its operators are
-    counted at the dispatcher (aten ops) with 2 and 4 layers: the difference / 2 is the
-    operators per decoder block (what the planner's ops_per_block means); the 2-layer model's
-    median decode step over ``steps`` steps / its operator count is the seconds per operator.
-    Returns (seconds per op, ops per block, the tiny step's seconds, its op count)."""
+def host_probe(tp=None, repeats=3):
+    """The host's time in an eager decode step, measured apart from the bench's model: a Hugging
+    Face Llama of the same architecture but tiny (hidden 64, 8 heads over 4 kv heads, vocabulary
+    256), whose decode step does next to no arithmetic, with 2 and with 4 layers, through the
+    run's engine: HF's ``generate`` (``tp`` None) or ``parallelize(tiny, mesh tp=tp)`` and
+    ``pm.generate`` (every rank of the run calls it: tp's own modules and collectives are part of
+    a block's host time). Each depth generates the bench's prompts' shape, 64 new tokens,
+    ``repeats`` times; its step is the median interval between the first layer's forwards, as
+    the bench times the runs: the whole loop, choosing the token and the cache's bookkeeping
+    included. The two depths give a line: its slope is the host time per decoder block, its
+    intercept at 0 layers the loop's own time per step (the planner's host_seconds_per_step).
+    The operators (aten ops, counted at the dispatcher) of one decode step are those of a
+    generate of 2 tokens less those of 1; the difference between the depths / 2 is the
+    operators per block (the planner's ops_per_block), and the slope / that count the seconds
+    per operator. Under tp the steps also wait for the tiny model's tp collectives (2 all-reduces
+    per block; the embedding's and the logits' gather per step), which the planner counts apart
+    (decode_tp_comm_s): one all-reduce's time on the group, measured here back to back, comes
+    off the slope twice and off the intercept twice. Returns {"seconds_per_op", "ops_per_block",
+    "seconds_per_step", "step_s": {2: s, 4: s}, "ops": {2: n, 4: n}, "collective_s", "engine"}."""
     import torch
+    import torch_monarch
     import transformers as T
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -272,37 +288,45 @@ def host_probe(steps=40):
             self.n += 1
             return func(*args, **(kwargs or {}))
 
-    def decode(layers):
+    ids = torch.randint(3, 256, (BATCH, WIDTH), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(BATCH, WIDTH, dtype=torch.long)
+    ops, step_s, collective = {}, {}, 0.0
+    for layers in (2, 4):
         cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=256)
         torch.manual_seed(0)
         model = T.LlamaForCausalLM(cfg).eval()
-        ids = torch.randint(3, 256, (BATCH, WIDTH))
-        with torch.no_grad():
-            cache = model(input_ids=ids, use_cache=True).past_key_values
-        state = {"mask": torch.ones(BATCH, WIDTH, dtype=torch.long)}
+        if tp is None:
+            first = model.model.layers[0]
 
-        def step():
-            state["mask"] = torch.cat([state["mask"], state["mask"][:, :1]], 1)
-            with torch.no_grad():
-                model(input_ids=ids[:, :1], attention_mask=state["mask"], past_key_values=cache, use_cache=True,
-                      logits_to_keep=1)
-        return step
+            def run(n=NEW):
+                with torch.no_grad():
+                    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False, pad_token_id=PAD, eos_token_id=None)
+        else:
+            pm = torch_monarch.parallelize(model, mesh=torch_monarch.device_mesh(tp=tp))
+            first = pm._plain[0].model.layers[0]
 
-    counts = {}
-    for layers in (2, 4):
-        step, counter = decode(layers), Count()
-        with counter:
-            step()
-        counts[layers] = counter.n
-    step = decode(2)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    tiny = statistics.median(times)
-    return tiny / counts[2], (counts[4] - counts[2]) / 2, tiny, counts[2]
+            def run(n=NEW):
+                return pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD)
+        run(WARMUP_NEW)
+        counted = []
+        for n in (1, 2):
+            counter = Count()
+            with counter:
+                run(n)
+            counted.append(counter.n)
+        ops[layers] = counted[1] - counted[0]
+        _, steps, _, _ = timed(run, Stamps(first), repeats)
+        step_s[layers] = statistics.median(steps)
+        if tp is not None and tp > 1 and layers == 4:
+            collective = all_reduce_time(pm.mesh.group("tp"))
+    slope = (step_s[4] - step_s[2]) / 2
+    per_block = max(0.0, slope - 2 * collective)
+    ops_per_block = (ops[4] - ops[2]) / 2
+    return {"seconds_per_op": per_block / ops_per_block, "ops_per_block": ops_per_block,
+            "seconds_per_step": max(0.0, step_s[2] - 2 * slope - 2 * collective), "step_s": step_s, "ops": ops,
+            "collective_s": collective, "engine": "HF generate" if tp is None else f"pm.generate tp={tp}"}
 
 
 def cluster_dict(c):
@@ -390,7 +414,10 @@ def worker(names, repeats, out_dir):
     # This job's cluster, measured on its own ranks (links over loopback Gloo, CPU rates).
     began = time.perf_counter()
     cluster = cl.probe(cl.detect(world_size=world.size, ranks_per_node=world.size), world, use_cache=False)
-    host = host_probe()  # every rank at once: the contention the run's ranks see
+    # Every rank probes at once (a barrier before each probe): the contention the run's ranks
+    # see when they decode in lockstep.
+    everyone = torch_monarch._runtime.DeviceMesh(world, pp=1, dp=world.size, tp=1).group("dp")
+    everyone.all_reduce(torch.zeros(1)).wait()
     read_bw = decode_read_probe()
     probe_s = time.perf_counter() - began
     ids, mask = prompts()
@@ -398,6 +425,8 @@ def worker(names, repeats, out_dir):
     for name in names:
         tp = RUNS[name][2]
         model = copy.deepcopy(base)
+        everyone.all_reduce(torch.zeros(1)).wait()
+        host = host_probe(None if name == "hf" else tp)  # through the run's own engine
         result = {"rank": rank, "load_before": load_before, "probe_s": probe_s, "cluster": cluster_dict(cluster),
                   "host_probe": host, "decode_read_bytes_per_s": read_bw}
         if rank == 0:
@@ -482,8 +511,7 @@ def summarize(name, results):
            "kv_error": pred["kv_cache_bytes"] / kv - 1,
            "per_token_error_preset": r0["predicted"]["preset"]["per_token_s"] / per_token - 1,
            "per_token_error_no_host": r0["predicted"]["probed"]["per_token_s"] / per_token - 1,
-           "host_probe": {"seconds_per_op": r0["host_probe"][0], "ops_per_block": r0["host_probe"][1],
-                          "tiny_step_s": r0["host_probe"][2], "tiny_step_ops": r0["host_probe"][3]},
+           "host_probe": r0["host_probe"],
            "per_token_error_eff1": r0["predicted"]["probed_eff1"]["per_token_s"] / per_token - 1,
            "gemv_floor_ms": max(r["gemv_floor_s"] for r in results) * 1e3,
            "linear_bytes_per_rank": r0["linear_bytes"],
@@ -518,7 +546,8 @@ def calibrated(rows):
         host = r["host_probe"]
         plan = planner.plan_inference(graph, c, batch=BATCH, prompt_len=WIDTH, max_new_tokens=NEW, tp=r["tp"], pp=1,
                                       hbm_efficiency=1.0, host_seconds_per_op=host["seconds_per_op"],
-                                      ops_per_block=host["ops_per_block"], host_overlaps_device=False)
+                                      ops_per_block=host["ops_per_block"],
+                                      host_seconds_per_step=host["seconds_per_step"], host_overlaps_device=False)
         p = plan.inference.prediction
         r["predicted"]["calibrated"] = {"per_token_s": p.per_token_s, "ttft_s": p.ttft_s,
                                         "tokens_per_s": p.tokens_per_s, "decode_weights_s": p.decode_weights_s,
@@ -560,10 +589,12 @@ def print_table(rows, repeats):
               f"{r['predicted']['calibrated']['per_token_s'] * 1e3:>6.2f} {r['per_token_error_calibrated']:>+5.0%}  "
               f"{p['decode_weights_s'] * 1e3:.2f} + {p['decode_kv_s'] * 1e3:.2f} + {p['decode_tp_comm_s'] * 1e3:.2f} + "
               f"{p['decode_host_s'] * 1e3:.2f}")
-    h = rows[0]["host_probe"]
-    print(f"host probe (rank 0 of the first launch): {h['seconds_per_op'] * 1e6:.1f} us per aten op "
-          f"({h['tiny_step_s'] * 1e3:.2f} ms for a tiny 2-layer HF Llama decode step of {h['tiny_step_ops']} ops), "
-          f"{h['ops_per_block']:.0f} ops per decoder block")
+    for r in rows:
+        h = r["host_probe"]
+        steps = {int(k): v for k, v in h["step_s"].items()}
+        print(f"host probe {r['run']:<4} ({h['engine']}, a tiny Llama, rank 0): decode step {steps[2] * 1e3:.2f} ms at 2 "
+              f"layers, {steps[4] * 1e3:.2f} ms at 4: {h['seconds_per_step'] * 1e3:.2f} ms per step outside the blocks + "
+              f"{h['ops_per_block']:.0f} ops per block at {h['seconds_per_op'] * 1e6:.1f} us")
     print("TTFT: call to the 2nd forward (prefill + first token); ms/tok: median decode step (63 per generate, "
           "pooled over repeats, slowest rank),\np10-p90 of those; pred / err: the planner on the probed cluster "
           "(default hbm_efficiency 0.7) with the host's dispatch as probed, and pred/measured - 1;\nno host: the "

@@ -142,7 +142,10 @@ class _Decode:
         """The tokens from the last position's logits, the same on every tp rank."""
         logits = _whole_logits(logits.float(), self.vocab, self.tp_group)
         token = _choose(logits, self.temperature, self.top_k, self.top_p, self.generator)
-        if self.tp_group is not None:
+        if self.tp_group is not None and self.temperature != 0:
+            # Greedy needs no broadcast: every tp rank holds the same logits, bit for bit (the
+            # group's all-reduces sum in group order on every member, the gather copies), so
+            # argmax agrees. A sampled token comes from rank 0, whatever a rank's generator did.
             self.tp_group.broadcast(token, 0).wait()
         return token
 
@@ -427,8 +430,22 @@ def _whole_logits(logits, vocab, tp_group):
     if logits.shape[-1] * tp_group.size != vocab:
         raise RuntimeError(f"generate: the model's logits have {logits.shape[-1]} columns per rank, neither the "
                            f"vocabulary ({vocab}) nor its 1/{tp_group.size} share")
-    parts = torch.empty(tp_group.size * logits.numel(), dtype=logits.dtype, device=logits.device)
-    tp_group.all_gather(parts, logits.contiguous().view(-1)).wait()
+    from . import _runtime
+    n = tp_group.size * logits.numel()
+    if tp_group.node_local and logits.device.type == "cpu" and \
+            0 < n * logits.element_size() <= _runtime.node_all_reduce_bytes():
+        # The node's shared-memory all-reduce (on with MONARCH_NODE_ALL_REDUCE_BYTES,
+        # docs/communication.md) runs small messages in the caller's thread; Gloo's all-gather
+        # hands each one to its threads (0.5-1 ms a call over loopback, a decode step's worth of
+        # tp all-reduces). Each rank's part in its own place and zeros elsewhere: the sum in
+        # group order adds only zeros to a part, so every rank gets every part's bits (a -0.0
+        # comes back +0.0, which neither argmax nor softmax tells apart).
+        parts = torch.zeros(n, dtype=logits.dtype, device=logits.device)
+        parts.view(tp_group.size, -1)[tp_group.rank].copy_(logits.reshape(-1))
+        tp_group.all_reduce(parts).wait()
+    else:
+        parts = torch.empty(n, dtype=logits.dtype, device=logits.device)
+        tp_group.all_gather(parts, logits.contiguous().view(-1)).wait()
     return torch.cat(list(parts.view((tp_group.size,) + tuple(logits.shape))), dim=-1)  # tp rank r holds vocabulary rows [r * V/tp, (r + 1) * V/tp)
 
 

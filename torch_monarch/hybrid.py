@@ -684,8 +684,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     tokens/s under it): the planner's inference objective chooses tp x pp (pins ``tp`` / ``pp``)
     with dp replicas, and ``generate`` decodes with the plan's micro-batches (torch_monarch.api.plan,
     docs/cost_model.md "Inference"). ``inference_options``: more of planner.plan_inference's
-    keywords (hbm_efficiency, host_seconds_per_op, ops_per_block, host_overlaps_device, max_batch,
-    weight_bytes, kv_bytes), e.g. this machine's eager dispatch cost per operator.
+    keywords (hbm_efficiency, host_seconds_per_op, ops_per_block, host_seconds_per_step,
+    host_overlaps_device, max_batch, weight_bytes, kv_bytes), e.g. this machine's eager dispatch cost per operator.
 
     With ``example_input`` and ``global_batch`` and no ``plan``: the planner decides. The
     model is read on the meta device, the machine detected and its links probed, rank 0 plans
@@ -773,8 +773,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     generation = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                       latency_target=latency_target, objective=objective)
     if inference_options is not None:
-        known = {"hbm_efficiency", "host_seconds_per_op", "ops_per_block", "host_overlaps_device", "max_batch",
-                 "weight_bytes", "kv_bytes", "tie_tolerance"}
+        known = {"hbm_efficiency", "host_seconds_per_op", "ops_per_block", "host_seconds_per_step",
+                 "host_overlaps_device", "max_batch", "weight_bytes", "kv_bytes", "tie_tolerance"}
         unknown = sorted(set(inference_options) - known)
         if mode != "inference" or unknown:
             raise ValueError("parallelize: inference_options are planner.plan_inference's keywords for "

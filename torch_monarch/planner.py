@@ -278,7 +278,8 @@ def plan(graph, cluster, training, *, tp=None, pp=None, dp=None, zero=None, micr
 def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objective=None,
                    latency_target=None, max_batch=None, tp=None, pp=None, alternatives=5,
                    hbm_efficiency=None, weight_bytes=None, kv_bytes=None, tie_tolerance=None,
-                   host_seconds_per_op=None, ops_per_block=None, host_overlaps_device=None):
+                   host_seconds_per_op=None, ops_per_block=None, host_overlaps_device=None,
+                   host_seconds_per_step=None):
     """Plans generation (docs/cost_model.md, "Inference"): tp x pp with dp = world / (tp pp)
     replicas, for the lowest per-token latency at `batch` sequences per replica
     (``objective="latency"``, the default without a target) or the most tokens/s with
@@ -287,6 +288,8 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
     pin; ``tie_tolerance`` (default 0.03): layouts this close to the best are tied (latency
     then takes the fewest devices per replica). The plan's ``inference.prediction`` has ``ttft_s``, ``per_token_s``,
     ``tokens_per_s``, ``kv_cache_bytes``, ``weights_bytes``; ``choices`` says why.
+    ``host_seconds_per_op`` x ``ops_per_block`` is an eager decoder block's host dispatch,
+    ``host_seconds_per_step`` the decode loop's own host work per step (0: none, compiled).
     ``host_overlaps_device`` defaults to False on CPU ranks (``cluster.cores_per_node`` > 0, as
     ``cluster.detect`` sets it: host dispatch and compute add) and True otherwise (a GPU runs
     behind its host).
@@ -309,6 +312,8 @@ def plan_inference(graph, cluster, *, batch, prompt_len, max_new_tokens, objecti
         config.host_seconds_per_op = float(host_seconds_per_op)
     if ops_per_block is not None:
         config.ops_per_block = float(ops_per_block)
+    if host_seconds_per_step is not None:  # the loop's own host work per decode step
+        config.host_seconds_per_step = float(host_seconds_per_step)
     if host_overlaps_device is None:
         # CPU ranks (the cluster's devices share its cores: cluster.detect says how many)
         # dispatch and compute on the same threads; a GPU runs behind its host.

@@ -24,7 +24,8 @@ void bind_inference(py::module_& m) {
                                      "per replica, prompt_len, max_new_tokens, latency_target_s (throughput; 0: none), "
                                      "max_batch (throughput; 0: 256), bytes per weight / KV element (0: the model's "
                                      "dtype), hbm_efficiency, host_seconds_per_op / ops_per_block / "
-                                     "host_overlaps_device (eager host dispatch; 0: none).");
+                                     "host_seconds_per_step / host_overlaps_device (eager host dispatch; 0: "
+                                     "none).");
   add_kwargs_init<InferenceConfig>(config);
   add_copy<InferenceConfig>(config);
   config
@@ -41,6 +42,7 @@ void bind_inference(py::module_& m) {
       .def_readwrite("hbm_efficiency", &InferenceConfig::hbm_efficiency)
       .def_readwrite("host_seconds_per_op", &InferenceConfig::host_seconds_per_op)
       .def_readwrite("ops_per_block", &InferenceConfig::ops_per_block)
+      .def_readwrite("host_seconds_per_step", &InferenceConfig::host_seconds_per_step)
       .def_readwrite("host_overlaps_device", &InferenceConfig::host_overlaps_device)
       .def(py::self == py::self)
       .def("__repr__", [](const InferenceConfig& c) {

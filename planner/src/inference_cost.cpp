@@ -48,7 +48,8 @@ bool InferenceConfig::operator==(const InferenceConfig& o) const {
          max_new_tokens == o.max_new_tokens && latency_target_s == o.latency_target_s &&
          max_batch == o.max_batch && weight_bytes == o.weight_bytes && kv_bytes == o.kv_bytes &&
          hbm_efficiency == o.hbm_efficiency && host_seconds_per_op == o.host_seconds_per_op &&
-         ops_per_block == o.ops_per_block && host_overlaps_device == o.host_overlaps_device;
+         ops_per_block == o.ops_per_block && host_seconds_per_step == o.host_seconds_per_step &&
+         host_overlaps_device == o.host_overlaps_device;
 }
 
 bool InferencePrediction::operator==(const InferencePrediction& o) const {
@@ -84,6 +85,8 @@ void validate(const InferenceConfig& c) {
   require(c.hbm_efficiency > 0 && c.hbm_efficiency <= 1, "hbm_efficiency", "must be in (0, 1]");
   require(c.host_seconds_per_op >= 0, "host_seconds_per_op", "must be >= 0");
   require(c.ops_per_block >= 0, "ops_per_block", "must be >= 0");
+  require(std::isfinite(c.host_seconds_per_step) && c.host_seconds_per_step >= 0, "host_seconds_per_step",
+          "must be >= 0 (0: no host work outside the blocks)");
   require(c.prompt_len <= (int64_t{1} << 40) && c.max_new_tokens <= (int64_t{1} << 40) &&
               c.batch <= (int64_t{1} << 40),
           "prompt_len", "batch, prompt_len and max_new_tokens must stay below 2^40");
@@ -296,8 +299,10 @@ InferencePlan evaluate_stages(const ModelCosts& m, const std::vector<StageCost>&
                           (st.logit_gather_bytes_per_sequence > 0
                                ? all_gather_seconds(bm * st.logit_gather_bytes_per_sequence, tp_link) : 0.0);
     const double hop_dec = last ? 0.0 : collective_seconds(Collective::send_recv, bm * st.out_bytes_per_token, pp_link);
-    // The host's dispatch of the stage's operators, once per micro-batch forward.
-    const double host = static_cast<double>(st.blocks) * config.effective_ops_per_block() * config.host_seconds_per_op;
+    // The host's dispatch of the stage's operators, once per micro-batch forward; the loop's
+    // own work per step (the token's choice follows the head) on the last stage.
+    const double host = static_cast<double>(st.blocks) * config.effective_ops_per_block() * config.host_seconds_per_op +
+                        (last ? config.host_seconds_per_step : 0.0);
     const double stage_dec = config.host_overlaps_device ? std::max(host, t_dec + tp_dec) : host + t_dec + tp_dec;
     r.decode_weights_s += t_w;
     r.decode_kv_s += t_kv;

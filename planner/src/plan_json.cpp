@@ -266,6 +266,7 @@ Json inference_to_json(const InferencePlan& inf) {
   j["hbm_efficiency"] = c.hbm_efficiency;
   j["host_seconds_per_op"] = c.host_seconds_per_op;
   j["ops_per_block"] = c.ops_per_block;
+  j["host_seconds_per_step"] = c.host_seconds_per_step;
   j["host_overlaps_device"] = c.host_overlaps_device;
   j["batch_per_replica"] = inf.batch_per_replica;
   j["decode_micro_batches"] = inf.decode_micro_batches;
@@ -652,6 +653,7 @@ InferencePlan inference_from_json(const Fields& f) {
   // Optional (plans written before the host dispatch term: none).
   if (f.has("host_seconds_per_op")) c.host_seconds_per_op = f.number("host_seconds_per_op");
   if (f.has("ops_per_block")) c.ops_per_block = f.number("ops_per_block");
+  if (f.has("host_seconds_per_step")) c.host_seconds_per_step = f.number("host_seconds_per_step");
   if (f.has("host_overlaps_device")) c.host_overlaps_device = f.boolean("host_overlaps_device");
   inf.batch_per_replica = f.integer("batch_per_replica");
   inf.decode_micro_batches = f.integer("decode_micro_batches");
@@ -736,7 +738,7 @@ Plan plan_from_value(const Json& root) {
     p.inference = inference_from_json(f.object(
         "inference", {"objective", "batch", "prompt_len", "max_new_tokens", "latency_target_s", "max_batch",
                       "weight_bytes", "kv_bytes", "hbm_efficiency", "host_seconds_per_op", "ops_per_block",
-                      "host_overlaps_device", "batch_per_replica",
+                      "host_seconds_per_step", "host_overlaps_device", "batch_per_replica",
                       "decode_micro_batches", "prediction"}));
   }
   p.prediction = prediction_from_json(f.object(

@@ -81,3 +81,9 @@ def test_host_dispatch_adds_to_compute_on_cpu_ranks_and_overlaps_on_gpus():
     # said explicitly, the CPU cluster overlaps too
     told = planner.plan_inference(graph, cpu, host_overlaps_device=True, **args)
     assert told.inference.prediction.per_token_s == pytest.approx(p_gpu.per_token_s, rel=1e-6)
+    # The decode loop's own host time per step adds once per token on top of the blocks', and
+    # travels with the plan's JSON.
+    loop = planner.plan_inference(graph, cpu, host_seconds_per_step=1.5e-3, **args)
+    assert loop.inference.prediction.decode_host_s == pytest.approx(p_cpu.decode_host_s + 1.5e-3)
+    assert loop.inference.prediction.per_token_s == pytest.approx(p_cpu.per_token_s + 1.5e-3)
+    assert planner.Plan.from_json(loop.to_json()).inference.config.host_seconds_per_step == 1.5e-3

@@ -194,6 +194,9 @@ TEST_CASE("inference config is checked field by field", "[inference][cost]") {
   c = ask(1, 16, 16);
   c.host_seconds_per_op = -1e-6;
   CHECK_THROWS_AS(validate(c), ValidationError);
+  c = ask(1, 16, 16);
+  c.host_seconds_per_step = -1e-3;
+  CHECK_THROWS_AS(validate(c), ValidationError);
   CHECK(inference_objective_from_string("throughput") == InferenceObjective::throughput);
   CHECK_THROWS_AS(inference_objective_from_string("fast"), ValidationError);
 }
@@ -222,6 +225,14 @@ TEST_CASE("eager host dispatch: blocks x ops x seconds per op, hidden behind a G
   const InferencePrediction half = evaluate_inference(g, cluster, eager, 1, 1, 1).prediction;
   CHECK(half.decode_host_s == Approx(32 * 20 * 10e-6));
   CHECK(evaluate_inference(g, cluster, eager, 1, 2, 1).prediction.decode_host_s == Approx(32 * 20 * 10e-6));
+  // The loop's own work per step (choosing the token, the cache's bookkeeping) adds once per
+  // token, whatever the depth and the stages: on the last stage only.
+  eager.host_seconds_per_step = 1.5e-3;
+  const InferencePrediction loop = evaluate_inference(g, cluster, eager, 1, 1, 1).prediction;
+  CHECK(loop.decode_host_s == Approx(32 * 20 * 10e-6 + 1.5e-3));
+  CHECK(loop.per_token_s == Approx(half.per_token_s + 1.5e-3));
+  CHECK(loop.ttft_s == Approx(half.ttft_s + 1.5e-3));
+  CHECK(evaluate_inference(g, cluster, eager, 1, 2, 1).prediction.decode_host_s == Approx(32 * 20 * 10e-6 + 1.5e-3));
 }
 
 TEST_CASE("decode per-token latency against gpt-fast's tensor-parallel table (8 x A100-80GB, batch 1)",

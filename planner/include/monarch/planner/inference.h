@@ -20,7 +20,9 @@
 //     the dispatcher, a kernel launch): blocks x ops_per_block x host_seconds_per_op per stage
 //     and micro-batch. A GPU runs behind its host (the stage takes the larger of the two); a
 //     CPU rank computes on its host thread (the two add). 0 (the default): compiled with the
-//     host out of the loop (CUDA graphs), as gpt-fast's measurements.
+//     host out of the loop (CUDA graphs), as gpt-fast's measurements. The decode loop's own host
+//     work per step (host_seconds_per_step: choosing the token, the cache's bookkeeping, the
+//     embedding's and head's operators) adds once per micro-batch step, on the last stage.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -64,6 +66,11 @@ struct InferenceConfig {
   // ops, views included). 0: 71, Hugging Face's LlamaDecoderLayer counted this way in one
   // decode step with a DynamicCache (transformers 5.18; docs/cost_model.md, Inference).
   double ops_per_block = 0;
+  // Host time per decode step outside the decoder blocks (seconds): the generate loop's own
+  // work (choosing and appending the token, the cache's and mask's bookkeeping) and the
+  // operators of the embedding, final norm and head. 0: none (a compiled loop). Measured as the
+  // intercept of an eager decode step's time over its block count (bench/generate.py).
+  double host_seconds_per_step = 0;
   // The device computes behind the host (a GPU's launches are asynchronous): a stage takes
   // max(host, device); false (CPU ranks): host + device.
   bool host_overlaps_device = true;
