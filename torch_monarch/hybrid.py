@@ -9,8 +9,10 @@ sharded (dp) and tensor (tp) parallelism on one mesh, read from a Plan or given 
         opt.step()
 
 Without a pipeline the result is also an ordinary module: ``loss_fn(model(x), y).backward()``.
-Under tensor parallelism the model returns logits split along the vocabulary: use
-``torch_monarch.vocab_parallel_cross_entropy`` as the loss.
+Under tensor parallelism the model returns logits split along the vocabulary (use
+``torch_monarch.vocab_parallel_cross_entropy`` as the loss) where the caller asked for tp (a
+mesh, a tp pin, a plan) or ``loss_parallel=True``; where the planner chose tp on its own, the
+head gathers them (``loss_parallel`` in ``parallelize``).
 """
 
 import copy
@@ -58,7 +60,7 @@ class ParallelModel(nn.Module):
     replica and tied-weight sync, the global mean loss, whole-model state dicts."""
 
     def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None,
-                 info=None, compile_options=None):
+                 info=None, compile_options=None, gather_logits=False):
         super().__init__()
         self.mesh = mesh
         self.layout = layout
@@ -107,7 +109,7 @@ class ParallelModel(nn.Module):
             context_parallel(model, mesh)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
-                            sequence_dim=sequence_dim, units=units)
+                            sequence_dim=sequence_dim, units=units, gather_logits=gather_logits)
         # Compiled blocks (compile.py): each block's own forward, after tp swapped its linears
         # and before recomputation wraps it.
         zero_bubble = self.pp > 1 and layout.schedule == _planner.ScheduleKind.zero_bubble_h1
@@ -676,7 +678,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
                 zero_stage=None, bucket_cap_mb=None, sequence_dim=1, init_fn=None, recompute=None,
                 embeddings=None, profile=None, compile=None, ep=None, cp=None, mode="training", batch=None,
                 prompt_len=None, max_new_tokens=None, latency_target=None, objective=None,
-                inference_options=None) -> ParallelModel:
+                inference_options=None, loss_parallel=None) -> ParallelModel:
     """Lays ``model`` out on the mesh.
 
     ``mode="inference"`` (with ``example_input``, ``batch`` sequences per replica, ``prompt_len``
@@ -722,6 +724,15 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     ``compile=True`` (or a dict of ``torch.compile`` keywords) compiles each block's forward
     inside the layout's wrappers (torch_monarch.compile): parity with eager, no graph break
     from the runtime inside a block.
+
+    ``loss_parallel``: whether a vocabulary-split output head (the default tp plan's, under
+    tp > 1) keeps its logits split, for ``torch_monarch.vocab_parallel_cross_entropy`` (True:
+    no rank holds the whole vocabulary's logits), or gathers them (False: the model returns
+    what the unsplit model returns, so any loss works, at the memory of whole logits per rank,
+    torchtitan's default without ``loss_parallel``). None (the default): split where the caller
+    asked for tp (a mesh, a tp pin, a plan given), gathered where the planner chose tp > 1 on
+    its own, so a plan's layout does not change what the model returns. Models computing
+    their own loss (Hugging Face's ``labels=``) always gather.
 
     ``units``: the blocks a pipeline is cut between (default: the ModuleList holding the most parameters, else a
     run of same-type children when the model is an nn.Sequential);
@@ -815,6 +826,14 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
                                   tp_plan=tp_plan, profile=profile, compile=compile_options, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
+        if loss_parallel is None and tp is None and plan.mesh.tp > 1:
+            # The planner chose tp: what the model returns stays what the caller's loss expects.
+            loss_parallel = False
+            if init().rank == 0:
+                from .log import get as get_log
+                get_log("api").info("the plan splits the model over tp=%d: its output head gathers the logits over "
+                                   "the vocabulary (loss_parallel=True keeps them split for "
+                                   "torch_monarch.vocab_parallel_cross_entropy)", plan.mesh.tp)
     elif plan is None and (tp, pp, dp, micro_batch, ep, cp) != (None,) * 6:
         raise ValueError("parallelize: tp / pp / dp / ep / cp / micro_batch pins need example_input= and "
                          "global_batch= (to plan), or a mesh=")
@@ -885,6 +904,7 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         from .graph import read_model
         info = read_model(model, example_input, tp_plan=tp_plan)
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
-                           init_fn=init_fn, mixed_precision=mixed, info=info, compile_options=compile_options)
+                           init_fn=init_fn, mixed_precision=mixed, info=info, compile_options=compile_options,
+                           gather_logits=loss_parallel is False)
     result.plan = plan  # None when laid out by hand
     return result

@@ -605,21 +605,32 @@ _TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, 
                ParallelMultiheadAttention)
 
 
+# {tp group's ranks: vocabulary sizes of heads that gather their logits over it}: what
+# vocab_parallel_cross_entropy takes for whole logits (tensor_parallel records them).
+_GATHERED_VOCABULARIES = {}
+
+
 def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-100, reduction="mean"):
     """Cross-entropy of logits split along the vocabulary over tp (the output of a
     ``VocabHead``), without forming full-vocabulary rows on any rank. ``reduction``: 'mean'
-    (over targets != ignore_index), 'sum' or 'none'."""
+    (over targets != ignore_index), 'sum' or 'none'. Whole logits (tp = 1, or a head that
+    gathers them: ``parallelize(loss_parallel=False)``, or tp chosen by the planner) get the
+    plain cross-entropy, so one training loop serves every layout."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
     group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
-    start = group.rank * logits.shape[-1]
-    losses = _runtime.vocab_parallel_cross_entropy(logits.contiguous(), targets, start, group, ignore_index)
+    if logits.shape[-1] in _GATHERED_VOCABULARIES.get(tuple(group.ranks), ()):
+        import torch.nn.functional as F
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                 ignore_index=ignore_index, reduction="none").view(targets.shape)
+    else:
+        start = group.rank * logits.shape[-1]
+        losses = _runtime.vocab_parallel_cross_entropy(logits.contiguous(), targets, start, group, ignore_index)
     if reduction == "none":
         return losses
     if reduction == "sum":
         return losses.sum()
-    if reduction != "mean":
-        raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
-    count = (targets != ignore_index).sum().clamp(min=1)
-    return losses.sum() / count
+    return losses.sum() / (targets != ignore_index).sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -743,7 +754,7 @@ def _check_coverage(model, plan, tp, units):
 
 
 def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool = False, sequence_dim: int = 1,
-                    units=None, rng=None):
+                    units=None, rng=None, gather_logits: bool = False):
     """Splits ``model`` in place over the mesh's ``tp`` axis and returns it.
 
     ``plan``: {module name or glob: style} (``Colwise``, ``Rowwise``, ``VocabEmbedding``,
@@ -764,12 +775,18 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     blocks) draw from ``rng`` (a ``TensorParallelRNG``; default seeded from
     ``torch.initial_seed()`` and the tp rank); the others use the default generator, which
     the caller seeds alike on every tp rank (``seed_tensor_parallel_rng``).
+
+    ``gather_logits``: the default plan's vocabulary-split head all-gathers its output, so the
+    model returns whole logits (any loss works on them, at the memory of the whole vocabulary
+    per rank); a ``plan`` given says so per head itself (``VocabHead(gather_output=)``).
     """
     from .interop import refuse_foreign_layout
     refuse_foreign_layout(model, "torch_monarch.tensor_parallel")
     group = mesh.group("tp")
     tp = group.size
     whole = resolve_plan(model, plan, keep_replicate=True)
+    if gather_logits and plan is None:
+        whole = {n: VocabHead(gather_output=True) if isinstance(s, VocabHead) else s for n, s in whole.items()}
     plan = {n: s for n, s in whole.items() if not isinstance(s, Replicate)}
     if tp == 1:
         return model
@@ -789,6 +806,9 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
                 raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, {type(style).__name__} needs "
                                  "nn.Linear (or a transposed linear such as HF's Conv1D)")
             parts = style.fused_parts if isinstance(style, Colwise) else 1
+            if isinstance(style, VocabHead) and style.gather_output:
+                # vocab_parallel_cross_entropy over this group then meets whole logits.
+                _GATHERED_VOCABULARIES.setdefault(tuple(group.ranks), set()).add(linear_dims(module)[1])
             new = ColumnParallelLinear.from_linear(module, group, fused_parts=parts,
                                                    gather_output=style.gather_output,
                                                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,

@@ -15,6 +15,7 @@
 #include <iterator>
 #include <sstream>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include "monarch/runtime/communicator.h"
@@ -23,6 +24,15 @@
 namespace monarch {
 
 namespace {
+
+// The path's own tensor operations (the slots' setup, views of them, the sum) are the runtime's,
+// not the caller's: a Python dispatch mode the caller runs under (a TorchDispatchMode counting
+// or watching operators, as torch.compile's tracing and the tests' width watch do) does not see
+// them, as it does not see Gloo's. What torch._C._DisableTorchDispatch excludes.
+struct HiddenFromPythonModes {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot})};
+};
 
 // Each member's slot: a control page, then two data areas used by alternate calls. Call m
 // writes area m % 2: a member can only start call m + 2 after every member announced call
@@ -119,6 +129,7 @@ bool NodeAllReduce::fits(const at::Tensor& buffer) const {
 std::unique_ptr<NodeAllReduce> NodeAllReduce::create(Communicator& group, int64_t capacity_bytes,
                                                      std::chrono::milliseconds timeout) {
   TORCH_CHECK(capacity_bytes > 0, "monarch: shared-memory all-reduce of ", capacity_bytes, " bytes");
+  const HiddenFromPythonModes hidden;
   const int64_t stride = round_up(capacity_bytes, 4096);  // each data area page-aligned
   auto shared = NodeSharedBuffer::create(group, kControl + 2 * stride, at::kByte);
   if (!shared) return nullptr;
@@ -196,6 +207,7 @@ void NodeAllReduce::wait_for_all(int64_t call) {
 void NodeAllReduce::all_reduce(at::Tensor& buffer, bool average) {
   TORCH_CHECK(fits(buffer), "monarch: shared-memory all-reduce on group ", group_name_, " cannot take a ",
               buffer.scalar_type(), " buffer of ", buffer.numel(), " elements (capacity ", capacity_, " bytes)");
+  const HiddenFromPythonModes hidden;
   const int64_t call = ++calls_;
   const int64_t area = kControl + (call % 2) * stride_;
   const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
