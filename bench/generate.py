@@ -84,8 +84,8 @@ prints the load average; tp timings mean something only on a quiet machine.
 """
 
 import os as _os
-# tp decode's all-reduces through the node's shared memory (opt-in: docs/communication.md);
-# the ranks this bench launches inherit it.
+# tp decode's all-reduces through the node's shared memory (the default limit, said here so a
+# run names it; docs/communication.md); the ranks this bench launches inherit it.
 _os.environ.setdefault("MONARCH_NODE_ALL_REDUCE_BYTES", str(256 * 1024))
 import argparse
 import copy

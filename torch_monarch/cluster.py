@@ -385,7 +385,7 @@ def probe(cluster, world, sizes=None, rounds=12, use_cache=True):
     if not on_cpu and _runtime.built_with_nccl:
         device = f"cuda:{_env_int('LOCAL_RANK', 0) % torch.cuda.device_count()}"
     backend = "gloo" if device == "cpu" else "nccl"
-    # Whether small CPU all-reduces inside a node take the shared-memory path (opt-in): the
+    # Whether small CPU all-reduces inside a node take the shared-memory path (the default): the
     # latency a job sees differs by 10-50x, so a cache timed the other way is not reused.
     shared = device == "cpu" and _runtime_limit() > 0
     if cached and cached.get("links_shared", False) != shared:

@@ -9,10 +9,9 @@ sharded (dp) and tensor (tp) parallelism on one mesh, read from a Plan or given 
         opt.step()
 
 Without a pipeline the result is also an ordinary module: ``loss_fn(model(x), y).backward()``.
-Under tensor parallelism the model returns logits split along the vocabulary (use
-``torch_monarch.vocab_parallel_cross_entropy`` as the loss) where the caller asked for tp (a
-mesh, a tp pin, a plan) or ``loss_parallel=True``; where the planner chose tp on its own, the
-head gathers them (``loss_parallel`` in ``parallelize``).
+Under tensor parallelism the model returns logits split along the vocabulary: use
+``torch_monarch.vocab_parallel_cross_entropy`` as the loss (it takes whole logits too), or
+``parallelize(..., loss_parallel=False)`` to have the head gather them.
 """
 
 import copy
@@ -60,7 +59,7 @@ class ParallelModel(nn.Module):
     replica and tied-weight sync, the global mean loss, whole-model state dicts."""
 
     def __init__(self, model, mesh, layout, *, units, tp_plan, sequence_dim, init_fn=None, mixed_precision=None,
-                 info=None, compile_options=None, gather_logits=False):
+                 info=None, compile_options=None, loss_parallel=None):
         super().__init__()
         self.mesh = mesh
         self.layout = layout
@@ -109,7 +108,13 @@ class ParallelModel(nn.Module):
             context_parallel(model, mesh)
         if self.tp > 1:
             tensor_parallel(model, mesh, tp_plan, sequence_parallel=layout.sequence_parallel,
-                            sequence_dim=sequence_dim, units=units, gather_logits=gather_logits)
+                            sequence_dim=sequence_dim, units=units, gather_logits=loss_parallel is False)
+        # Split logits and a loss that is not vocab_parallel_cross_entropy: train_step says so
+        # (a plain cross-entropy would fail on a target beyond this rank's columns, or, where
+        # every target falls in them, train on a wrong loss). loss_parallel=True: the caller's
+        # loss knows.
+        self._check_vocab_loss = self.tp > 1 and loss_parallel is None and bool(
+            getattr(model, "_monarch_vocab_split", False))
         # Compiled blocks (compile.py): each block's own forward, after tp swapped its linears
         # and before recomputation wraps it.
         zero_bubble = self.pp > 1 and layout.schedule == _planner.ScheduleKind.zero_bubble_h1
@@ -434,8 +439,11 @@ class ParallelModel(nn.Module):
         local = sum(counts) if counts is not None else _batch_size(inputs)
 
         def loss_of(mb, out):
-            value = (loss_fn(out, ys[mb]) if targets is not None else loss_fn(out)) if loss_fn is not None \
-                else _model_loss(out)
+            if loss_fn is not None and self._check_vocab_loss:
+                value = _vocab_split_loss(self, loss_fn, out, ys[mb] if targets is not None else None)
+            else:
+                value = (loss_fn(out, ys[mb]) if targets is not None else loss_fn(out)) if loss_fn is not None \
+                    else _model_loss(out)
             if counts is None:
                 return value
             # The composition averages micro-batches and weighs ranks by `local`: scaled so the
@@ -631,6 +639,29 @@ def _batch_size(inputs):
     return first.shape[0]
 
 
+def _vocab_split_loss(pm, loss_fn, out, targets):
+    """``loss_fn`` on a micro-batch's logits split along the vocabulary, checked to have gone
+    through vocab_parallel_cross_entropy (every tp rank computes the same loss, so every rank
+    raises alike)."""
+    from . import tensor_parallel_modules as tpm
+    before = tpm.VOCAB_PARALLEL_LOSSES[0]
+    problem = (f"parallelize: the model's output head splits the vocabulary over tp={pm.tp} (each rank's logits "
+               f"hold {out.shape[-1] if isinstance(out, torch.Tensor) else 'a share'} of the columns), and the "
+               "loss_fn given to train_step did not call torch_monarch.vocab_parallel_cross_entropy(logits, "
+               "targets, model.mesh), which takes them as they are (and whole logits too); or pass "
+               "loss_parallel=False to parallelize to have the head gather them (whole logits on every rank), "
+               "or loss_parallel=True if your loss handles split logits itself")
+    try:
+        value = loss_fn(out, targets) if targets is not None else loss_fn(out)
+    except Exception as e:
+        if tpm.VOCAB_PARALLEL_LOSSES[0] == before:
+            raise ValueError(f"{problem} (it raised {type(e).__name__}: {e})") from e
+        raise
+    if tpm.VOCAB_PARALLEL_LOSSES[0] == before:
+        raise ValueError(problem)
+    return value
+
+
 def _model_loss(out):
     """The loss a model computed itself (Hugging Face's ``labels=``)."""
     loss = getattr(out, "loss", None)
@@ -725,14 +756,16 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     inside the layout's wrappers (torch_monarch.compile): parity with eager, no graph break
     from the runtime inside a block.
 
-    ``loss_parallel``: whether a vocabulary-split output head (the default tp plan's, under
-    tp > 1) keeps its logits split, for ``torch_monarch.vocab_parallel_cross_entropy`` (True:
-    no rank holds the whole vocabulary's logits), or gathers them (False: the model returns
-    what the unsplit model returns, so any loss works, at the memory of whole logits per rank,
-    torchtitan's default without ``loss_parallel``). None (the default): split where the caller
-    asked for tp (a mesh, a tp pin, a plan given), gathered where the planner chose tp > 1 on
-    its own, so a plan's layout does not change what the model returns. Models computing
-    their own loss (Hugging Face's ``labels=``) always gather.
+    ``loss_parallel``: under tp > 1 the default plan splits the output head along the
+    vocabulary. None (the default) and True keep its logits split: no rank holds the whole
+    vocabulary's logits (what the planner's memory counts) and the loss is
+    ``torch_monarch.vocab_parallel_cross_entropy``; with None, ``train_step`` raises one clear
+    error when the ``loss_fn`` it gets did not call it (a plain cross-entropy would fail on a
+    target beyond this rank's columns, or train on a wrong loss), with True the caller's loss
+    is trusted. False gathers them (an all-gather per forward): the model returns what the
+    unsplit model returns and any loss works, at the memory of whole logits per rank
+    (torchtitan without loss parallelism). Models computing their own loss (Hugging Face's
+    ``labels=``) always gather.
 
     ``units``: the blocks a pipeline is cut between (default: the ModuleList holding the most parameters, else a
     run of same-type children when the model is an nn.Sequential);
@@ -826,14 +859,6 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         plan, info = plan_for_job(model, example_input, global_batch, world=init(), cluster=cluster, dtype=dtype,
                                   tp_plan=tp_plan, profile=profile, compile=compile_options, **pins)
         schedule = virtual_stages = sequence_parallel = zero_stage = recompute = None  # the plan's now
-        if loss_parallel is None and tp is None and plan.mesh.tp > 1:
-            # The planner chose tp: what the model returns stays what the caller's loss expects.
-            loss_parallel = False
-            if init().rank == 0:
-                from .log import get as get_log
-                get_log("api").info("the plan splits the model over tp=%d: its output head gathers the logits over "
-                                   "the vocabulary (loss_parallel=True keeps them split for "
-                                   "torch_monarch.vocab_parallel_cross_entropy)", plan.mesh.tp)
     elif plan is None and (tp, pp, dp, micro_batch, ep, cp) != (None,) * 6:
         raise ValueError("parallelize: tp / pp / dp / ep / cp / micro_batch pins need example_input= and "
                          "global_batch= (to plan), or a mesh=")
@@ -905,6 +930,6 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
         info = read_model(model, example_input, tp_plan=tp_plan)
     result = ParallelModel(model, mesh, layout, units=blocks, tp_plan=tp_plan, sequence_dim=sequence_dim,
                            init_fn=init_fn, mixed_precision=mixed, info=info, compile_options=compile_options,
-                           gather_logits=loss_parallel is False)
+                           loss_parallel=loss_parallel)
     result.plan = plan  # None when laid out by hand
     return result

@@ -608,6 +608,9 @@ _TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, 
 # {tp group's ranks: vocabulary sizes of heads that gather their logits over it}: what
 # vocab_parallel_cross_entropy takes for whole logits (tensor_parallel records them).
 _GATHERED_VOCABULARIES = {}
+# Calls of vocab_parallel_cross_entropy so far: ParallelModel.train_step checks that a loss on
+# split logits went through it.
+VOCAB_PARALLEL_LOSSES = [0]
 
 
 def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-100, reduction="mean"):
@@ -618,6 +621,7 @@ def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-1
     plain cross-entropy, so one training loop serves every layout."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
+    VOCAB_PARALLEL_LOSSES[0] += 1
     group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
     if logits.shape[-1] in _GATHERED_VOCABULARIES.get(tuple(group.ranks), ()):
         import torch.nn.functional as F
@@ -809,6 +813,8 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
             if isinstance(style, VocabHead) and style.gather_output:
                 # vocab_parallel_cross_entropy over this group then meets whole logits.
                 _GATHERED_VOCABULARIES.setdefault(tuple(group.ranks), set()).add(linear_dims(module)[1])
+            elif isinstance(style, VocabHead):
+                model._monarch_vocab_split = True  # the model returns split logits (train_step checks its loss)
             new = ColumnParallelLinear.from_linear(module, group, fused_parts=parts,
                                                    gather_output=style.gather_output,
                                                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,

@@ -113,7 +113,9 @@ bool NodeAllReduce::summable(at::ScalarType dtype) {
 
 int64_t NodeAllReduce::limit_bytes() {
   const char* value = std::getenv("MONARCH_NODE_ALL_REDUCE_BYTES");
-  if (value == nullptr || *value == '\0') return 0;  // opt-in for now: docs/communication.md
+  // Unset: 256 KiB, what a tp decode or a small model's activations all-reduce (a [4, 512]
+  // fp32 step is 8 KiB); larger messages keep Gloo's ring (docs/communication.md).
+  if (value == nullptr || *value == '\0') return 256 * 1024;
   char* end = nullptr;
   const long long v = std::strtoll(value, &end, 10);
   TORCH_CHECK(*end == '\0' && v >= 0, "monarch: MONARCH_NODE_ALL_REDUCE_BYTES='", value,

@@ -5,11 +5,12 @@ process beside each case. Writes rank<r>.pt: {case: {"plan", "tp", "logits_width
 "reference_losses", "max_param_rel_diff"} or {"error"}}.
 
 Cases:
-  planned_plain     no pins, F.cross_entropy (what a user's loop has)
+  planned_plain     no pins, F.cross_entropy: train_step's one clear error (split logits)
   planned_vocab     no pins, vocab_parallel_cross_entropy (the quickstart's loop)
-  planned_split     no pins, loss_parallel=True, vocab_parallel_cross_entropy
+  planned_gather    no pins, loss_parallel=False, F.cross_entropy
   pinned_tp2        tp=2 pinned, vocab_parallel_cross_entropy
-  pinned_plain      tp=2 pinned, loss_parallel=False, F.cross_entropy
+  pinned_gather     tp=2 pinned, loss_parallel=False, vocab_parallel_cross_entropy on whole logits
+  declared_split    no pins, loss_parallel=True, vocab_parallel_cross_entropy (no check)
 """
 
 import copy
@@ -28,9 +29,10 @@ GLOBAL_BATCH, STEPS, LR = 1, 3, 1e-3
 CASES = {
     "planned_plain": ({}, "plain"),
     "planned_vocab": ({}, "vocab"),
-    "planned_split": ({"loss_parallel": True}, "vocab"),
+    "planned_gather": ({"loss_parallel": False}, "plain"),
     "pinned_tp2": ({"tp": 2}, "vocab"),
-    "pinned_plain": ({"tp": 2, "loss_parallel": False}, "plain"),
+    "pinned_gather": ({"tp": 2, "loss_parallel": False}, "vocab"),
+    "declared_split": ({"loss_parallel": True}, "vocab"),
 }
 
 

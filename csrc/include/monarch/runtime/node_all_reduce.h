@@ -41,8 +41,8 @@ class NodeAllReduce {
   // Whether `buffer` can take this path: a contiguous CPU tensor of a summable dtype (fp32,
   // fp64, bf16, fp16, int32, int64) of at most capacity_bytes().
   bool fits(const at::Tensor& buffer) const;
-  // What the path takes at most (MONARCH_NODE_ALL_REDUCE_BYTES, e.g. 262144; unset or 0: the
-  // path is off, the default for now, see docs/communication.md): larger messages keep the group's Gloo all-reduce, whose ring moves 2(n-1)/n of the
+  // What the path takes at most (MONARCH_NODE_ALL_REDUCE_BYTES; unset: 262144; 0 turns the
+  // path off; docs/communication.md): larger messages keep the group's Gloo all-reduce, whose ring moves 2(n-1)/n of the
   // buffer per rank where this path reads n buffers per rank.
   static int64_t limit_bytes();
   static bool summable(at::ScalarType dtype);
