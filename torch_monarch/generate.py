@@ -54,6 +54,7 @@ go with the call.
 """
 
 import inspect
+import os
 
 import torch
 
@@ -140,12 +141,14 @@ class _Decode:
 
     def choose(self, logits):
         """The tokens from the last position's logits, the same on every tp rank."""
+        gathered = self.tp_group is not None and self.vocab is not None and logits.shape[-1] != self.vocab
         logits = _whole_logits(logits.float(), self.vocab, self.tp_group)
         token = _choose(logits, self.temperature, self.top_k, self.top_p, self.generator)
-        if self.tp_group is not None and self.temperature != 0:
-            # Greedy needs no broadcast: every tp rank holds the same logits, bit for bit (the
-            # group's all-reduces sum in group order on every member, the gather copies), so
-            # argmax agrees. A sampled token comes from rank 0, whatever a rank's generator did.
+        if self.tp_group is not None and (self.temperature != 0 or not gathered):
+            # A greedy token from gathered logits needs no broadcast: the gather gives every tp
+            # rank the same bits, so argmax agrees. Logits each rank computed whole (a head tp
+            # left whole) may differ in a last bit (a CPU matmul's kernel can depend on its
+            # buffers' alignment), and a sampled token comes from rank 0: broadcast.
             self.tp_group.broadcast(token, 0).wait()
         return token
 
@@ -432,9 +435,10 @@ def _whole_logits(logits, vocab, tp_group):
                            f"vocabulary ({vocab}) nor its 1/{tp_group.size} share")
     from . import _runtime
     n = tp_group.size * logits.numel()
-    if tp_group.node_local and logits.device.type == "cpu" and \
+    shared = os.environ.get("MONARCH_SHARED_MEMORY", "on") not in ("off", "0", "false", "no")
+    if shared and tp_group.node_local and logits.device.type == "cpu" and \
             0 < n * logits.element_size() <= _runtime.node_all_reduce_bytes():
-        # The node's shared-memory all-reduce (on with MONARCH_NODE_ALL_REDUCE_BYTES,
+        # The node's shared-memory all-reduce (on by default, up to MONARCH_NODE_ALL_REDUCE_BYTES;
         # docs/communication.md) runs small messages in the caller's thread; Gloo's all-gather
         # hands each one to its threads (0.5-1 ms a call over loopback, a decode step's worth of
         # tp all-reduces). Each rank's part in its own place and zeros elsewhere: the sum in

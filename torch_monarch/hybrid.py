@@ -641,8 +641,8 @@ def _batch_size(inputs):
 
 def _vocab_split_loss(pm, loss_fn, out, targets):
     """``loss_fn`` on a micro-batch's logits split along the vocabulary, checked to have gone
-    through vocab_parallel_cross_entropy (every tp rank computes the same loss, so every rank
-    raises alike)."""
+    through vocab_parallel_cross_entropy (every tp rank of the stage computing the loss raises
+    alike; under pp the other stages' ranks then fail as at any loss error)."""
     from . import tensor_parallel_modules as tpm
     before = tpm.VOCAB_PARALLEL_LOSSES[0]
     problem = (f"parallelize: the model's output head splits the vocabulary over tp={pm.tp} (each rank's logits "
@@ -814,6 +814,8 @@ def parallelize(model: nn.Module, mesh=None, plan=None, *, example_input=None, g
     info = None
     if mode not in ("training", "inference"):
         raise ValueError(f"parallelize: mode must be 'training' or 'inference', got {mode!r}")
+    if loss_parallel not in (None, True, False):
+        raise ValueError(f"parallelize: loss_parallel must be None, True or False, got {loss_parallel!r}")
     generation = dict(batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                       latency_target=latency_target, objective=objective)
     if inference_options is not None:

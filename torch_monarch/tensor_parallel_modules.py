@@ -606,8 +606,10 @@ _TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, 
 
 
 # {tp group's ranks: vocabulary sizes of heads that gather their logits over it}: what
-# vocab_parallel_cross_entropy takes for whole logits (tensor_parallel records them).
+# vocab_parallel_cross_entropy takes for whole logits; and the widths of split heads' logits
+# over it, to refuse a width both could be (tensor_parallel records them).
 _GATHERED_VOCABULARIES = {}
+_SPLIT_WIDTHS = {}
 # Calls of vocab_parallel_cross_entropy so far: ParallelModel.train_step checks that a loss on
 # split logits went through it.
 VOCAB_PARALLEL_LOSSES = [0]
@@ -617,13 +619,19 @@ def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-1
     """Cross-entropy of logits split along the vocabulary over tp (the output of a
     ``VocabHead``), without forming full-vocabulary rows on any rank. ``reduction``: 'mean'
     (over targets != ignore_index), 'sum' or 'none'. Whole logits (tp = 1, or a head that
-    gathers them: ``parallelize(loss_parallel=False)``, or tp chosen by the planner) get the
+    gathers them: ``parallelize(loss_parallel=False)``, a model computing its own loss) get the
     plain cross-entropy, so one training loop serves every layout."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction: expected 'mean', 'sum' or 'none', got {reduction!r}")
     VOCAB_PARALLEL_LOSSES[0] += 1
     group = mesh_or_group.group("tp") if hasattr(mesh_or_group, "group") else mesh_or_group
-    if logits.shape[-1] in _GATHERED_VOCABULARIES.get(tuple(group.ranks), ()):
+    ranks, width = tuple(group.ranks), logits.shape[-1]
+    whole = width in _GATHERED_VOCABULARIES.get(ranks, ())
+    if whole and width in _SPLIT_WIDTHS.get(ranks, ()):
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {width} wide over tp ranks {list(ranks)} could be a "
+                         f"gathering head's whole vocabulary or a split head's share of {width * group.size}: this "
+                         "process laid out both kinds on these ranks; keep one model's logits split (or gathered)")
+    if whole:
         import torch.nn.functional as F
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                  ignore_index=ignore_index, reduction="none").view(targets.shape)
@@ -780,16 +788,16 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
     ``torch.initial_seed()`` and the tp rank); the others use the default generator, which
     the caller seeds alike on every tp rank (``seed_tensor_parallel_rng``).
 
-    ``gather_logits``: the default plan's vocabulary-split head all-gathers its output, so the
-    model returns whole logits (any loss works on them, at the memory of the whole vocabulary
-    per rank); a ``plan`` given says so per head itself (``VocabHead(gather_output=)``).
+    ``gather_logits``: every vocabulary-split head (``VocabHead``, the default plan's or a given
+    plan's) all-gathers its output, so the model returns whole logits (any loss works on them,
+    at the memory of the whole vocabulary per rank).
     """
     from .interop import refuse_foreign_layout
     refuse_foreign_layout(model, "torch_monarch.tensor_parallel")
     group = mesh.group("tp")
     tp = group.size
     whole = resolve_plan(model, plan, keep_replicate=True)
-    if gather_logits and plan is None:
+    if gather_logits:
         whole = {n: VocabHead(gather_output=True) if isinstance(s, VocabHead) else s for n, s in whole.items()}
     plan = {n: s for n, s in whole.items() if not isinstance(s, Replicate)}
     if tp == 1:
@@ -810,11 +818,13 @@ def tensor_parallel(model: nn.Module, mesh, plan=None, sequence_parallel: bool =
                 raise ValueError(f"tensor parallel: '{name}' is {type(module).__name__}, {type(style).__name__} needs "
                                  "nn.Linear (or a transposed linear such as HF's Conv1D)")
             parts = style.fused_parts if isinstance(style, Colwise) else 1
-            if isinstance(style, VocabHead) and style.gather_output:
-                # vocab_parallel_cross_entropy over this group then meets whole logits.
-                _GATHERED_VOCABULARIES.setdefault(tuple(group.ranks), set()).add(linear_dims(module)[1])
-            elif isinstance(style, VocabHead):
-                model._monarch_vocab_split = True  # the model returns split logits (train_step checks its loss)
+            if isinstance(style, VocabHead):
+                # vocab_parallel_cross_entropy over this group meets whole or split logits.
+                kind = _GATHERED_VOCABULARIES if style.gather_output else _SPLIT_WIDTHS
+                width = linear_dims(module)[1] // (1 if style.gather_output else tp)
+                kind.setdefault(tuple(group.ranks), set()).add(width)
+                if not style.gather_output:
+                    model._monarch_vocab_split = True  # the model returns split logits (train_step checks its loss)
             new = ColumnParallelLinear.from_linear(module, group, fused_parts=parts,
                                                    gather_output=style.gather_output,
                                                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,

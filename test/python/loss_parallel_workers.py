@@ -10,7 +10,8 @@ Cases:
   planned_gather    no pins, loss_parallel=False, F.cross_entropy
   pinned_tp2        tp=2 pinned, vocab_parallel_cross_entropy
   pinned_gather     tp=2 pinned, loss_parallel=False, vocab_parallel_cross_entropy on whole logits
-  declared_split    no pins, loss_parallel=True, vocab_parallel_cross_entropy (no check)
+  declared_split    no pins, loss_parallel=True, a loss of its own on the split logits (the
+                    runtime's per-token losses, not vocab_parallel_cross_entropy): no check
 """
 
 import copy
@@ -20,7 +21,7 @@ import sys
 import torch
 
 import torch_monarch
-from torch_monarch import planner
+from torch_monarch import _runtime, planner
 from tiny_gpt import VOCAB, batch, loss_fn, make_model
 
 # One sequence per step: no dp layout can split it, so the fast links make the planner choose
@@ -32,7 +33,7 @@ CASES = {
     "planned_gather": ({"loss_parallel": False}, "plain"),
     "pinned_tp2": ({"tp": 2}, "vocab"),
     "pinned_gather": ({"tp": 2, "loss_parallel": False}, "vocab"),
-    "declared_split": ({"loss_parallel": True}, "vocab"),
+    "declared_split": ({"loss_parallel": True}, "own"),
 }
 
 
@@ -51,8 +52,16 @@ def run_case(kwargs, loss_kind, rank, world):
     x0, _ = batch(0, GLOBAL_BATCH)
     pm = torch_monarch.parallelize(model, example_input=x0[:1], global_batch=GLOBAL_BATCH,
                                    cluster=fast_cluster(world.size), **kwargs)
-    loss = (lambda logits, y: torch_monarch.vocab_parallel_cross_entropy(logits, y, pm.mesh)) \
-        if loss_kind == "vocab" else loss_fn
+    if loss_kind == "vocab":
+        def loss(logits, y):
+            return torch_monarch.vocab_parallel_cross_entropy(logits, y, pm.mesh)
+    elif loss_kind == "own":  # a loss that handles split logits itself
+        def loss(logits, y):
+            group = pm.mesh.group("tp")
+            return _runtime.vocab_parallel_cross_entropy(logits.contiguous(), y, group.rank * logits.shape[-1],
+                                                         group, -100).mean()
+    else:
+        loss = loss_fn
     widths = []
     pm.stages[0].register_forward_hook(lambda m, i, out: widths.append(out.shape[-1]))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)

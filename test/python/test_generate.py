@@ -217,35 +217,41 @@ def test_zero3_ranks_step_together_and_each_returns_its_own_length(results):
     assert len(widths) > 1 and min(widths) < WIDTH + NEW
 
 
-# Shared-memory all-reduces per generated token (the prefill and each decode step): 2 per block,
-# the embedding's (our GPT-2: token and position tables, each split over tp), and where the head
-# splits the vocabulary (our GPT-2) the logits' gather. Over Gloo the gather was one call fewer.
+# Shared-memory all-reduces per generated token (the prefill and each decode step) on the
+# default path: 2 per block, the embedding's (our GPT-2: token and position tables, each split
+# over tp), and where the head splits the vocabulary (our GPT-2) the logits' gather. Over Gloo
+# the gather was one call fewer.
 SHARED = {"hf_llama_gqa_tp4_64": 2 * 4 + 1, "ours_gpt2_4l_tp4_64": 2 * 4 + 2 + 1, "llama_tp2_sampled": 2 * 2 + 1}
 
 
+@pytest.mark.parametrize("case", list(SHARED))
+def test_tp_decode_runs_through_the_nodes_shared_memory(results, case):
+    """By default tp's small all-reduces (and the vocabulary-split logits' gather, an all-reduce
+    of each rank's part beside zeros) run through the node's shared memory: every generated
+    token's tp collectives, counted exactly."""
+    _no_errors(results, case)
+    new = LONG_NEW if case.endswith("_64") else NEW
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["tp_node_local"], r
+        assert r["tp_node_all_reduces"] == new * SHARED[case], (case, rank, r["tp_node_all_reduces"])
+
+
 @pytest.fixture(scope="module")
-def shared_results():
-    """A second launch of a few cases with tp's small all-reduces through the node's shared
-    memory (on by default; MONARCH_NODE_ALL_REDUCE_BYTES sets its limit, docs/communication.md):
-    the decode's all-reduces and the vocabulary-split logits' gather (an all-reduce of each
-    rank's part beside zeros) take it."""
+def gloo_results():
+    """The same cases with the shared-memory path off (MONARCH_NODE_ALL_REDUCE_BYTES=0): every tp
+    collective over Gloo, the logits gathered by Gloo's all-gather."""
     r = launch(4, ",".join(SHARED), timeout=300, worker="generate_workers.py",
-               env={"MONARCH_NODE_ALL_REDUCE_BYTES": "262144"})
+               env={"MONARCH_NODE_ALL_REDUCE_BYTES": "0"})
     assert r.ok, r.describe()
     return [torch.load(r.result_path(rank)) for rank in range(4)]
 
 
 @pytest.mark.parametrize("case", list(SHARED))
-def test_generation_through_the_nodes_shared_memory_equals_one_process(shared_results, case):
-    _no_errors(shared_results, case)
-    new = LONG_NEW if case.endswith("_64") else NEW
-    outs = []
-    for rank, res in enumerate(shared_results):
+def test_generation_over_gloo_alone_equals_one_process(gloo_results, results, case):
+    _no_errors(gloo_results, case)
+    for rank, res in enumerate(gloo_results):
         r = res[case]
         assert r["equal"], f"{case} rank {rank}:\n{r['out'][:, WIDTH:]}\none process:\n{r['ref'][:, WIDTH:]}"
-        assert r["tp_node_local"], r
-        # Every generated token's tp collectives ran in the caller's thread.
-        assert r["tp_node_all_reduces"] == new * SHARED[case], (case, r["tp_node_all_reduces"])
-        outs.append(r["out"])
-    if case.endswith("_sampled"):  # same prompts and seed on all 4 ranks
-        assert all(torch.equal(o, outs[0]) for o in outs)
+        assert r["tp_node_all_reduces"] == 0, (case, rank, r["tp_node_all_reduces"])
+        assert torch.equal(r["out"], results[rank][case]["out"])  # the same tokens either way
