@@ -54,7 +54,6 @@ go with the call.
 """
 
 import inspect
-import os
 
 import torch
 
@@ -435,8 +434,7 @@ def _whole_logits(logits, vocab, tp_group):
                            f"vocabulary ({vocab}) nor its 1/{tp_group.size} share")
     from . import _runtime
     n = tp_group.size * logits.numel()
-    shared = os.environ.get("MONARCH_SHARED_MEMORY", "on") not in ("off", "0", "false", "no")
-    if shared and tp_group.node_local and logits.device.type == "cpu" and \
+    if tp_group.node_local and logits.device.type == "cpu" and \
             0 < n * logits.element_size() <= _runtime.node_all_reduce_bytes():
         # The node's shared-memory all-reduce (on by default, up to MONARCH_NODE_ALL_REDUCE_BYTES;
         # docs/communication.md) runs small messages in the caller's thread; Gloo's all-gather

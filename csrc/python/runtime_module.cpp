@@ -13,6 +13,7 @@
 #include "monarch/runtime/device_mesh.h"
 #include "monarch/runtime/fully_shard.h"
 #include "monarch/runtime/node_all_reduce.h"
+#include "monarch/runtime/shared_memory.h"
 #include "monarch/runtime/pipeline.h"
 #include "monarch/runtime/replicas.h"
 #include "monarch/runtime/sharded_embeddings.h"
@@ -433,8 +434,11 @@ PYBIND11_MODULE(_runtime, m) {
       .def("wait", &Handle::wait, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("done", &Handle::done);
 
-  m.def("node_all_reduce_bytes", &NodeAllReduce::limit_bytes,
-        "The largest all-reduce a node-local group runs through shared memory (MONARCH_NODE_ALL_REDUCE_BYTES)");
+  m.def(
+      "node_all_reduce_bytes",
+      [] { return NodeSharedBuffer::enabled() ? NodeAllReduce::limit_bytes() : int64_t{0}; },
+      "The largest all-reduce a node-local group runs through shared memory (MONARCH_NODE_ALL_REDUCE_BYTES; 0: "
+      "the path is off, by that variable or MONARCH_SHARED_MEMORY=off)");
   py::class_<Communicator>(m, "Communicator")
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("size", &Communicator::size)

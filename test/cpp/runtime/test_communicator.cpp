@@ -44,8 +44,7 @@ TEST_CASE("collectives give the expected values and count their bytes", "[runtim
 
 TEST_CASE("the node's shared-memory all-reduce gives the sum in group order on every rank", "[runtime][collectives]") {
   for (int n : {2, 3, 4}) {
-    const LaunchResult r = launch_ranks(n, "node_all_reduce", std::chrono::seconds(120),
-                                         {{"MONARCH_NODE_ALL_REDUCE_BYTES", "262144"}});
+    const LaunchResult r = launch_ranks(n, "node_all_reduce", std::chrono::seconds(120));  // the default path
     INFO("world " << n << r.describe());
     REQUIRE(r.all_ok());
     for (int rank = 0; rank < n; ++rank) {
@@ -87,8 +86,7 @@ TEST_CASE("ranks making different collectives fail on every rank naming both sid
 
 TEST_CASE("a rank that exits during the shared-memory all-reduce is named at once, not after the timeout",
           "[runtime][faults]") {
-  const LaunchResult r = launch_ranks(2, "node_all_reduce_dead", std::chrono::seconds(60),
-                                         {{"MONARCH_NODE_ALL_REDUCE_BYTES", "262144"}});
+  const LaunchResult r = launch_ranks(2, "node_all_reduce_dead", std::chrono::seconds(60));
   INFO(r.describe());
   REQUIRE(r.all_ok());
   const std::string text = read_text(r.output_dir + "/rank0.pt.txt");
