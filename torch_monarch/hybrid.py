@@ -439,11 +439,10 @@ class ParallelModel(nn.Module):
         local = sum(counts) if counts is not None else _batch_size(inputs)
 
         def loss_of(mb, out):
-            if loss_fn is not None and self._check_vocab_loss:
-                value = _vocab_split_loss(self, loss_fn, out, ys[mb] if targets is not None else None)
-            else:
-                value = (loss_fn(out, ys[mb]) if targets is not None else loss_fn(out)) if loss_fn is not None \
+            def call():
+                return (loss_fn(out, ys[mb]) if targets is not None else loss_fn(out)) if loss_fn is not None \
                     else _model_loss(out)
+            value = _vocab_split_loss(self, call, out) if loss_fn is not None and self._check_vocab_loss else call()
             if counts is None:
                 return value
             # The composition averages micro-batches and weighs ranks by `local`: scaled so the
@@ -639,8 +638,8 @@ def _batch_size(inputs):
     return first.shape[0]
 
 
-def _vocab_split_loss(pm, loss_fn, out, targets):
-    """``loss_fn`` on a micro-batch's logits split along the vocabulary, checked to have gone
+def _vocab_split_loss(pm, call, out):
+    """``call()``: the loss_fn on a micro-batch's logits split along the vocabulary, checked to have gone
     through vocab_parallel_cross_entropy (every tp rank of the stage computing the loss raises
     alike; under pp the other stages' ranks then fail as at any loss error)."""
     from . import tensor_parallel_modules as tpm
@@ -652,7 +651,7 @@ def _vocab_split_loss(pm, loss_fn, out, targets):
                "loss_parallel=False to parallelize to have the head gather them (whole logits on every rank), "
                "or loss_parallel=True if your loss handles split logits itself")
     try:
-        value = loss_fn(out, targets) if targets is not None else loss_fn(out)
+        value = call()
     except Exception as e:
         if tpm.VOCAB_PARALLEL_LOSSES[0] == before:
             raise ValueError(f"{problem} (it raised {type(e).__name__}: {e})") from e

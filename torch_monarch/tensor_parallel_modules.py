@@ -632,12 +632,11 @@ def vocab_parallel_cross_entropy(logits, targets, mesh_or_group, ignore_index=-1
                          f"gathering head's whole vocabulary or a split head's share of {width * group.size}: this "
                          "process laid out both kinds on these ranks; keep one model's logits split (or gathered)")
     if whole:
-        import torch.nn.functional as F
-        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+        losses = F.cross_entropy(logits.reshape(-1, width).float(), targets.reshape(-1),
                                  ignore_index=ignore_index, reduction="none").view(targets.shape)
     else:
-        start = group.rank * logits.shape[-1]
-        losses = _runtime.vocab_parallel_cross_entropy(logits.contiguous(), targets, start, group, ignore_index)
+        losses = _runtime.vocab_parallel_cross_entropy(logits.contiguous(), targets, group.rank * width, group,
+                                                       ignore_index)
     if reduction == "none":
         return losses
     if reduction == "sum":
