@@ -6,7 +6,10 @@
                    one), so its next call pairs with the others' call #k.
   stuck            4 ranks, job timeout 8 s: rank 2 skips the last all-reduce and then hangs
                    elsewhere (sleeps); the others time out, the launcher stops rank 2.
-Each rank writes {"error", "seconds"} to MONARCH_TEST_OUTPUT/rank<R>.pt when it gets to."""
+Each rank writes {"error", "seconds", "seconds_in_state_dict"} to MONARCH_TEST_OUTPUT/rank<R>.pt
+when it gets to; "seconds_in_state_dict" (rank 0 of state_dict:<T> only) runs from the mistaken
+call to its error, without the start-up (imports, sharding, two steps) that a loaded machine
+slows down."""
 
 import os
 import sys
@@ -18,6 +21,7 @@ import torch_monarch
 from tiny_gpt import batch, loss_fn, make_model, make_optimizer
 
 SIZES = [16, 16, 16, 64, 16, 16]
+STATE_DICT_CALLED = []  # time.monotonic() when rank 0 made the mistaken call
 
 
 def state_dict(mesh):
@@ -30,6 +34,7 @@ def state_dict(mesh):
         loss_fn(model(x), y).backward()
         opt.step()
     if dp.rank == 0:
+        STATE_DICT_CALLED.append(time.monotonic())
         model.state_dict()  # the mistake: only rank 0
     loss_fn(model(x), y).backward()
 
@@ -69,6 +74,8 @@ def main(scenario):
     except (RuntimeError, ValueError) as e:
         result = {"error": str(e)}
     result["seconds"] = time.monotonic() - start
+    if STATE_DICT_CALLED:
+        result["seconds_in_state_dict"] = time.monotonic() - STATE_DICT_CALLED[0]
     torch.save(result, os.path.join(os.environ["MONARCH_TEST_OUTPUT"], f"rank{rank}.pt"))
     if result["error"]:
         print(f"worker error: {result['error']}", file=sys.stderr, flush=True)

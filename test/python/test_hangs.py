@@ -5,7 +5,7 @@ fails the agent stops the others with SIGTERM).
 * The "save on rank 0" mistake under ZeRO-3 with job timeouts of 10, 20 and 120 s: rank 0's
   entry check gives up at half the job's timeout naming the rule; rank 1, whose collective
   breaks when rank 0 leaves (or which the launcher terminates), names rank 0's state_dict()
-  call. Everything within the job's timeout.
+  call. The check ends within the job's timeout, the whole launch within it plus 30 s.
 * A rank that skips one all-reduce: the flight recorder dumps of every rank, merged by
   ``python -m torch_monarch hangs``, name the group, the call number and the rank.
 * A rank hung elsewhere: the others time out and dump; the launcher's SIGTERM makes the hung
@@ -65,7 +65,9 @@ def test_save_on_rank_0_only_is_named_on_every_rank_within_the_job_timeout(state
     assert zero is not None and zero["error"], r.describe()
     assert "rank 0 called state_dict()" in zero["error"] and "every rank must call it" in zero["error"], zero
     assert f"within {job_timeout / 2:g} s (half the job's timeout" in zero["error"], zero["error"]
-    assert zero["seconds"] < job_timeout, zero
+    # The entry check waits its deadline (half the job's timeout) and no longer; the start-up
+    # before the call is not the check's to bound (the whole job is bounded below).
+    assert job_timeout / 2 <= zero["seconds_in_state_dict"] < job_timeout, zero
     # Rank 1: its own error (its collective broke when rank 0 left) or, if the launcher stopped it
     # first, its termination report; either names rank 0's call and the rule.
     one = _result(r, 1)
