@@ -429,12 +429,20 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
   callback_->queue([this] { finish_backward(); });
   at::NoGradGuard no_grad;
   Unit& u = units_[unit];
-  if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
-  if (grad.defined()) pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(at::kFloat));
-  // The accumulator's copy is not needed: the unit's flat buffer holds it (the optimizer
-  // reads the reduced rows from the shards' .grad; the parameters' .grad stays empty).
+  if (grad.defined()) {
+    if (u.grad_flat.defined()) {  // accumulating over micro-batches: into the existing buffer
+      pack_add(u, index, u.grad_flat, grad.reshape({-1}).to(u.grad_flat.scalar_type()));
+    } else {
+      if (u.held_grads.empty()) u.held_grads.resize(u.params.size());
+      at::Tensor& held = u.held_grads[index];
+      held = held.defined() ? held + grad : grad;
+    }
+  }
+  // The parameter's .grad stays empty: the optimizer reads the reduced rows from the
+  // shards' .grad.
   u.params[index].mutable_grad() = at::Tensor();
   if (--u.pending == 0) {
+    pack_held_gradients(u);
     // Every operation that read the unit's parameters has run its backward (an accumulator
     // runs after all of its parameter's uses): the gathered parameters can go now.
     if (sharded_parameters() && unit != 0) free_parameters(unit);
@@ -443,6 +451,22 @@ void FullyShardEngine::on_gradient(int64_t unit, size_t index, const at::Tensor&
     if (options_.zero_stage == 1) return;  // stage 1 keeps whole gradients until backward ends
     while (next_reduce_ >= 0 && unit_grads_ready_[next_reduce_]) reduce_unit(next_reduce_--);
   }
+}
+
+void FullyShardEngine::pack_held_gradients(Unit& u) {
+  if (!u.grad_flat.defined()) {
+    // Reduced at once: packed straight in the wire dtype (each element gets one value, so
+    // rounding before or after packing is the same). Accumulating: fp32, where the
+    // micro-batches add up.
+    const auto dtype = sync_ ? options_.effective_reduce_dtype() : at::kFloat;
+    u.grad_flat = at::zeros({u.shard_numel * group_.size()}, dtype);
+  }
+  for (size_t i = 0; i < u.held_grads.size(); ++i) {
+    if (!u.held_grads[i].defined()) continue;
+    pack_add(u, i, u.grad_flat, u.held_grads[i].reshape({-1}).to(u.grad_flat.scalar_type()));
+    u.held_grads[i] = at::Tensor();
+  }
+  u.held_grads.clear();
 }
 
 // Reduce-scatter of the unit's gradient into this rank's slice: stages 2-3 as the unit's
@@ -456,8 +480,8 @@ void FullyShardEngine::reduce_unit(int64_t unit) {
   } else {
     u.reduced = at::empty({u.shard_numel}, at::kFloat);
     Communicator::Phase phase(group_, "fully_shard backward (gradient reduce-scatter)");
-    // Accumulated in fp32 (micro-batches add up there), rounded to the reduce dtype only for
-    // the wire; the sum of the ranks' parts lands in fp32.
+    // Micro-batches accumulate in fp32 and are rounded to the reduce dtype only for the wire
+    // (a gradient reduced at once was packed in it); the sum of the ranks' parts lands in fp32.
     const auto wire_dtype = options_.effective_reduce_dtype();
     if (wire_dtype != at::kFloat) u.grad_flat = u.grad_flat.to(wire_dtype);
     if (options_.hierarchical) {
@@ -519,6 +543,7 @@ void FullyShardEngine::finish_backward() {
   at::NoGradGuard no_grad;
   if (!sync_) {  // gradients stay in the units' flat buffers until a synced backward
     for (auto& u : units_) {
+      if (!u.held_grads.empty()) pack_held_gradients(u);  // a unit with unused parameters
       u.pending = u.params.size();
       u.backward_ready = false;
     }
@@ -529,7 +554,7 @@ void FullyShardEngine::finish_backward() {
   for (int64_t k = 0; k < num_units(); ++k) {
     Unit& u = units_[k];
     if (!unit_grads_ready_[k]) {
-      if (!u.grad_flat.defined()) u.grad_flat = at::zeros({u.shard_numel * group_.size()}, at::kFloat);
+      pack_held_gradients(u);
       unit_grads_ready_[k] = true;
     }
   }
@@ -572,6 +597,7 @@ void FullyShardEngine::recover_if_abandoned() {
     settle(u.reduce);
     u.reduced = at::Tensor();
     u.grad_flat = at::Tensor();
+    u.held_grads.clear();
     u.reduce_launched = false;
     u.pending = u.params.size();
     u.backward_ready = false;

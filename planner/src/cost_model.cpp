@@ -659,6 +659,10 @@ struct RankLoad {
 MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
                                    const TrainingConfig& training, const Layout& layout) {
   const double g = training.zero_gradient_bytes();
+  // Within one backward the unsharded gradients are autograd's, in the compute dtype, packed
+  // in the reduce dtype when the unit is complete (fully_shard.cpp: held gradients):
+  // grad_bytes. Accumulating micro-batches add up in the engine's own dtype (g).
+  const double ug = training.grad_bytes;
   // The plan's sharding units when it marks some, else the blocks, else the whole model.
   const double unit = load.largest_gathered > 0 ? load.largest_gathered
                       : load.largest_block > 0  ? load.largest_block
@@ -677,10 +681,10 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   }
   MemoryBreakdown start = mem, end = mem;
   start.grads = end.grads = shard * g;
-  start.buffers = (root + unit) * g;
+  start.buffers = (root + unit) * ug;
   end.activations = 0;
-  if (layout.zero_stage == 1) end.grads += whole;
-  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * g / (layout.zero_overlap ? 1.0 : 2.0);
+  if (layout.zero_stage == 1) end.grads += load.params * ug;
+  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * ug / (layout.zero_overlap ? 1.0 : 2.0);
   return end.total() > start.total() ? end : start;
 }
 
@@ -898,8 +902,10 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       // the unsharded gradients of the unit being filled and of the one being reduced (2);
       // the root unit (layers outside the units) whole with its gradient for the whole step.
       // Without overlap (Plan::zero_overlap) each reduction is waited for as it is launched:
-      // one unit's unsharded gradients.
-      const double g = training.zero_gradient_bytes();
+      // one unit's unsharded gradients. Those are autograd's (compute dtype) until packed in
+      // the reduce dtype: grad_bytes (stage 3 reduces every micro-batch, nothing accumulates
+      // in them).
+      const double g = training.grad_bytes;
       const double grad_units = layout.zero_overlap ? 2 : 1;
       buffers += 3 * load.largest_gathered * training.param_bytes +
                  grad_units * load.largest_gathered * g + load.root_params * (training.param_bytes + g);

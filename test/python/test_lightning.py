@@ -40,18 +40,24 @@ def assert_same(a, b, who):
         assert diff <= PARAM_REL, f"{who}: {k} differs by {diff:.2e} relative"
 
 
-def test_planned_layout_matches_ddp(tmp_path):
-    ddp = job(tmp_path, "ddp", "--strategy", "ddp")
+@pytest.fixture(scope="module")
+def ddp4(tmp_path_factory):
+    """DDPStrategy on 4 processes: the reference of every 4-replica layout (one launch)."""
+    return job(tmp_path_factory.mktemp("ddp4"), "ddp", "--strategy", "ddp")
+
+
+def test_planned_layout_matches_ddp(tmp_path, ddp4):
+    ddp = ddp4
     monarch = job(tmp_path, "monarch", "--strategy", "monarch")
     assert len(monarch["losses"]) == 4 and len(monarch["losses"][0]) == 6
     assert_same(monarch, ddp, "planner's layout (dp=4)")
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_layouts_match_ddp(tmp_path, zero):
+def test_zero_layouts_match_ddp(tmp_path, ddp4, zero):
     """ZeRO over 4 replicas: the optimizer Lightning built from configure_optimizers steps on
     this rank's shards."""
-    ddp = job(tmp_path, "ddp", "--strategy", "ddp")
+    ddp = ddp4
     sharded = job(tmp_path, f"zero{zero}", "--strategy", "monarch", "--zero", str(zero))
     assert f"zero={zero}" in sharded["plan"] and "dp=4" in sharded["plan"], sharded["plan"]
     assert_same(sharded, ddp, f"ZeRO-{zero} dp=4")

@@ -136,7 +136,14 @@ class FullyShardEngine {
     // the full parameters (shards_alias_parameters), whose storage then holds them.
     at::Tensor flat_shard;
     std::vector<at::Tensor> shards;  // per parameter: leaf views of shard_storage (its version counter)
-    at::Tensor grad_flat;          // fp32 gradient in the padded rank-major layout during backward
+    // Gradient in the padded rank-major layout: made when the unit's last gradient arrives
+    // (in the reduce dtype when it is reduced at once, fp32 while micro-batches accumulate),
+    // kept until its reduction ends.
+    at::Tensor grad_flat;
+    // Each parameter's gradient as autograd made it, held until the unit's last one arrives
+    // (FSDP2 holds them the same way): a buffer for the whole unit from its first gradient
+    // would be alive while most of the unit's activations still are.
+    std::vector<at::Tensor> held_grads;
     at::Tensor full;               // gathered parameters (compute dtype) when gathered
     at::Tensor incoming;           // all-gather output (padded rank-major) while in flight
     Handle gather;                 // prefetch in flight
@@ -168,6 +175,8 @@ class FullyShardEngine {
   void free_parameters(int64_t unit);
   void before_backward(int64_t unit);
   void on_gradient(int64_t unit, size_t index, const at::Tensor& grad);
+  // Packs the held gradients into grad_flat (made if missing), freeing each as it goes.
+  void pack_held_gradients(Unit& u);
   void reduce_unit(int64_t unit);
   void finish_unit(int64_t unit);
   void finish_backward();
