@@ -30,7 +30,8 @@ def _foreign_kinds():
 
 
 def _dtensor_class():
-    return _loaded("torch.distributed.tensor", "DTensor") or _loaded("torch.distributed._tensor", "DTensor")
+    # torch.distributed._tensor (the old name) imports this module too.
+    return _loaded("torch.distributed.tensor", "DTensor")
 
 
 def foreign_layout(model: nn.Module):
