@@ -708,12 +708,31 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
            }).traced("all_gather", sent, name_);
   }
 #endif
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  const auto chunks = transport(output.detach().view({-1})).chunk(size());
-  outputs[0].assign(chunks.begin(), chunks.end());
-  std::vector<at::Tensor> inputs{transport(input.detach().view({-1}))};
-  auto work = group_->allgather(outputs, inputs);
-  return make(work, describe(CollectiveKind::all_gather, output)).traced("all_gather", sent, name_);
+  // Over Gloo: this rank's input goes to every other member and each member's lands straight
+  // in its chunk of `output` (point-to-point, all posted at once). c10d's Gloo all-gather
+  // gathers into a flat temporary the size of the output and copies it out afterwards
+  // (ProcessGroupGloo's allgather work): a second copy of every gathered ZeRO-3 unit or
+  // sequence-parallel activation while it runs, and one more pass over it. Same bytes per
+  // rank, (n-1)/n of the output; one round of messages instead of a ring's n-1.
+  if (input.numel() == 0) return {};
+  const int members = size();
+  const auto out = transport(output.detach().view({-1}));
+  const auto in = transport(input.detach().view({-1}));
+  const auto chunks = out.chunk(members);
+  const int tag = kAllGatherTags + static_cast<int>(all_gathers_++ % kAllGatherTags);
+  auto works = std::make_shared<std::vector<compat::WorkPtr>>();
+  for (int k = 1; k < members; ++k) {
+    const int from = (group_rank_ + members - k) % members, to = (group_rank_ + k) % members;
+    std::vector<at::Tensor> received{chunks[from]};
+    works->push_back(group_->recv(received, from, tag));
+    std::vector<at::Tensor> sent_tensor{in};
+    works->push_back(group_->send(sent_tensor, to, tag));
+  }
+  if (chunks[group_rank_].data_ptr() != in.data_ptr()) chunks[group_rank_].copy_(in);
+  Handle handle = Handle::completion([works] { for (auto& w : *works) w->wait(); },
+                                     describe(CollectiveKind::all_gather, output), {}, failure_);
+  handle.set_group(info_);
+  return std::move(handle).traced("all_gather", sent, name_);
 }
 
 Handle Communicator::broadcast(at::Tensor buffer, int root) {
