@@ -24,7 +24,10 @@ runtime's counters, FSDP2's from its collectives (all-gather (n-1)/n of the outp
 MEMORY_LAUNCHES launches per engine, each the high-water mark (VmHWM) growth over three steps
 above the rank's memory after a warm-up step on a tiny model, worst rank; the median of the
 launches is reported (one launch's VmHWM moves by 1-3 MiB between launches of the same engine:
-glibc's heap, not the layout). Parity: every engine's losses (the global mean,
+glibc's heap, not the layout). Beside it, in the same launches, the allocated-bytes high-water
+mark over the same span (bench/malloc_peak.c, preloaded: every thread's malloc'd bytes, what
+torch.cuda.max_memory_allocated is on a GPU), which leaves out the heap's free holes; it needs
+`make build` (build/bench/libmalloc_peak.so). Parity: every engine's losses (the global mean,
 all rounds) and parameters after the last round against one process training the plain model on
 the global batches; tolerances in TOLERANCE.
 """
@@ -45,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from procmem import vm, warm_up_torch  # noqa: E402
+from procmem import AllocatedPeak, malloc_peak_preload, vm, warm_up_torch  # noqa: E402
 
 SEQ, VOCAB, GLOBAL_BATCH, LR = 64, 1024, 16, 1e-3
 MEMORY_STEPS = 3
@@ -292,6 +295,7 @@ def memory_worker(model_name, engine, out_dir):
         mesh = init_device_mesh("cpu", (n,))
     warm_up_torch()
     dist.barrier()
+    allocated = AllocatedPeak()
     baseline = vm("VmRSS")
     model, blocks = build(model_name)
     wrapped = wrap(engine, model, blocks, mesh)
@@ -303,7 +307,7 @@ def memory_worker(model_name, engine, out_dir):
         opt.step()
         opt.zero_grad(set_to_none=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
+        json.dump({"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -402,13 +406,14 @@ def pairs_memory_worker(kind, engine, out_dir):
         torch_monarch.init()  # (the peer's launch runs nothing of ours)
     warm_up_torch()
     dist.barrier()
+    allocated = AllocatedPeak()
     baseline = vm("VmRSS")
     side = kind.Engine(engine, LR)
     for step in range(MEMORY_STEPS):
         x, y = batch(step)
         side.step(*side.share(x, y, GLOBAL_BATCH))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline}, f)
+        json.dump({"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -444,13 +449,18 @@ def read_json(folder, name):
 
 
 def peak_memory(ranks, *args):
-    """MEMORY_LAUNCHES launches of a memory worker: (median, every launch's) worst-rank peak growth."""
-    runs = []
+    """MEMORY_LAUNCHES launches of a memory worker: {"peak_bytes": median, "peak_bytes_launches":
+    every launch's} of the worst rank's VmHWM growth, and the same of its allocated-bytes
+    growth ("allocated_bytes", "allocated_bytes_launches")."""
+    resident, allocated = [], []
     for _ in range(MEMORY_LAUNCHES):
-        out = launch(ranks, *args, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
-        runs.append(max(read_json(out, f"rank{r}.json")["peak_growth"] for r in range(ranks)))
+        out = launch(ranks, *args, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20), **malloc_peak_preload()})
+        ranks_json = [read_json(out, f"rank{r}.json") for r in range(ranks)]
+        resident.append(max(r["peak_growth"] for r in ranks_json))
+        allocated.append(max(r["allocated_growth"] for r in ranks_json))
         shutil.rmtree(out)
-    return statistics.median(runs), runs
+    return dict(peak_bytes=statistics.median(resident), peak_bytes_launches=resident,
+                allocated_bytes=statistics.median(allocated), allocated_bytes_launches=allocated)
 
 
 def main():
@@ -465,7 +475,7 @@ def main():
     rows = {(r["model"], r["engine"]): r for r in read_json(out, "time.json")}
     shutil.rmtree(out)
     for (model_name, engine), row in rows.items():
-        row["peak_bytes"], row["peak_bytes_launches"] = peak_memory(args.ranks, "--memory-worker", model_name, engine)
+        row.update(peak_memory(args.ranks, "--memory-worker", model_name, engine))
     # Tensor parallelism, alone and with ZeRO-3 (peers_tp.py), and pipelines (peers_pp.py):
     # each its own launch, same method.
     import peers_pp
@@ -476,12 +486,13 @@ def main():
         more = {(r["model"], r["engine"]): r for r in read_json(out, f"{kind.MODEL}_time.json")}
         shutil.rmtree(out)
         for (model_name, engine), row in more.items():
-            row["peak_bytes"], row["peak_bytes_launches"] = peak_memory(args.ranks, "--memory-worker-of", name, engine)
+            row.update(peak_memory(args.ranks, "--memory-worker-of", name, engine))
         rows.update(more)
     print(f"{args.ranks} ranks, Gloo, fp32 and bf16, AdamW, global batch {GLOBAL_BATCH} x {SEQ} tokens, "
           f"{args.rounds} rounds (engines interleaved), torch {torch.__version__}")
     print(f"{'model':<8} {'ours':<14} {'peer':<22} {'best ms':>15} {'x':>5} {'median ms':>15} {'x':>5} "
-          f"{'peak MiB':>11} {'x':>5} {'MB sent/step':>13} {'x':>5}  parity loss / params (ours, peer)")
+          f"{'peak MiB':>11} {'x':>5} {'alloc MiB':>11} {'x':>5} {'MB sent/step':>13} {'x':>5}  "
+          f"parity loss / params (ours, peer)")
     pairs = []
     for model_name, ours_name, peer_name in [(m, o, p) for m in ("gpt2", "llama") for o, p in PAIRS] + \
             [(kind.MODEL, o, p) for kind in (peers_tp, peers_pp) for o, p in kind.PAIRS]:
@@ -489,12 +500,15 @@ def main():
         pair = dict(model=model_name, ours=ours, peer=peer,
                     best_ratio=ours["best_s"] / peer["best_s"], median_ratio=ours["median_s"] / peer["median_s"],
                     memory_ratio=ours["peak_bytes"] / peer["peak_bytes"],
+                    allocated_ratio=ours["allocated_bytes"] / peer["allocated_bytes"],
                     bytes_ratio=ours["bytes_per_step"] / peer["bytes_per_step"])
         pairs.append(pair)
         print(f"{model_name:<8} {ours_name:<14} {peer_name:<22} "
               f"{ours['best_s'] * 1e3:>7.1f}/{peer['best_s'] * 1e3:<7.1f} {pair['best_ratio']:>5.2f} "
               f"{ours['median_s'] * 1e3:>7.1f}/{peer['median_s'] * 1e3:<7.1f} {pair['median_ratio']:>5.2f} "
               f"{ours['peak_bytes'] / 2**20:>5.0f}/{peer['peak_bytes'] / 2**20:<5.0f} {pair['memory_ratio']:>5.2f} "
+              f"{ours['allocated_bytes'] / 2**20:>5.1f}/{peer['allocated_bytes'] / 2**20:<5.1f} "
+              f"{pair['allocated_ratio']:>5.2f} "
               f"{ours['bytes_per_step'] / 1e6:>6.2f}/{peer['bytes_per_step'] / 1e6:<6.2f} {pair['bytes_ratio']:>5.2f}  "
               f"{ours['loss_rel_diff']:.1e}/{ours['parameter_rel_diff']:.1e}, "
               f"{peer['loss_rel_diff']:.1e}/{peer['parameter_rel_diff']:.1e}")

@@ -10,6 +10,44 @@ def vm(field):
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def malloc_peak_preload():
+    """The environment that makes a launched process count its allocated bytes
+    (bench/malloc_peak.c, built by `make build` into build/bench/): LD_PRELOAD of the library,
+    or MONARCH_MALLOC_PEAK's path when set."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("MONARCH_MALLOC_PEAK") or os.path.join(root, "build", "bench", "libmalloc_peak.so")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: `make build` builds it (bench/malloc_peak.c), "
+                                "or point MONARCH_MALLOC_PEAK at it")
+    return {"LD_PRELOAD": path}
+
+
+class AllocatedPeak:
+    """The allocated-bytes high-water mark of this process (the CPU side of
+    torch.cuda.max_memory_allocated), in a process started with malloc_peak_preload()'s
+    environment: ``growth()`` is the most held at once since ``reset()`` above what was held at
+    that reset. Unlike VmHWM it leaves out the heap's free holes, whose layout moves by 1-3 MiB
+    from launch to launch."""
+
+    def __init__(self):
+        import ctypes
+        lib = ctypes.CDLL(None)
+        if not hasattr(lib, "malloc_peak_bytes"):
+            raise RuntimeError("bench/malloc_peak.c is not loaded: launch with procmem.malloc_peak_preload()")
+        lib.malloc_peak_bytes.restype = ctypes.c_long
+        lib.malloc_peak_held.restype = ctypes.c_long
+        self._lib = lib
+        self.reset()
+
+    def reset(self):
+        self._lib.malloc_peak_reset()
+        self._base = self._lib.malloc_peak_held()
+
+    def growth(self):
+        return self._lib.malloc_peak_bytes() - self._base
+
+
 def reset_peak():
     """VmHWM := the current RSS (writing "5" to clear_refs, Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:

@@ -514,14 +514,20 @@ void FullyShardEngine::finish_unit(int64_t k) {
   u.reduce.wait();
   const at::Tensor mine = u.numel == 0 ? at::zeros({0}, at::kFloat) : u.reduced.div_(static_cast<double>(group_.size()));
   // Each parameter's rows of the reduced gradient into its shard's .grad (accumulated when
-  // the caller kept last step's, as .grad always is).
+  // the caller kept last step's, as .grad always is). A fresh .grad shares the reduced
+  // buffer's storage, as FSDP2's sharded gradients do: no copy, no allocation per parameter;
+  // the buffer lives while any of them does (zero_grad(set_to_none=True) frees it). Set on a
+  // tensor of its own rather than viewed: autograd would call a view's detach_() an error
+  // (torch::optim's zero_grad(false) detaches every .grad).
   for (size_t i = 0; i < u.shards.size(); ++i) {
     at::Tensor& shard = u.shards[i];
     auto part = mine.narrow(0, u.shard_offsets[i], shard.numel()).view(shard.sizes());
     if (shard.grad().defined()) {
       shard.mutable_grad().add_(part);
     } else {
-      shard.mutable_grad() = part.clone();
+      at::Tensor grad = at::empty({0}, part.options());
+      grad.set_(part.storage(), part.storage_offset(), part.sizes(), part.strides());
+      shard.mutable_grad() = grad;
     }
   }
   u.grad_flat = at::Tensor();
