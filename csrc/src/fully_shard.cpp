@@ -518,7 +518,7 @@ void FullyShardEngine::finish_unit(int64_t k) {
   // buffer's storage, as FSDP2's sharded gradients do: no copy, no allocation per parameter;
   // the buffer lives while any of them does (zero_grad(set_to_none=True) frees it). Set on a
   // tensor of its own rather than viewed: autograd would call a view's detach_() an error
-  // (torch::optim's zero_grad(false) detaches every .grad).
+  // (libtorch's Optimizer::zero_grad detaches every .grad, whether it then resets or zeroes it).
   for (size_t i = 0; i < u.shards.size(); ++i) {
     at::Tensor& shard = u.shards[i];
     auto part = mine.narrow(0, u.shard_offsets[i], shard.numel()).view(shard.sizes());
