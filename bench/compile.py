@@ -26,8 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peers  # noqa: E402
 import peers_compile  # noqa: E402
-from procmem import (malloc_peak_preload, reset_peak, vm, warm_up_torch, worst_peak_growth,  # noqa: E402
-                     write_peak_growth)
+from procmem import reset_peak, vm, warm_up_torch, worst_peak_growth, write_peak_growth  # noqa: E402
 
 
 def step_memory_worker(engine, out_dir):
@@ -68,14 +67,10 @@ def main():
     shutil.rmtree(out)
     if not args.no_memory:
         for engine, row in rows.items():
-            # peers.py's memory worker: it also reports the allocated-bytes high-water mark,
-            # kept in the JSON (allocated_bytes) beside the resident one.
-            out = peers.launch(args.ranks, "--memory-worker-of", "compile", engine,
-                               env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20), **malloc_peak_preload()})
-            ranks_json = [peers.read_json(out, f"rank{r}.json") for r in range(args.ranks)]
-            row["peak_bytes"] = max(r["peak_growth"] for r in ranks_json)
-            row["allocated_bytes"] = max(r["allocated_growth"] for r in ranks_json)
-            shutil.rmtree(out)
+            # peers.py's memory worker, one launch: the resident and the allocated-bytes
+            # high-water marks (peak_bytes, allocated_bytes).
+            memory = peers.peak_memory(args.ranks, "--memory-worker-of", "compile", engine, launches=1)
+            row["peak_bytes"], row["allocated_bytes"] = memory["peak_bytes"], memory["allocated_bytes"]
             row["step_peak_bytes"] = worst_peak_growth(os.path.abspath(__file__), args.ranks, engine)
     print(f"{args.ranks} ranks, Gloo, fp32, AdamW, Llama 4 x 256, global batch {peers.GLOBAL_BATCH} x {peers.SEQ} "
           f"tokens, {args.rounds} rounds (engines interleaved), torch {torch.__version__}, Inductor on CPU")

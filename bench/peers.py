@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from procmem import AllocatedPeak, malloc_peak_preload, vm, warm_up_torch  # noqa: E402
+from procmem import AllocatedPeak, malloc_peak_preload, vm, warm_up_torch, write_rank_result  # noqa: E402
 
 SEQ, VOCAB, GLOBAL_BATCH, LR = 64, 1024, 16, 1e-3
 MEMORY_STEPS = 3
@@ -306,8 +306,7 @@ def memory_worker(model_name, engine, out_dir):
         loss_of(wrapped, x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()}, f)
+    write_rank_result(out_dir, {"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -395,7 +394,6 @@ def pairs_time_worker(kind, rounds, out_dir):
 
 
 def pairs_memory_worker(kind, engine, out_dir):
-    import json
     import torch
     import torch.distributed as dist
     import torch_monarch
@@ -412,8 +410,7 @@ def pairs_memory_worker(kind, engine, out_dir):
     for step in range(MEMORY_STEPS):
         x, y = batch(step)
         side.step(*side.share(x, y, GLOBAL_BATCH))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()}, f)
+    write_rank_result(out_dir, {"peak_growth": vm("VmHWM") - baseline, "allocated_growth": allocated.growth()})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -448,12 +445,12 @@ def read_json(folder, name):
         return json.load(f)
 
 
-def peak_memory(ranks, *args):
-    """MEMORY_LAUNCHES launches of a memory worker: {"peak_bytes": median, "peak_bytes_launches":
+def peak_memory(ranks, *args, launches=MEMORY_LAUNCHES):
+    """``launches`` launches of a memory worker: {"peak_bytes": median, "peak_bytes_launches":
     every launch's} of the worst rank's VmHWM growth, and the same of its allocated-bytes
     growth ("allocated_bytes", "allocated_bytes_launches")."""
     resident, allocated = [], []
-    for _ in range(MEMORY_LAUNCHES):
+    for _ in range(launches):
         out = launch(ranks, *args, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20), **malloc_peak_preload()})
         ranks_json = [read_json(out, f"rank{r}.json") for r in range(ranks)]
         resident.append(max(r["peak_growth"] for r in ranks_json))
