@@ -3,6 +3,7 @@
 #include "monarch/runtime/flight_recorder.h"
 #include "monarch/runtime/gloo_group.h"
 #include "monarch/runtime/log.h"
+#include "monarch/runtime/trace.h"
 
 #include <csignal>
 #include <cstdlib>
@@ -113,6 +114,7 @@ std::shared_ptr<World> World::from_store(c10::intrusive_ptr<c10d::Store> store, 
   ignore_default_sigpipe();
   flight::set_rank(rank);
   flight::install_termination_report();
+  trace::Recorder::instance();  // its ring is allocated now, before any step (trace.cpp)
   store->setTimeout(options.timeout);
   log::set_rank(rank);
   log::debug("world", "joined a world of ", world_size, " ranks (timeout ", options.timeout.count(), " ms)");
