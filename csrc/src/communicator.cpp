@@ -378,14 +378,14 @@ at::Tensor transport(const at::Tensor& t) {
 }
 
 // Latches the group's failure (once) with `message`, as Handle::wait() does.
-void latch(const std::shared_ptr<std::string>& failure, const std::string& message) {
+[[maybe_unused]] void latch(const std::shared_ptr<std::string>& failure, const std::string& message) {
   if (failure && failure->empty()) {
     *failure = message;
     log::error("comm", message);
   }
 }
 
-std::string error_text(const std::exception& e) {
+[[maybe_unused]] std::string error_text(const std::exception& e) {
   if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) return c10->what_without_backtrace();
   return e.what();
 }
@@ -653,32 +653,54 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
            }, std::move(finish)).traced("reduce_scatter", sent, name_);
   }
 #endif
-  // Split sizes count rows of dim 0: move flat views so they count elements.
-  auto flat_input = input.detach().view({-1});
-  auto received = at::empty_like(flat_input);
-  std::vector<int64_t> splits(size(), output.numel());
-  auto recv_bytes = transport(received);
-  auto send_bytes = transport(flat_input);
-  auto work = group_->alltoall_base(recv_bytes, send_bytes, splits, splits);
+  // Over Gloo: this rank sends member j its chunk j and receives every other member's chunk
+  // of its own (point-to-point, all posted at once), into a buffer of n-1 chunks; its own
+  // chunk is read from the input where it lies. c10d's all-to-all would receive n chunks,
+  // this rank's own included: the buffer is 1/n smaller (half of it on 2 ranks) while the
+  // reduction runs. Same bytes per rank, (n-1)/n of the input, in one round of messages.
   const int64_t chunk = output.numel();
+  if (chunk == 0) return {};  // sizes are agreed: every member returns here
   const int64_t parts = size();
-  return make(work, describe(CollectiveKind::reduce_scatter, input),
-                [output, received, chunk, parts]() mutable {
-                  // Low-precision sums in fp32; fp64 stays fp64.
-                  auto wide = at::promote_types(received.scalar_type(), at::kFloat);
-                  auto rows = received.view({parts, chunk});
-                  if (output.scalar_type() != wide) {
-                    output.view({-1}).copy_(rows.to(wide).sum(0));
-                    return;
-                  }
-                  // Summed in the output, part after part: the bits of the widened sum over
-                  // dim 0 (which adds the rows in order), without a widened copy of all the
-                  // parts (bf16 gradients: twice what arrived) or a separate result.
-                  auto out = output.view({-1});
-                  out.copy_(rows[0]);
-                  for (int64_t p = 1; p < parts; ++p) out.add_(rows[p]);
-                })
-      .traced("reduce_scatter", sent, name_);
+  const int64_t me = group_rank_;
+  auto flat_input = input.detach().view({-1});
+  auto received = at::empty({(parts - 1) * chunk}, flat_input.options());
+  const auto in = transport(flat_input);
+  const auto into = transport(received);
+  const int tag = next_collective_tag();
+  auto works = std::make_shared<std::vector<compat::WorkPtr>>();
+  for (int64_t k = 1; k < parts; ++k) {
+    const int64_t from = (me + parts - k) % parts, to = (me + k) % parts;
+    const int64_t slot = from < me ? from : from - 1;
+    std::vector<at::Tensor> arriving{into.narrow(0, slot * chunk, chunk)};
+    works->push_back(group_->recv(arriving, static_cast<int>(from), tag));
+    std::vector<at::Tensor> leaving{in.narrow(0, to * chunk, chunk)};
+    works->push_back(group_->send(leaving, static_cast<int>(to), tag));
+  }
+  auto finish = [output, flat_input, received, chunk, parts, me]() mutable {
+    // Member p's contribution to this rank's chunk, summed in member order as before.
+    auto part = [&](int64_t p) {
+      return p == me ? flat_input.narrow(0, me * chunk, chunk)
+                     : received.narrow(0, (p < me ? p : p - 1) * chunk, chunk);
+    };
+    // Low-precision sums in fp32; fp64 stays fp64.
+    auto wide = at::promote_types(received.scalar_type(), at::kFloat);
+    if (output.scalar_type() != wide) {
+      auto rows = at::empty({parts, chunk}, received.options().dtype(wide));
+      for (int64_t p = 0; p < parts; ++p) rows[p].copy_(part(p));
+      output.view({-1}).copy_(rows.sum(0));
+      return;
+    }
+    // Summed in the output, part after part: the bits of the widened sum over dim 0 (which
+    // adds the rows in order), without a widened copy of all the parts (bf16 gradients:
+    // twice what arrived) or a separate result.
+    auto out = output.view({-1});
+    out.copy_(part(0));
+    for (int64_t p = 1; p < parts; ++p) out.add_(part(p));
+  };
+  Handle handle = Handle::completion([works] { for (auto& w : *works) w->wait(); },
+                                     describe(CollectiveKind::reduce_scatter, input), std::move(finish), failure_);
+  handle.set_group(info_);
+  return std::move(handle).traced("reduce_scatter", sent, name_);
 }
 
 Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
@@ -719,7 +741,7 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
   const auto out = transport(output.detach().view({-1}));
   const auto in = transport(input.detach().view({-1}));
   const auto chunks = out.chunk(members);
-  const int tag = kAllGatherTags + static_cast<int>(all_gathers_++ % kAllGatherTags);
+  const int tag = next_collective_tag();
   auto works = std::make_shared<std::vector<compat::WorkPtr>>();
   for (int k = 1; k < members; ++k) {
     const int from = (group_rank_ + members - k) % members, to = (group_rank_ + k) % members;

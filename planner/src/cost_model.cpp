@@ -645,7 +645,8 @@ struct RankLoad {
 // Sec. 3.1); in fp32 training they are views of the whole parameters' rows (no second copy).
 // The shards' reduced gradients are there at the end of every backward. Its working set,
 // per sharding unit (the blocks; the other layers are one root unit): Gloo's reduce-scatter
-// receives a unit's whole gradient for each of the two reductions in flight; stage 2 also
+// (Communicator::reduce_scatter, point-to-point) receives the other n-1 ranks' chunks of this
+// rank's part, (n-1)/n of a unit's gradient, for each of the two reductions in flight; stage 2 also
 // holds the unsharded gradients of the unit being filled and of the one being reduced;
 // stage 1 keeps every unit's whole gradient until its backward ends. Without overlap
 // (Plan::zero_overlap) one reduction is in flight and it is the unit just filled: half.
@@ -674,9 +675,11 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   const double shard = (load.params - load.expert_params) / static_cast<double>(layout.replicas()) +
                        load.expert_params / static_cast<double>(layout.expert_replicas());
   const double whole = load.params * g;
+  const double n = static_cast<double>(layout.replicas());
+  const double received = unit * (n - 1) / n;  // elements one reduction receives
   if (layout.num_micro_batches > 1) {
     mem.grads = whole;
-    mem.buffers = (layout.zero_overlap ? 2 : 1) * unit * g + shard * g;
+    mem.buffers = (layout.zero_overlap ? 2 : 1) * received * g + shard * g;
     return mem;
   }
   MemoryBreakdown start = mem, end = mem;
@@ -684,7 +687,8 @@ MemoryBreakdown zero12_peak_memory(MemoryBreakdown mem, const RankLoad& load,
   start.buffers = (root + unit) * ug;
   end.activations = 0;
   if (layout.zero_stage == 1) end.grads += load.params * ug;
-  end.buffers = (layout.zero_stage == 1 ? 2 : 4) * unit * ug / (layout.zero_overlap ? 1.0 : 2.0);
+  // Per reduction in flight: what it receives, and under stage 2 the unit's unsharded gradients.
+  end.buffers = 2 * ((layout.zero_stage == 1 ? 0.0 : unit) + received) * ug / (layout.zero_overlap ? 1.0 : 2.0);
   return end.total() > start.total() ? end : start;
 }
 

@@ -554,7 +554,8 @@ TEST_CASE("ZeRO-1/2 memory as the runtime holds it: the optimizer on the paramet
     const MemoryBreakdown acc = zero_memory_of(g, t, zero, 1);
     CHECK(acc.grads == Approx(4 * P));
     CHECK(acc.activations == Approx(dp.activations / 4));
-    CHECK(acc.buffers == Approx(2 * 4 * block + 4 * P / 4));
+    // Two reductions in flight, each receiving the other 3 ranks' chunks (3/4 of a unit).
+    CHECK(acc.buffers == Approx(2 * 4 * block * 3 / 4 + 4 * P / 4));
   }
 
   // Few activations (a 1-token sequence): the peak is the backward's end, activations freed.
@@ -565,9 +566,9 @@ TEST_CASE("ZeRO-1/2 memory as the runtime holds it: the optimizer on the paramet
   const MemoryBreakdown z1 = zero_memory_of(h, t, 1, 4), z2 = zero_memory_of(h, t, 2, 4);
   CHECK(z1.activations == 0);
   CHECK(z1.grads == Approx(4 * Ph + 4 * Ph / 4));  // every whole gradient, then the shards'
-  CHECK(z1.buffers == Approx(2 * 4 * bh));         // two reductions' receive buffers
+  CHECK(z1.buffers == Approx(2 * 4 * bh * 3 / 4));  // two reductions' receive buffers (3 of 4 chunks)
   CHECK(z2.grads == Approx(4 * Ph / 4));
-  CHECK(z2.buffers == Approx(4 * 4 * bh));          // + the units being filled and reduced
+  CHECK(z2.buffers == Approx(2 * 4 * bh * (1 + 3.0 / 4)));  // + the units being filled and reduced
   CHECK(z2.total() < z1.total());
 
   // Mixed precision: the fp32 rows are the master weights, already in optimizer_bytes (12).

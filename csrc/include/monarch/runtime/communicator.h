@@ -268,11 +268,12 @@ class Communicator {
   std::shared_ptr<const flight::CallGroup> call_group_;  // what the flight recorder's records share
   std::map<std::string, int64_t> expected_;  // expect_all calls per `what`
   int64_t issued_ = 0;                        // collectives issued (the flight recorder's numbers)
-  // All-gathers over Gloo (point-to-point, communicator.cpp): each takes its own tag, this
-  // count's, in [kAllGatherTags, 2 kAllGatherTags), above the pipeline's and context
-  // parallelism's tags; members count alike (they issue collectives in one order).
-  static constexpr int kAllGatherTags = 1 << 29;
-  int64_t all_gathers_ = 0;
+  // All-gathers and reduce-scatters over Gloo (point-to-point, communicator.cpp): each takes
+  // its own tag, this count's, in [kCollectiveTags, 2 kCollectiveTags), above the pipeline's
+  // and context parallelism's tags; members count alike (they issue collectives in one order).
+  static constexpr int kCollectiveTags = 1 << 29;
+  int64_t tagged_collectives_ = 0;
+  int next_collective_tag() { return kCollectiveTags + static_cast<int>(tagged_collectives_++ % kCollectiveTags); }
   bool announced_ = false;                    // a failed entry check's note is still in the store
   std::shared_ptr<flight::GroupInfo> info_;   // announcements (with a store)
 };
