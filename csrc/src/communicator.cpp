@@ -677,11 +677,12 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
     works->push_back(group_->send(leaving, static_cast<int>(to), tag));
   }
   auto finish = [output, flat_input, received, chunk, parts, me]() mutable {
+    // This rank's own chunk, copied first when the output lies in the input (written below
+    // before the chunk is read otherwise).
+    at::Tensor own = flat_input.narrow(0, me * chunk, chunk);
+    if (output.is_alias_of(flat_input)) own = own.clone();
     // Member p's contribution to this rank's chunk, summed in member order as before.
-    auto part = [&](int64_t p) {
-      return p == me ? flat_input.narrow(0, me * chunk, chunk)
-                     : received.narrow(0, (p < me ? p : p - 1) * chunk, chunk);
-    };
+    auto part = [&](int64_t p) { return p == me ? own : received.narrow(0, (p < me ? p : p - 1) * chunk, chunk); };
     // Low-precision sums in fp32; fp64 stays fp64.
     auto wide = at::promote_types(received.scalar_type(), at::kFloat);
     if (output.scalar_type() != wide) {

@@ -19,13 +19,14 @@ TEST_CASE("collectives give the expected values and count their bytes", "[runtim
     for (int rank = 0; rank < n; ++rank) {
       const TrainRecord got = load_record(r.output_dir + "/rank" + std::to_string(rank) + ".pt");
       const auto& p = got.params;
-      REQUIRE(p.size() == 8);
+      REQUIRE(p.size() == 9);
       const float sum = n * (n + 1) / 2.0f;
       CHECK(torch::allclose(p[0], torch::full({6}, sum)));              // all_reduce
       CHECK(torch::allclose(p[1], torch::full({5}, sum / n), 1e-2));    // bf16 average
       // reduce_scatter: sum over ranks q of (3*rank + i + 100q).
       auto expect_rs = (torch::arange(3, torch::kFloat) + 3 * rank) * n + 100.0f * n * (n - 1) / 2;
       CHECK(torch::allclose(p[2], expect_rs));
+      CHECK(torch::allclose(p[8], expect_rs));  // the same, its output inside its input
       CHECK(torch::allclose(p[3], torch::arange(n, torch::kFloat).repeat_interleave(2)));  // all_gather
       CHECK(torch::allclose(p[4], torch::full({4}, 7.0f)));             // broadcast from 0
       CHECK(torch::allclose(p[5], torch::arange(n, torch::kFloat) * 10 + rank));  // all_to_all

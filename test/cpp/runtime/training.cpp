@@ -217,6 +217,11 @@ TrainRecord exercise_collectives(Communicator& g) {
     bytes.push_back(g.counters().bytes(kind));
   }
   out.params.push_back(torch::tensor(bytes, torch::kDouble));
+  // A reduce-scatter whose output is this rank's own chunk of its input (in place).
+  auto rs_inplace = torch::arange(n * 3, torch::kFloat) + 100 * r;
+  auto own = rs_inplace.narrow(0, 3 * r, 3);
+  g.reduce_scatter(own, rs_inplace).wait();
+  out.params.push_back(own.clone());
   return out;
 }
 
