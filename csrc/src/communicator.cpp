@@ -622,6 +622,20 @@ Handle Communicator::all_reduce_bf16(at::Tensor buffer, bool average) {
   });
 }
 
+namespace {
+
+// The handle of a collective made of point-to-point works (Gloo's all-gather and
+// reduce-scatter here): waits for every one of them, then runs `finish`.
+Handle joined(std::shared_ptr<std::vector<compat::WorkPtr>> works, std::string what, std::function<void()> finish,
+              std::shared_ptr<std::string> failure, std::shared_ptr<const flight::GroupInfo> group) {
+  Handle handle = Handle::completion([works] { for (auto& w : *works) w->wait(); }, std::move(what),
+                                     std::move(finish), std::move(failure));
+  handle.set_group(std::move(group));
+  return handle;
+}
+
+}  // namespace
+
 Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
   check_usable();
   require_flat(output, "reduce_scatter output");
@@ -698,10 +712,8 @@ Handle Communicator::reduce_scatter(at::Tensor output, at::Tensor input) {
     out.copy_(part(0));
     for (int64_t p = 1; p < parts; ++p) out.add_(part(p));
   };
-  Handle handle = Handle::completion([works] { for (auto& w : *works) w->wait(); },
-                                     describe(CollectiveKind::reduce_scatter, input), std::move(finish), failure_);
-  handle.set_group(info_);
-  return std::move(handle).traced("reduce_scatter", sent, name_);
+  return joined(works, describe(CollectiveKind::reduce_scatter, input), std::move(finish), failure_, info_)
+      .traced("reduce_scatter", sent, name_);
 }
 
 Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
@@ -752,10 +764,8 @@ Handle Communicator::all_gather(at::Tensor output, at::Tensor input) {
     works->push_back(group_->send(sent_tensor, to, tag));
   }
   if (chunks[group_rank_].data_ptr() != in.data_ptr()) chunks[group_rank_].copy_(in);
-  Handle handle = Handle::completion([works] { for (auto& w : *works) w->wait(); },
-                                     describe(CollectiveKind::all_gather, output), {}, failure_);
-  handle.set_group(info_);
-  return std::move(handle).traced("all_gather", sent, name_);
+  return joined(works, describe(CollectiveKind::all_gather, output), {}, failure_, info_)
+      .traced("all_gather", sent, name_);
 }
 
 Handle Communicator::broadcast(at::Tensor buffer, int root) {
