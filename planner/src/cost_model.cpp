@@ -470,12 +470,12 @@ StageEstimate estimate_stage(const ModelGraph& graph, const std::vector<LayerCos
     exposed_forward = first_ag + overlapped_seconds(forward_hiding, ag - first_ag, kappa) - forward_hiding;
     if (!layout.zero_overlap) {
       // Each gradient reduce-scatter waited for as it is launched; the gathers still prefetch.
-      const double input_hiding = layout.schedule == ScheduleKind::zero_bubble_h1
+      const double input_hiding = splits_backward(layout.schedule)
                                       ? backward_hiding - backward_compute / 2.0 : backward_hiding;
       exposed_backward_input = backward_first_ag +
           overlapped_seconds(input_hiding, ag_back - backward_first_ag, kappa) - input_hiding;
       exposed_backward_weight = rs;
-    } else if (layout.schedule == ScheduleKind::zero_bubble_h1) {
+    } else if (splits_backward(layout.schedule)) {
       // The input-gradient pass needs the gathered weights; the weight pass, which the
       // schedule defers into bubbles, produces the gradients to reduce.
       const double weight_grad = backward_compute / 2.0;
@@ -555,6 +555,10 @@ double estimated_in_flight(const Layout& layout, int64_t rank) {
     // Every rank keeps up to p micro-batches between F and W (build_zero_bubble_h1), and
     // the simulator counts them until W frees them.
     case ScheduleKind::zero_bubble_h1:
+      return std::min(p, m);
+    // ZB-V keeps fewer than 2p (micro-batch, stage) pairs on a rank (build_zero_bubble_v),
+    // its two stages alike: p per stage, each stage half a 1F1B stage.
+    case ScheduleKind::zero_bubble_v:
       return std::min(p, m);
     case ScheduleKind::interleaved_1f1b: {
       // Megatron-LM's warm-up: (p - r - 1) * 2 + (v - 1) * p forwards, then one more;
@@ -743,11 +747,14 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
         if (graph.layers[i].kind != LayerKind::embedding) stage_copy[s] += costs[i].params * training.param_bytes;
       }
     }
-    if (training.pipeline_sends_kept && s + 1 < stages) {
+    // A boundary inside one rank (ZB-V's turn) hands the tensors over without a message.
+    const bool crosses = s + 1 < stages && pipeline_rank_of_stage(layout.schedule, layout.pp, s) !=
+                                               pipeline_rank_of_stage(layout.schedule, layout.pp, s + 1);
+    if (training.pipeline_sends_kept && crosses) {
       sent_forward[s] = sent_backward[s + 1] = stage_p2p_bytes(graph, training, layout, last[s]);
     }
-    if (s + 1 < stages) critical_path_p2p += 2 * e.costs.p2p_s;
-    RankLoad& r = ranks[s % layout.pp];
+    if (crosses) critical_path_p2p += 2 * e.costs.p2p_s;
+    RankLoad& r = ranks[pipeline_rank_of_stage(layout.schedule, layout.pp, s)];
     r.params += e.params;
     r.expert_params += e.expert_params;
     r.ep_comm_s += e.ep_comm_s;
@@ -781,7 +788,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   for (size_t g = 0; g < graph.tied_groups.size(); ++g) {
     const auto& group = graph.tied_groups[g];
     std::set<int64_t> holders;
-    for (int idx : group) holders.insert(stage_of_layer[idx] % layout.pp);
+    for (int idx : group) holders.insert(pipeline_rank_of_stage(layout.schedule, layout.pp, stage_of_layer[idx]));
     if (holders.size() < 2) continue;
     Link tied = pp_link;
     tied.ranks = static_cast<int64_t>(holders.size());
@@ -853,7 +860,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
     for (int64_t s = 0; s < stages; ++s) {
       const StageCosts& c = stage_costs[s];
       const double work = c.forward_s + c.backward_input_s + c.backward_weight_s;
-      per_rank[s % layout.pp] += work;
+      per_rank[pipeline_rank_of_stage(layout.schedule, layout.pp, s)] += work;
       if (chain) bound = std::max(bound, before + m * work);
       before += plan.schedule == ScheduleKind::zero_bubble_h1 ? c.forward_s : work;
     }
@@ -893,7 +900,7 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
       double counted = 0;  // the copies the model state counts: one per stage of this rank
       for (int64_t s = 0; s < stages; ++s) {
         with_copy[s] = stage_kept[s] + stage_copy[s];
-        if (s % layout.pp == r) counted += stage_copy[s];
+        if (pipeline_rank_of_stage(layout.schedule, layout.pp, s) == r) counted += stage_copy[s];
       }
       mem.activations = std::max(mem.activations, peak_activation_bytes(schedule.per_rank[r], with_copy,
                                                                         stage_workspace, sent_forward, sent_backward) -

@@ -36,7 +36,8 @@ const NameTable<ScheduleKind>& schedule_names() {
                                             {ScheduleKind::gpipe, "gpipe"},
                                             {ScheduleKind::one_f_one_b, "1f1b"},
                                             {ScheduleKind::interleaved_1f1b, "interleaved_1f1b"},
-                                            {ScheduleKind::zero_bubble_h1, "zb_h1"}};
+                                            {ScheduleKind::zero_bubble_h1, "zb_h1"},
+                                            {ScheduleKind::zero_bubble_v, "zbv"}};
   return t;
 }
 
@@ -44,7 +45,9 @@ const NameTable<ScheduleKind>& schedule_names() {
 const NameTable<ScheduleKind>& schedule_aliases() {
   static const NameTable<ScheduleKind> t = {{ScheduleKind::interleaved_1f1b, "interleaved"},
                                             {ScheduleKind::zero_bubble_h1, "zb-h1"},
-                                            {ScheduleKind::zero_bubble_h1, "zbh1"}};
+                                            {ScheduleKind::zero_bubble_h1, "zbh1"},
+                                            {ScheduleKind::zero_bubble_v, "zb-v"},
+                                            {ScheduleKind::zero_bubble_v, "zb_v"}};
   return t;
 }
 

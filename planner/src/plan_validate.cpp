@@ -94,9 +94,14 @@ void check_schedule(const Plan& p) {
   }
   require_at_least(p.virtual_stages, 1, "virtual_stages");
   const bool interleaved = p.schedule == ScheduleKind::interleaved_1f1b;
-  if (!interleaved && p.virtual_stages != 1) {
+  if (p.schedule == ScheduleKind::zero_bubble_v) {
+    if (p.virtual_stages != 2) {
+      throw ValidationError("virtual_stages", "zbv runs two stages per rank (a V), so virtual_stages must be 2, got " +
+                                                  str(p.virtual_stages));
+    }
+  } else if (!interleaved && p.virtual_stages != 1) {
     throw ValidationError("virtual_stages", str(p.virtual_stages) +
-                                                " needs schedule 'interleaved_1f1b', got " + name);
+                                                " needs schedule 'interleaved_1f1b' or 'zbv', got " + name);
   }
   if (interleaved && p.virtual_stages < 2) {
     throw ValidationError("virtual_stages",

@@ -145,14 +145,18 @@ class Simulator {
           compute(r, a, times_.backward_weight[a.stage]);
           --st.in_flight;
           break;
-        case ActionType::send_activation:
-          note(r, a, st.clock, st.clock + times_.p2p_out[a.stage]);
-          post(r, activation_[key + 1], st.clock + times_.p2p_out[a.stage], a.stage + 1);
+        case ActionType::send_activation: {
+          const double transfer = a.peer == r ? 0 : times_.p2p_out[a.stage];  // ZB-V's turn stays on the rank
+          note(r, a, st.clock, st.clock + transfer);
+          post(r, activation_[key + 1], st.clock + transfer, a.stage + 1);
           break;
-        case ActionType::send_gradient:
-          note(r, a, st.clock, st.clock + times_.p2p_out[a.stage - 1]);
-          post(r, gradient_[key - 1], st.clock + times_.p2p_out[a.stage - 1], a.stage - 1);
+        }
+        case ActionType::send_gradient: {
+          const double transfer = a.peer == r ? 0 : times_.p2p_out[a.stage - 1];
+          note(r, a, st.clock, st.clock + transfer);
+          post(r, gradient_[key - 1], st.clock + transfer, a.stage - 1);
           break;
+        }
         case ActionType::recv_activation:
           if (!receive(r, a, activation_[key])) return false;
           break;

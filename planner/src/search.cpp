@@ -175,11 +175,16 @@ void check_pins(const ModelGraph& graph, const Cluster& cluster, const TrainingC
       fail("pins.virtual_stages",
            std::to_string(*pins.virtual_stages) + " needs pp > 1 (pp=1 has no pipeline)");
     }
-    if (pins.schedule && *pins.schedule != ScheduleKind::interleaved_1f1b) {
+    if (pins.schedule && *pins.schedule != ScheduleKind::interleaved_1f1b &&
+        *pins.schedule != ScheduleKind::zero_bubble_v) {
       fail("pins.virtual_stages", std::to_string(*pins.virtual_stages) +
-                                      " needs the interleaved_1f1b schedule, got " +
+                                      " needs the interleaved_1f1b or zbv schedule, got " +
                                       to_string(*pins.schedule));
     }
+  }
+  if (pins.schedule && *pins.schedule == ScheduleKind::zero_bubble_v && pins.virtual_stages &&
+      *pins.virtual_stages != 2) {
+    fail("pins.virtual_stages", "zbv runs two stages per rank (a V), got " + std::to_string(*pins.virtual_stages));
   }
   if (pins.schedule && pins.pp) {
     if (*pins.pp == 1 && *pins.schedule != ScheduleKind::none) {
@@ -229,7 +234,7 @@ constexpr double kSameTime = 0.005;
 // Extra mechanisms a plan uses (virtual stages, zero-bubble split, recomputation), and its
 // ZeRO stage where it matters (dp > 1).
 int extras(const Plan& p) {
-  return (p.virtual_stages > 1) + (p.schedule == ScheduleKind::zero_bubble_h1) + (p.recompute != Recompute::none);
+  return (p.virtual_stages > 1) + splits_backward(p.schedule) + (p.recompute != Recompute::none);
 }
 int64_t effective_zero(const Plan& p) { return p.mesh.token_parallel() > 1 ? p.zero_stage : 0; }
 
@@ -444,6 +449,9 @@ class Searcher {
         for (int64_t v : vs) {
           if (pp * v <= stages) out.push_back({kind, v});
         }
+      } else if (kind == ScheduleKind::zero_bubble_v) {
+        // Two stages per rank, placed as a V (pipeline_rank_of_stage).
+        if ((!pins_.virtual_stages || *pins_.virtual_stages == 2) && 2 * pp <= stages) out.push_back({kind, 2});
       } else if (!pins_.virtual_stages || *pins_.virtual_stages == 1) {
         out.push_back({kind, 1});
       }
@@ -843,10 +851,11 @@ class Searcher {
     std::vector<double> expected(stages), rank_total(l.pp, 0.0), shares(stages);
     for (int64_t s = 0; s < stages; ++s) {
       expected[s] = state + activations * p.stage_in_flight[s];
-      rank_total[s % l.pp] += expected[s];
+      rank_total[pipeline_rank_of_stage(l.schedule, l.pp, s)] += expected[s];
     }
     for (int64_t s = 0; s < stages; ++s) {
-      shares[s] = rank_total[s % l.pp] > 0 ? expected[s] / rank_total[s % l.pp] : 1 / v;
+      const double total = rank_total[pipeline_rank_of_stage(l.schedule, l.pp, s)];
+      shares[s] = total > 0 ? expected[s] / total : 1 / v;
     }
     return shares;
   }
@@ -865,7 +874,10 @@ class Searcher {
     const SimulationCache::ScheduleKey key{static_cast<int>(l.schedule), l.pp, l.num_micro_batches, l.virtual_stages};
     auto it = in_flight_cache_.find(key);
     if (it == in_flight_cache_.end()) {
-      const auto peaks = interleaved_stage_peak_in_flight(l.pp, l.num_micro_batches, l.virtual_stages);
+      const auto peaks = l.schedule == ScheduleKind::interleaved_1f1b
+                             ? interleaved_stage_peak_in_flight(l.pp, l.num_micro_batches, l.virtual_stages)
+                             : stage_peak_in_flight(make_schedule(l.schedule, l.pp, l.num_micro_batches,
+                                                                  l.virtual_stages));
       it = in_flight_cache_.emplace(key, std::vector<double>(peaks.begin(), peaks.end())).first;
     }
     return it->second;
@@ -906,7 +918,7 @@ class Searcher {
   std::optional<Partition> even_split(const Layout& l, const std::vector<LayerCost>& costs, double limit) {
     PartitionProblem even = partition_problem(l, costs, limit);
     even.stage_memory_limits_bytes.clear();
-    for (int64_t s = 0; s < even.stages; ++s) even.stage_in_flight[s] = estimated_in_flight(l, s % l.pp);
+    for (int64_t s = 0; s < even.stages; ++s) even.stage_in_flight[s] = estimated_in_flight(l, pipeline_rank_of_stage(l.schedule, l.pp, s));
     return partition_stages(even);
   }
 
@@ -971,7 +983,7 @@ class Searcher {
     std::vector<double> rank_bytes(l.pp, buffers);
     for (size_t i = 0; i < found->stage_of_layer.size(); ++i) {
       const int64_t s = found->stage_of_layer[i];
-      rank_bytes[s % l.pp] += p.layer_state_bytes[i] + p.layer_activation_bytes[i] * p.stage_in_flight[s];
+      rank_bytes[pipeline_rank_of_stage(l.schedule, l.pp, s)] += p.layer_state_bytes[i] + p.layer_activation_bytes[i] * p.stage_in_flight[s];
     }
     for (double bytes : rank_bytes) {
       if (bytes > limit) return std::nullopt;

@@ -37,11 +37,11 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
   std::vector<bool> tied_across(n, false), tied_duplicate(n, false);
   for (const auto& group : graph.tied_groups) {
     std::set<int64_t> holders;
-    for (int idx : group) holders.insert(plan.layers[idx].stage % pp);
+    for (int idx : group) holders.insert(pipeline_rank_of_stage(plan.schedule, pp, plan.layers[idx].stage));
     std::set<int64_t> seen_rank;
     for (int idx : group) {
       if (holders.size() > 1) tied_across[idx] = true;
-      if (!seen_rank.insert(plan.layers[idx].stage % pp).second) tied_duplicate[idx] = true;
+      if (!seen_rank.insert(pipeline_rank_of_stage(plan.schedule, pp, plan.layers[idx].stage)).second) tied_duplicate[idx] = true;
     }
   }
 
@@ -50,7 +50,7 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
     double units = 0, root = 0, tied = 0;  // parameters on one tp rank
     double expert_units = 0, expert_root = 0;  // routed experts' (on one tp and ep rank)
     for (size_t i = 0; i < n; ++i) {
-      if (plan.layers[i].stage % pp != r) continue;
+      if (pipeline_rank_of_stage(plan.schedule, pp, plan.layers[i].stage) != r) continue;
       const Layer& layer = graph.layers[i];
       b.tp += m * tp_layer_bytes_per_micro_batch(layer, training, layout);
       if (layer.moe.experts > 0 && plan.mesh.ep > 1) {
@@ -113,9 +113,13 @@ std::vector<AxisBytes> bytes_per_step(const ModelGraph& graph, const Plan& plan)
       b.dp_inter_node += dp.inter;
     }
     if (tied > 0) b.ends = ring_bytes_per_rank(Collective::all_reduce, tied * training.grad_bytes, 2);
-    for (int64_t s = r; s < stages; s += pp) {
-      if (s + 1 < stages) b.pp += m * stage_p2p_bytes(graph, training, layout, last[s]);
-      if (s > 0) b.pp += m * stage_p2p_bytes(graph, training, layout, last[s - 1]);
+    // Each of the rank's stages sends its activations on and its input's gradient back,
+    // except across a boundary inside the rank (ZB-V's turn), which moves no bytes.
+    auto rank_of = [&](int64_t s) { return pipeline_rank_of_stage(plan.schedule, pp, s); };
+    for (int64_t s = 0; s < stages; ++s) {
+      if (rank_of(s) != r) continue;
+      if (s + 1 < stages && rank_of(s + 1) != r) b.pp += m * stage_p2p_bytes(graph, training, layout, last[s]);
+      if (s > 0 && rank_of(s - 1) != r) b.pp += m * stage_p2p_bytes(graph, training, layout, last[s - 1]);
     }
   }
   return out;

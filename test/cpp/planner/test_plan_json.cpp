@@ -242,7 +242,7 @@ TEST_CASE("plan JSON writes keys in schema order", "[plan_json]") {
   CHECK(j["layers"][0]["kind"] == "embedding");
   CHECK(j["layers"][0]["tp"] == "vocab");
   CHECK(j["training"]["schedules"] ==
-        Json::array({"1f1b", "interleaved_1f1b", "zb_h1"}));
+        Json::array({"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}));
   CHECK(j["model"]["transformer"]["dtype"] == "bf16");
 }
 
@@ -392,7 +392,7 @@ TEST_CASE("plan JSON names an unknown enum value", "[plan_json]") {
   REQUIRE_THROWS_WITH(
       from_value(j),
       "schedule: unknown schedule '2f2b' (expected one of none, gpipe, 1f1b, interleaved_1f1b, "
-      "zb_h1)");
+      "zb_h1, zbv)");
   j = good;
   j["training"]["schedules"][1] = "pipedream";
   CHECK(validation_error_of(j).field() == "training.schedules[1]");

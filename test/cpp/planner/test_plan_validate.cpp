@@ -256,7 +256,7 @@ TEST_CASE("validate: virtual stages only with the interleaved schedule", "[plan_
   CHECK(failing_field(p) == "virtual_stages");
   p.virtual_stages = 2;
   REQUIRE_THROWS_WITH(validate(p),
-                      "virtual_stages: 2 needs schedule 'interleaved_1f1b', got '1f1b'");
+                      "virtual_stages: 2 needs schedule 'interleaved_1f1b' or 'zbv', got '1f1b'");
 
   // Interleaved: 2 ranks x 2 virtual stages = 4 stages, each holding a block.
   p = valid_plan();

@@ -36,11 +36,11 @@ struct Action {
 struct Schedule {
   ScheduleKind kind = ScheduleKind::one_f_one_b;
   int64_t ranks = 1;           // pipeline ranks (pp)
-  int64_t virtual_stages = 1;  // stages per rank (v); stage s lives on rank s % ranks
+  int64_t virtual_stages = 1;  // stages per rank (v); stage s lives on rank_of_stage(s)
   int64_t micro_batches = 1;
   std::vector<std::vector<Action>> per_rank;  // per_rank[r] is rank r's program
   int64_t num_stages() const { return ranks * virtual_stages; }
-  int64_t rank_of_stage(int64_t stage) const { return stage % ranks; }
+  int64_t rank_of_stage(int64_t stage) const { return pipeline_rank_of_stage(kind, ranks, stage); }
 };
 
 // Most (micro-batch, stage) pairs, pp * m * v, a schedule may have. Each pair costs up to

@@ -9,9 +9,23 @@
 
 namespace monarch::planner {
 
-enum class ScheduleKind { none, gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1 };
+enum class ScheduleKind { none, gpipe, one_f_one_b, interleaved_1f1b, zero_bubble_h1, zero_bubble_v };
 std::string to_string(ScheduleKind kind);
 ScheduleKind schedule_from_string(const std::string& name, const std::string& field = "schedule");
+// The zero-bubble schedules split each backward into B (input gradient) and W (weight
+// gradient, deferred): ZB-H1 and ZB-V (Qi et al. 2023, 2024).
+inline bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::zero_bubble_h1 || kind == ScheduleKind::zero_bubble_v;
+}
+// The pipeline rank that runs virtual stage `stage` of `ranks * v`. Round robin (stage s on
+// rank s % ranks) for every schedule but ZB-V, whose two stages per rank form a V (Qi et al.
+// 2024, "Pipeline Parallelism with Controllable Memory", Sec. 4): rank r runs stages r and
+// 2 ranks - 1 - r, so the first and the last stage share rank 0 and the turn from stage
+// ranks - 1 to stage ranks stays on the last rank.
+inline int64_t pipeline_rank_of_stage(ScheduleKind kind, int64_t ranks, int64_t stage) {
+  if (kind == ScheduleKind::zero_bubble_v && stage >= ranks) return 2 * ranks - 1 - stage;
+  return stage % ranks;
+}
 
 // Activation recomputation (Korthikanti et al. 2022): none, selective (attention core
 // only), full (each layer recomputed from its input during backward).
@@ -76,7 +90,7 @@ struct TrainingConfig {
   // keeps all m micro-batches' activations instead of at most p, so it never wins; pin it
   // (or list it here) to score it.
   std::vector<ScheduleKind> schedules = {ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b,
-                                         ScheduleKind::zero_bubble_h1};
+                                         ScheduleKind::zero_bubble_h1, ScheduleKind::zero_bubble_v};
   int64_t max_micro_batch_size = 64;
   double dp_bucket_bytes = 25.0 * 1024 * 1024;  // DDP's default bucket_cap_mb = 25
   // The search may reduce the dp axis hierarchically where the dp group spans nodes with more
