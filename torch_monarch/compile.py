@@ -40,12 +40,13 @@ def compile_options(compile):
 
 
 def check(options, zero_bubble, recompute):
-    """Refuses what cannot run inside a compiled block, naming it. ``zero_bubble``: the
-    pipeline runs the zero-bubble schedule; ``recompute``: the recomputation mode's name."""
+    """Refuses what cannot run inside a compiled block, naming it. ``zero_bubble``: the name of
+    the zero-bubble schedule the pipeline runs (zero_bubble_h1, zero_bubble_v), else None;
+    ``recompute``: the recomputation mode's name."""
     if options is None:
         return
     if zero_bubble:
-        raise ValueError("parallelize: compile=True with schedule zero_bubble_h1: the zero-bubble schedule's "
+        raise ValueError(f"parallelize: compile=True with schedule {zero_bubble}: the zero-bubble schedule's "
                          "linears defer their weight gradients from C++ inside the blocks, which torch.compile "
                          "cannot trace; use schedule='1f1b' or 'interleaved_1f1b', or compile=False")
     if recompute == "selective":

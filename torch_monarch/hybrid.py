@@ -117,8 +117,10 @@ class ParallelModel(nn.Module):
             getattr(model, "_monarch_vocab_split", False))
         # Compiled blocks (compile.py): each block's own forward, after tp swapped its linears
         # and before recomputation wraps it.
-        zero_bubble = self.pp > 1 and layout.schedule == _planner.ScheduleKind.zero_bubble_h1
-        _compile.check(compile_options, zero_bubble, _recompute.mode_name(layout.recompute))
+        zero_bubble = self.pp > 1 and layout.schedule in (_planner.ScheduleKind.zero_bubble_h1,
+                                                           _planner.ScheduleKind.zero_bubble_v)
+        _compile.check(compile_options, layout.schedule.name if zero_bubble else None,
+                       _recompute.mode_name(layout.recompute))
         if compile_options is not None:
             if not units:
                 raise ValueError(f"parallelize: compile=True compiles each block, and {type(model).__name__} has none "

@@ -134,7 +134,8 @@ void bind_enums(py::module_& m) {
       .value("gpipe", ScheduleKind::gpipe)
       .value("one_f_one_b", ScheduleKind::one_f_one_b)
       .value("interleaved_1f1b", ScheduleKind::interleaved_1f1b)
-      .value("zero_bubble_h1", ScheduleKind::zero_bubble_h1);
+      .value("zero_bubble_h1", ScheduleKind::zero_bubble_h1)
+      .value("zero_bubble_v", ScheduleKind::zero_bubble_v);
   finish_enum(schedule, [](const std::string& n, const std::string& f) { return schedule_from_string(n, f); },
               "schedule");
 

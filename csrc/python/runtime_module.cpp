@@ -179,7 +179,7 @@ void bind_pipeline(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(), "Overwrites every tensor with the group's rank 0's values.");
   m.def("sync_tied_gradients", &sync_tied_gradients, arg("params"), arg("dp"), arg("ends"),
         py::call_guard<py::gil_scoped_release>(),
-        "Gradients of weights tied across pipeline ends: averaged over dp (None: skip), summed over the ends.");
+        "Gradients of weights tied across pipeline ends: averaged over dp (None: skip), summed over the ends (None: skip).");
 }
 
 // The composition engine: Python's parallelize hands it its local stages (module-tree work

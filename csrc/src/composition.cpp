@@ -64,7 +64,9 @@ std::vector<std::string> block_stage_problems(const std::vector<int64_t>& block_
 
 std::vector<int64_t> Layout::stages_of(int64_t pp_rank) const {
   std::vector<int64_t> out;
-  for (int64_t s = pp_rank; s < num_stages(); s += mesh.pp) out.push_back(s);
+  for (int64_t s = 0; s < num_stages(); ++s) {
+    if (planner::pipeline_rank_of_stage(schedule, mesh.pp, s) == pp_rank) out.push_back(s);
+  }
   return out;
 }
 
@@ -175,6 +177,8 @@ Layout layout_from_pins(const LayoutPins& pins, int64_t num_blocks, int64_t worl
   }
   l.virtual_stages = pins.virtual_stages;
   l.schedule = pins.pp > 1 ? pins.schedule.value_or(planner::ScheduleKind::one_f_one_b) : planner::ScheduleKind::none;
+  // ZB-V always runs two stages per rank: asking for the schedule asks for them.
+  if (l.schedule == planner::ScheduleKind::zero_bubble_v && l.virtual_stages == 1) l.virtual_stages = 2;
   l.micro_batches = pins.micro_batches;
   l.zero_stage = pins.zero_stage;
   l.sequence_parallel = pins.sequence_parallel;
@@ -236,7 +240,7 @@ Composition::Composition(Layout layout, std::shared_ptr<DeviceMesh> mesh, std::v
   if (layout_.mesh.tp > 1 && !tp_replicated.empty()) broadcast_from_root(tp_replicated, mesh_->group("tp"));
   if (!tied_.empty()) {
     TORCH_CHECK(layout_.mesh.pp > 1, "monarch: tied weights across stages need a pipeline");
-    broadcast_from_root(tied_, mesh_->pipeline_ends_group());
+    if (!layout_.ends_on_one_rank()) broadcast_from_root(tied_, mesh_->pipeline_ends_group());
     if (layout_.mesh.dp > 1) broadcast_from_root(tied_, mesh_->group("dp"));
   }
 }
@@ -367,7 +371,7 @@ double Composition::train_step(const ForwardFn& forward, const LossFn& loss, int
     if (!tied_.empty()) {
       // Both copies of a weight tied between the ends take the same optimizer step.
       sync_tied_gradients(tied_, layout_.mesh.dp > 1 ? &mesh_->group("dp") : nullptr,
-                          mesh_->pipeline_ends_group());
+                          layout_.ends_on_one_rank() ? nullptr : &mesh_->pipeline_ends_group());
     }
   }
   return global_mean(total);
@@ -441,7 +445,7 @@ std::vector<std::pair<std::string, at::Tensor>> Composition::full_state_dict(
   std::vector<std::pair<std::string, at::Tensor>> out;
   out.reserve(entries_.size());
   for (const auto& e : entries_) {
-    const int owner = static_cast<int>(e.stage % pp);
+    const int owner = static_cast<int>(planner::pipeline_rank_of_stage(layout_.schedule, pp, e.stage));
     at::Tensor t;
     if (owner == pp_rank) {
       auto it = local.find(e.name);

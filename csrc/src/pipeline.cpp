@@ -299,7 +299,9 @@ PipelineExecutor::PipelineExecutor(planner::Schedule schedule, Communicator& pp_
 
 std::vector<int64_t> PipelineExecutor::local_stages() const {
   std::vector<int64_t> out;
-  for (int64_t s = rank_; s < schedule_.num_stages(); s += schedule_.ranks) out.push_back(s);
+  for (int64_t s = 0; s < schedule_.num_stages(); ++s) {
+    if (schedule_.rank_of_stage(s) == rank_) out.push_back(s);
+  }
   return out;
 }
 
@@ -416,6 +418,12 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
   pending_sends_.clear();
   std::map<int64_t, bool> meta_done[2];  // per boundary stage: header already sent/received
   std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> inbox, outbox, grad_in, grad_out;
+  // A boundary between two stages of this rank (ZB-V's turn): the schedule still sends and
+  // receives (to itself), and the tensors change hands here without a message. The
+  // activations are detached as a received copy would be (the next stage's graph starts at
+  // them); they share the sender's storage, so an in-place change by the next stage is
+  // autograd's "modified by an inplace operation" error, as it would be within one module.
+  std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> turned_activations, turned_gradients;
   std::unique_ptr<at::NoGradGuard> no_grad;
   if (forward_only) no_grad = std::make_unique<at::NoGradGuard>();
 
@@ -458,6 +466,10 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
     try {
       switch (a.type) {
         case ActionType::recv_activation: {
+          if (a.peer == rank_) {
+            inbox[key] = take(turned_activations, a, "activations handed over by the previous stage");
+            break;
+          }
           const int64_t from = a.stage - 1;
           const bool first = !meta_done[0][from];
           meta_done[0][from] = true;
@@ -474,6 +486,16 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           });
           break;
         case ActionType::send_activation: {
+          if (a.peer == rank_) {
+            std::vector<at::Tensor> handed;
+            for (auto& t : take(outbox, a, "forward output")) {
+              TORCH_CHECK(t.defined(), "monarch: stage ", a.stage, " returned an undefined tensor for the next stage");
+              const bool needs_grad = t.requires_grad() && at::isFloatingType(t.scalar_type()) && at::GradMode::is_enabled();
+              handed.push_back(t.detach().requires_grad_(needs_grad));
+            }
+            turned_activations[{a.stage + 1, a.micro_batch}] = std::move(handed);
+            break;
+          }
           const bool first = !meta_done[0][a.stage];
           meta_done[0][a.stage] = true;
           send_tensors(take(outbox, a, "forward output"), a.peer, a.stage, a.micro_batch, 0, first);
@@ -481,6 +503,10 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
         }
         case ActionType::recv_gradient: {
           if (forward_only) break;
+          if (a.peer == rank_) {
+            grad_in[key] = take(turned_gradients, a, "gradients handed back by the next stage");
+            break;
+          }
           const int64_t start_ns = trace::now_ns();
           grad_in[key] = recv_tensors(a.peer, a.stage, a.micro_batch, 1, false, stats.wait_s);
           traced(a, start_ns);
@@ -502,6 +528,10 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
           break;
         case ActionType::send_gradient:
           if (forward_only) break;
+          if (a.peer == rank_) {
+            turned_gradients[{a.stage - 1, a.micro_batch}] = take(grad_out, a, "input gradients");
+            break;
+          }
           send_tensors(take(grad_out, a, "input gradients"), a.peer, a.stage - 1, a.micro_batch, 1, false);
           break;
       }
@@ -533,11 +563,12 @@ PipelineStepStats PipelineExecutor::run(StageWork& work, bool forward_only) {
 double PipelineExecutor::train_step(AutogradStageWork& work, PipelineStepStats* stats) {
   PipelineStepStats s = run(work);
   if (stats != nullptr) *stats = std::move(s);
-  const bool last_here = rank_ == schedule_.ranks - 1;
+  const int64_t loss_rank = schedule_.rank_of_stage(schedule_.num_stages() - 1);  // ZB-V: rank 0
+  const bool last_here = rank_ == loss_rank;
   double sum = 0;
   for (const auto& [mb, loss] : work.losses()) sum += loss;
   auto value = at::tensor({last_here ? sum / static_cast<double>(schedule_.micro_batches) : 0.0}, at::kDouble);
-  group_.broadcast(value, static_cast<int>(schedule_.ranks - 1)).wait();
+  group_.broadcast(value, static_cast<int>(loss_rank)).wait();
   return value.item<double>();
 }
 

@@ -65,11 +65,11 @@ void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& g
   for (auto& h : pending) h.wait();
 }
 
-void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator& ends) {
+void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator* ends) {
   at::NoGradGuard no_grad;
-  std::optional<Communicator::Phase> dp_phase;
+  std::optional<Communicator::Phase> dp_phase, ends_phase;
   if (dp != nullptr) dp_phase.emplace(*dp, "the tied-weight gradient sync");
-  Communicator::Phase ends_phase(ends, "the tied-weight gradient sync");
+  if (ends != nullptr) ends_phase.emplace(*ends, "the tied-weight gradient sync");
   for (auto p : params) {
     if (!p.grad().defined()) {
       p.mutable_grad() = at::zeros_like(p);
@@ -78,7 +78,7 @@ void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp
     }
     auto g = p.grad();
     if (dp != nullptr) dp->all_reduce(g, /*average=*/true).wait();
-    ends.all_reduce(g).wait();
+    if (ends != nullptr) ends->all_reduce(g).wait();
   }
 }
 

@@ -42,6 +42,10 @@ LAYOUTS = {
     "pp4_1f1b": (4, "pp=4,m=4,layers=4,schedule=1f1b"),
     "pp4_interleaved": (4, "pp=4,m=4,layers=8,schedule=interleaved_1f1b,v=2"),
     "pp4_zb_h1": (4, "pp=4,m=4,layers=4,schedule=zb_h1"),
+    # ZB-V: two stages per rank as a V; the tied embedding and head are both on rank 0.
+    "pp2_zbv": (2, "pp=2,m=4,layers=4,schedule=zbv,v=2"),
+    "pp4_zbv": (4, "pp=4,m=4,layers=8,schedule=zbv"),
+    "pp2_zbv_fsdp2": (4, "pp=2,dp=2,zero=3,m=2,layers=4,schedule=zbv"),
     "dp2_tp2": (4, "dp=2,tp=2"),
     "dp2_tp2_sp_direct": (4, "dp=2,tp=2,sp=1,direct=1"),
     "tp2_replicas_start_different": (2, "tp=2,sp=1,perturb=1"),
@@ -112,6 +116,9 @@ def test_parity_with_one_process(name):
             # The executor ran exactly the compute actions of its program, in order.
             program = [a for a in res["program"] if a[0] in COMPUTE]
             assert res["trace"] == program and program, f"{who}: executed {res['trace']} but the program says {program}"
+            if "schedule=zbv" in layout:  # the V: pipeline rank r runs stages r and 2 pp - 1 - r
+                pp, r = int(layout.split("pp=")[1].split(",")[0]), res["pp_rank"]
+                assert list(res["local_stages"]) == [r, 2 * pp - 1 - r], f"{who}: runs stages {res['local_stages']}"
         if "sp=1" in layout or "tp=" in layout:
             assert res["tp"] > 1
     # Together the ranks hold every parameter of the model.

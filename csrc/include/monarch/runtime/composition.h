@@ -33,7 +33,7 @@ namespace monarch {
 // A plan resolved for one model (its block count) and one world.
 struct Layout {
   planner::Mesh mesh;                 // pp, dp, tp (cp, ep)
-  int64_t virtual_stages = 1;         // per pipeline rank (interleaved schedules)
+  int64_t virtual_stages = 1;         // per pipeline rank (interleaved schedules; 2 under zbv)
   std::vector<int64_t> block_stage;   // stage of each block, in [0, pp * virtual_stages)
   planner::ScheduleKind schedule = planner::ScheduleKind::none;  // none when pp == 1
   int64_t micro_batches = 1;          // per optimizer step, per dp rank
@@ -47,9 +47,15 @@ struct Layout {
   planner::Compression inter_node_compression = planner::Compression::none;
   bool zero_overlap = true;  // ZeRO 1-3: planner::Plan::zero_overlap (FullyShardOptions::overlap)
   int64_t num_stages() const { return mesh.pp * virtual_stages; }
-  // The stages pipeline rank `pp_rank` runs (stage s on rank s % pp, as every schedule
-  // places them); frontends build exactly these, and the state dict's owner follows it.
+  // The stages pipeline rank `pp_rank` runs, in order (planner::pipeline_rank_of_stage: s % pp,
+  // or ZB-V's V); frontends build exactly these, and the state dict's owner follows it.
   std::vector<int64_t> stages_of(int64_t pp_rank) const;
+  // The first and the last stage on one pipeline rank (ZB-V): a weight tied between them is
+  // one parameter there, with nothing to exchange between the ends.
+  bool ends_on_one_rank() const {
+    return planner::pipeline_rank_of_stage(schedule, mesh.pp, 0) ==
+           planner::pipeline_rank_of_stage(schedule, mesh.pp, num_stages() - 1);
+  }
   std::string summary() const;
 };
 

@@ -26,8 +26,9 @@ void broadcast_from_root(const std::vector<at::Tensor>& tensors, Communicator& g
 
 // Weights tied across pipeline stages (an embedding shared with the output head), one copy
 // per end: each copy's gradient becomes the average over `dp` (when given) summed over
-// `ends`, so identical optimizers keep the copies equal. A missing gradient counts as zeros.
-// Every rank of both groups passes its copies in the same order.
-void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator& ends);
+// `ends` (when given: null where both ends are on one rank, as under ZB-V, whose one copy
+// already accumulated both uses), so identical optimizers keep the copies equal. A missing
+// gradient counts as zeros. Every rank of both groups passes its copies in the same order.
+void sync_tied_gradients(const std::vector<at::Tensor>& params, Communicator* dp, Communicator* ends);
 
 }  // namespace monarch
