@@ -1,6 +1,6 @@
 """The pipeline pairs of bench/peers.py: torch_monarch's pipeline schedules against
 ``torch.distributed.pipelining``'s, on an 8-layer Llama-style decoder cut into 4 stages (one
-per rank) or 8 (two per rank, interleaved), 8 micro-batches of 2 sequences:
+per rank) or 8 (two per rank: interleaved, or as a V), 8 micro-batches of 2 sequences:
 
     PP-4 1F1B            parallelize(model, mesh(pp=4), schedule="1f1b", micro_batches=8)
       vs pipelining 1F1B PipelineStage per rank + Schedule1F1B
@@ -8,6 +8,9 @@ per rank) or 8 (two per rank, interleaved), 8 micro-batches of 2 sequences:
       vs pipelining Interleaved1F1B   two PipelineStages per rank (stages r and r + 4)
     PP-4 ZB-H1           parallelize(..., schedule="zb_h1") (Qi et al. 2023: B and W split)
       vs pipelining ZeroBubble        ScheduleInterleavedZeroBubble over one stage per rank
+    PP-4 ZBV             parallelize(..., schedule="zbv") (Qi et al. 2024: two stages per rank
+                         as a V, rank r runs stages r and 7 - r)
+      vs pipelining ZBVZeroBubble     ScheduleZBVZeroBubble over the same V of 8 stages
 
 The peer's stages are cut by hand, as torchtitan's pipeline_llama does: the embedding on the
 first stage, the final norm and the head on the last, layers split evenly. Both sides average
@@ -19,7 +22,7 @@ other pairs (peers.py).
 
 
 PAIRS = (("PP-4 1F1B", "pipelining 1F1B"), ("PP-4 interleaved", "pipelining Interleaved1F1B"),
-         ("PP-4 ZB-H1", "pipelining ZeroBubble"))
+         ("PP-4 ZB-H1", "pipelining ZeroBubble"), ("PP-4 ZBV", "pipelining ZBVZeroBubble"))
 MODEL = "llama_pp"
 MICRO_BATCHES = 8
 
@@ -71,22 +74,26 @@ class Engine:
         model, blocks = build()
         self.names = {id(p): n for n, p in model.named_parameters()}
         interleaved = "nterleaved" in engine
+        v_shape = "ZBV" in engine
         zero_bubble = "ZB" in engine or "ZeroBubble" in engine
         self.ours = engine.startswith("PP")
         self._sent = 0.0
         if self.ours:
             import torch_monarch
             self.mesh = torch_monarch.device_mesh(pp=self.world)
+            schedule = ("interleaved_1f1b" if interleaved else "zbv" if v_shape else "zb_h1" if zero_bubble
+                        else "1f1b")
             self.model = torch_monarch.parallelize(
-                model, self.mesh, schedule="interleaved_1f1b" if interleaved else "zb_h1" if zero_bubble else "1f1b",
-                micro_batches=MICRO_BATCHES, virtual_stages=2 if interleaved else 1, units=blocks)
+                model, self.mesh, schedule=schedule, micro_batches=MICRO_BATCHES,
+                virtual_stages=2 if interleaved or v_shape else 1, units=blocks)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
             return
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
-                                                  ScheduleInterleavedZeroBubble)
-        per_rank = 2 if interleaved else 1
+                                                  ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+        per_rank = 2 if interleaved or v_shape else 1
         num_stages = self.world * per_rank
-        indices = [self.rank + k * self.world for k in range(per_rank)]
+        indices = ([self.rank, num_stages - 1 - self.rank] if v_shape
+                   else [self.rank + k * self.world for k in range(per_rank)])
         self.stages = [stage_module(model, i, num_stages) for i in indices]
         self.first, self.last = 0 in indices, num_stages - 1 in indices
         pipe_stages = [PipelineStage(m, i, num_stages, torch.device("cpu")) for m, i in zip(self.stages, indices)]
@@ -104,7 +111,9 @@ class Engine:
 
         def loss_fn(logits, y):
             return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        if zero_bubble:
+        if v_shape:
+            self.schedule = ScheduleZBVZeroBubble(pipe_stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+        elif zero_bubble:
             self.schedule = ScheduleInterleavedZeroBubble(pipe_stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         elif interleaved:
             self.schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
