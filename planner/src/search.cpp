@@ -451,7 +451,12 @@ class Searcher {
         }
       } else if (kind == ScheduleKind::zero_bubble_v) {
         // Two stages per rank, placed as a V (pipeline_rank_of_stage).
-        if ((!pins_.virtual_stages || *pins_.virtual_stages == 2) && 2 * pp <= stages) out.push_back({kind, 2});
+        if ((!pins_.virtual_stages || *pins_.virtual_stages == 2) && 2 * pp <= stages) {
+          out.push_back({kind, 2});
+        } else if (pins_.schedule && 2 * pp > stages) {
+          note_rejection("zbv with pp=" + std::to_string(pp) + " needs " + std::to_string(2 * pp) +
+                         " stages (two per rank), the model can be cut into at most " + std::to_string(stages));
+        }
       } else if (!pins_.virtual_stages || *pins_.virtual_stages == 1) {
         out.push_back({kind, 1});
       }

@@ -248,6 +248,16 @@ TEST_CASE("pins that rule every layout out say why", "[search][errors]") {
   pins.schedule = ScheduleKind::one_f_one_b;
   CHECK_THROWS_WITH(search(tiny_model(), cluster_preset("cpu", 2), batch(8), with_pins(pins)),
                     Catch::Contains("pins.virtual_stages: 2 needs the interleaved_1f1b or zbv schedule"));
+  // ZB-V on 4 ranks needs 8 stages; a 4-block model is cut into at most 4.
+  pins = Pins{};
+  pins.pp = 4;
+  pins.schedule = ScheduleKind::zero_bubble_v;
+  CHECK_THROWS_WITH(search(tiny_model(4), cluster_preset("cpu", 4), batch(8), with_pins(pins)),
+                    Catch::Contains("zbv with pp=4 needs 8 stages (two per rank), the model can be cut into at most 4"));
+  pins.pp = 2;  // 4 stages fit: a V of two stages per rank
+  const Plan v = search(tiny_model(4), cluster_preset("cpu", 2), batch(8), with_pins(pins));
+  CHECK(v.schedule == ScheduleKind::zero_bubble_v);
+  CHECK(v.virtual_stages == 2);
   // A micro-batch size that does not divide the replica's share of the batch.
   pins = Pins{};
   pins.dp = 2;
