@@ -14,7 +14,7 @@ Activations (the second table): a Llama-style model whose activations dwarf its 
 (make_llama: 4 blocks, hidden 256, 8 query / 4 key-value heads, SwiGLU 704, RMSNorm, rotary,
 sequence 512, vocabulary 1024; 3.4 M parameters, 14 MB in fp32), in layouts that change what
 a rank keeps: replicas with and without gradient accumulation, ZeRO-3, tp 2 and 4, 1F1B,
-GPipe and interleaved pipelines, full recomputation, and materialized ("eager") attention with
+GPipe, interleaved, ZB-H1 and ZB-V pipelines, full recomputation, and materialized ("eager") attention with
 and without selective recomputation; fp32 and bf16. Each layout runs the plan the prediction
 is for (planner.evaluate, the same pins, laid out by parallelize(plan=...)).
   * measured activation peak, per rank: the high-water mark of resident memory during
@@ -139,6 +139,8 @@ ACT_LAYOUTS = {
     "pp4 1f1b m8": (4, 1, 1, 0, 8, "1f1b", 1, "none", "sdpa"),
     "pp4 gpipe m4": (4, 1, 1, 0, 4, "gpipe", 1, "none", "sdpa"),
     "pp2 dp2 interleaved v2 m4": (2, 2, 1, 0, 4, "interleaved_1f1b", 2, "none", "sdpa"),
+    "pp2 dp2 zb_h1 m4": (2, 2, 1, 0, 4, "zb_h1", 1, "none", "sdpa"),
+    "pp2 dp2 zbv m4": (2, 2, 1, 0, 4, "zbv", 2, "none", "sdpa"),
     "dp4 full recompute": (1, 4, 1, 0, 1, "none", 1, "full", "sdpa"),
     "dp4 eager": (1, 4, 1, 0, 1, "none", 1, "none", "eager"),
     "dp4 eager selective": (1, 4, 1, 0, 1, "none", 1, "selective", "eager"),

@@ -242,7 +242,7 @@ TEST_CASE("plan JSON writes keys in schema order", "[plan_json]") {
   CHECK(j["layers"][0]["kind"] == "embedding");
   CHECK(j["layers"][0]["tp"] == "vocab");
   CHECK(j["training"]["schedules"] ==
-        Json::array({"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}));
+        Json::array({"1f1b", "interleaved_1f1b", "zb_h1"}));
   CHECK(j["model"]["transformer"]["dtype"] == "bf16");
 }
 
