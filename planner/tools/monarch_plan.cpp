@@ -31,7 +31,7 @@ const char* kUsage = R"(usage:
                            [--kv-heads K] [--ffn F] [--gated-mlp] [--tied-embeddings]
                            [--dtype bf16] [--name NAME]
                            [--tp T] [--pp P] [--dp D] [--zero Z] [--micro-batch M]
-                           [--schedule gpipe|1f1b|interleaved_1f1b|zb_h1] [--virtual-stages V]
+                           [--schedule gpipe|1f1b|interleaved_1f1b|zb_h1|zbv] [--virtual-stages V]
                            [--recompute none|selective|full] [--sequence-parallel on|off]
                            [--attention flash|materialized] [--fused-kernels on|off] [--dropout on|off]
                            [--alternatives N] [--json]
@@ -366,7 +366,8 @@ int cmd_schedule(int argc, char** argv) {
   const Args args(argc, argv, 2, {"--schedule", "--pp", "--micro-batches", "--virtual-stages"}, {});
   const auto kind = mp::schedule_from_string(args.str("--schedule", "1f1b"), "--schedule");
   const mp::Schedule s = mp::make_schedule(kind, args.required("--pp"), args.required("--micro-batches"),
-                                           args.integer("--virtual-stages").value_or(1));
+                                           args.integer("--virtual-stages").value_or(
+                                               kind == mp::ScheduleKind::zero_bubble_v ? 2 : 1));
   mp::check_schedule(s);
   const auto sim = mp::simulate(s, {mp::StageCosts{}});
   for (size_t r = 0; r < s.per_rank.size(); ++r) {
