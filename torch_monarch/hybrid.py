@@ -178,6 +178,13 @@ class ParallelModel(nn.Module):
             # other stages' blocks stubbed (generate.py): it needs the model and its blocks.
             # Other stages' weights are on meta by now, so holding the model holds no memory.
             self._root, self._blocks = model, list(units)
+            if self.deferred and stages.tied and layout.schedule == _planner.ScheduleKind.zero_bubble_v:
+                # Materializing stage by stage would give the first and the last stage (both
+                # on rank 0 in the V) two separate copies of the tied weight, with nothing
+                # syncing them. Every rank refuses alike, before anything is allocated.
+                raise ValueError(f"parallelize: schedule zbv with a model on meta and weights tied between the "
+                                 f"first and the last stage ({[n for n, _, _ in stages.tied]}) is not supported; "
+                                 "build the model with its weights, or use another schedule")
             if self.deferred:
                 # Only this rank's stages get storage; the others stay on meta.
                 with _shard_init_rng(mesh, self.tp):

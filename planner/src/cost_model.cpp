@@ -787,8 +787,25 @@ std::optional<Prediction> predict_if_faster(const ModelGraph& graph, const Plan&
   const Link pp_link = axis_link(cluster, layout.pp, layout.replicas(), layout.tp, Axis::pp);
   for (size_t g = 0; g < graph.tied_groups.size(); ++g) {
     const auto& group = graph.tied_groups[g];
-    std::set<int64_t> holders;
-    for (int idx : group) holders.insert(pipeline_rank_of_stage(layout.schedule, layout.pp, stage_of_layer[idx]));
+    std::set<int64_t> holders, stages_holding;
+    for (int idx : group) {
+      holders.insert(pipeline_rank_of_stage(layout.schedule, layout.pp, stage_of_layer[idx]));
+      stages_holding.insert(stage_of_layer[idx]);
+    }
+    if (holders.size() == 1 && stages_holding.size() > 1) {
+      // Stages of one rank share the weight (ZB-V's first and last stage): the runtime holds
+      // one parameter, which each stage's state above counted.
+      const double grad_bytes =
+          layout.zero_stage >= 1 ? training.zero_gradient_bytes() : training.replica_gradient_bytes();
+      const double extra = static_cast<double>(stages_holding.size() - 1) * tied_params(graph, g, costs);
+      ModelStateBytes twice = layout_model_state_bytes(extra, 0.0, layout, training, grad_bytes);
+      if (layout.zero_stage == 2 && layout.num_micro_batches > 1) twice.grads = extra * grad_bytes;  // as above
+      RankLoad& r = ranks[*holders.begin()];
+      r.params -= extra;
+      r.state.params -= twice.params;
+      r.state.grads -= twice.grads;
+      r.state.optimizer -= twice.optimizer;
+    }
     if (holders.size() < 2) continue;
     Link tied = pp_link;
     tied.ranks = static_cast<int64_t>(holders.size());

@@ -437,6 +437,7 @@ class Searcher {
     // A pinned schedule is scored even when the search would not list it.
     const std::vector<ScheduleKind> kinds =
         pins_.schedule ? std::vector<ScheduleKind>{*pins_.schedule} : training_.schedules;
+    bool said_why = false;  // a note naming the cause: no generic "impossible" one beside it
     for (ScheduleKind kind : kinds) {
       if (kind == ScheduleKind::none) continue;
       if (kind == ScheduleKind::interleaved_1f1b) {
@@ -456,12 +457,13 @@ class Searcher {
         } else if (pins_.schedule && 2 * pp > stages) {
           note_rejection("zbv with pp=" + std::to_string(pp) + " needs " + std::to_string(2 * pp) +
                          " stages (two per rank), the model can be cut into at most " + std::to_string(stages));
+          said_why = true;
         }
       } else if (!pins_.virtual_stages || *pins_.virtual_stages == 1) {
         out.push_back({kind, 1});
       }
     }
-    if (pins_.schedule && *pins_.schedule != ScheduleKind::none && out.empty() && pp > 1) {
+    if (pins_.schedule && *pins_.schedule != ScheduleKind::none && out.empty() && pp > 1 && !said_why) {
       note_rejection(to_string(*pins_.schedule) + " impossible with pp=" + std::to_string(pp) +
                      " and " + std::to_string(m) + " micro-batches");
     }

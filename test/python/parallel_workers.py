@@ -74,6 +74,26 @@ def predict(world):
           "trace": pm.last_stats["trace"], "is_last": mesh.coordinate("pp") == world.size - 1})
 
 
+def zbv_predict_and_meta(world):
+    """ZB-V on 2 ranks: forward-only through the V (its turn on rank 1 hands the activations
+    over inside the rank; the logits come out of stage 3, on rank 0), and a model on meta whose
+    weights are tied between the first and the last stage refused on every rank."""
+    mesh = torch_monarch.device_mesh(pp=world.size)
+    pm = torch_monarch.parallelize(make_model(layers=4), mesh, schedule="zbv", micro_batches=2)
+    inputs, _ = batch(0, GLOBAL_BATCH)
+    out = pm.predict(inputs)
+    want = make_model(layers=4)(inputs)
+    with torch.device("meta"):
+        meta = make_model(layers=4)
+    try:
+        torch_monarch.parallelize(meta, mesh, schedule="zbv", micro_batches=2)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    save({"diff": None if out is None else (out - want).abs().max().item(), "local_stages": pm.local_stages,
+          "trace": pm.last_stats["trace"], "refused": refused})
+
+
 def vocab_loss(world):
     """The vocabulary-parallel loss of a head alone, with every tensor any operation
     produces (forward and backward) watched for a full-vocabulary dimension."""
@@ -176,7 +196,7 @@ def main(layout):
     torch.set_num_threads(1)
     world = torch_monarch.init(timeout=float(os.environ.get("MONARCH_TIMEOUT_S", "120")))
     special = {"bad_schedule": bad_schedule, "bad_tensor_parallel": bad_tensor_parallel, "predict": predict,
-               "vocab_loss": vocab_loss, "from_plan": from_plan,
+               "vocab_loss": vocab_loss, "from_plan": from_plan, "zbv_predict_and_meta": zbv_predict_and_meta,
                "tp_dropout": tp_dropout}
     if layout in special:
         special[layout](world)

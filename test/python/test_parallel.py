@@ -176,6 +176,17 @@ def test_forward_only_pipeline_matches_the_model():
         assert [a[0] for a in res["trace"]] == ["forward"] * 4
 
 
+def test_zbv_predicts_through_the_v_and_refuses_a_tied_model_on_meta():
+    results = run_ok(2, "zbv_predict_and_meta", timeout=90)
+    # Rank 0 runs stages 0 and 3, so the logits are there, equal to the model's.
+    assert list(results[0]["local_stages"]) == [0, 3] and list(results[1]["local_stages"]) == [1, 2]
+    assert results[0]["diff"] == 0.0 and results[1]["diff"] is None
+    for res in results:
+        assert [a[0] for a in res["trace"]] == ["forward"] * 4
+        assert res["refused"] is not None and "schedule zbv with a model on meta" in res["refused"], res["refused"]
+        assert "wte.weight" in res["refused"]
+
+
 def test_vocab_parallel_loss_never_holds_the_full_vocabulary():
     results = run_ok(2, "vocab_loss", timeout=60)
     vocab, hidden, tokens = 96, 8, 24

@@ -439,6 +439,40 @@ TEST_CASE("each tied group's gradient is all-reduced among the ranks holding it"
   CHECK(same_stage.time.dp_comm == one.time.dp_comm);
 }
 
+TEST_CASE("a weight tied between two stages of one rank (ZB-V) is one parameter there", "[cost_model]") {
+  TransformerConfig c = transformer_config(4, 1024, 16, 512, 32000, /*tied=*/true);
+  const ModelGraph g = build_transformer(c);
+  const Cluster cluster = cluster_preset("a100-80gb", 2);
+  Plan plan = two_stage_plan(g, cluster, 1, 3, false);
+  // Four stages: through the first block, the second, the third, the rest (the head).
+  std::vector<int64_t> blocks;
+  for (size_t i = 0; i < g.layers.size(); ++i) {
+    if (g.layers[i].kind == LayerKind::block) blocks.push_back(static_cast<int64_t>(i));
+  }
+  REQUIRE(blocks.size() == 4);
+  for (size_t i = 0; i < g.layers.size(); ++i) {
+    const auto at = static_cast<int64_t>(i);
+    plan.layers[i].stage = at <= blocks[0] ? 0 : at <= blocks[1] ? 1 : at <= blocks[2] ? 2 : 3;
+  }
+  plan.schedule = ScheduleKind::zero_bubble_v;
+  plan.virtual_stages = 2;
+  validate(plan, g);
+  const Prediction v = predict(g, plan);
+  REQUIRE(v.ranks.size() == 2);
+  // Rank 0 runs stages 0 and 3 (embedding and head): the job holds the model once.
+  const double bytes = plan.training.param_bytes;
+  CHECK(v.ranks[0].memory.params + v.ranks[1].memory.params ==
+        Approx(static_cast<double>(g.total_params()) * bytes).epsilon(1e-12));
+  CHECK(v.time.dp_comm == 0.0);  // nothing to all-reduce between ends on one rank
+  // The same stages round robin (interleaved: stages 0 and 2 on rank 0, 1 and 3 on rank 1):
+  // each end's rank holds a copy.
+  plan.schedule = ScheduleKind::interleaved_1f1b;
+  const Prediction rr = predict(g, plan);
+  const double tied = static_cast<double>(g.tied_params(0));
+  CHECK(rr.ranks[0].memory.params + rr.ranks[1].memory.params ==
+        Approx((static_cast<double>(g.total_params()) + tied) * bytes).epsilon(1e-12));
+}
+
 TEST_CASE("tensor-parallel bytes per step: Megatron's all-reduces as ring volumes", "[cost_model][tp]") {
   TransformerConfig c = transformer_config(2, 64, 4, 32, 128);
   c.dtype = DType::fp32;

@@ -254,6 +254,11 @@ TEST_CASE("pins that rule every layout out say why", "[search][errors]") {
   pins.schedule = ScheduleKind::zero_bubble_v;
   CHECK_THROWS_WITH(search(tiny_model(4), cluster_preset("cpu", 4), batch(8), with_pins(pins)),
                     Catch::Contains("zbv with pp=4 needs 8 stages (two per rank), the model can be cut into at most 4"));
+  try {  // the cause alone: no "impossible with pp=4 and N micro-batches" beside it
+    search(tiny_model(4), cluster_preset("cpu", 4), batch(8), with_pins(pins));
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("impossible with") == std::string::npos);
+  }
   pins.pp = 2;  // 4 stages fit: a V of two stages per rank
   const Plan v = search(tiny_model(4), cluster_preset("cpu", 2), batch(8), with_pins(pins));
   CHECK(v.schedule == ScheduleKind::zero_bubble_v);

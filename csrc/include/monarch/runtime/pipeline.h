@@ -100,7 +100,8 @@ class PipelineExecutor {
 
   const planner::Schedule& schedule() const { return schedule_; }
   const std::vector<planner::Action>& program() const { return schedule_.per_rank[rank_]; }
-  // Stages this rank runs, in order (stage = rank + k * pp).
+  // Stages this rank runs, in order (planner::pipeline_rank_of_stage: rank + k * pp, or
+  // ZB-V's rank and 2 pp - 1 - rank).
   std::vector<int64_t> local_stages() const;
 
   // Runs one step of this rank's program. `forward_only` runs only the forward actions and
