@@ -92,10 +92,9 @@ def runtime_training(info, global_batch, dtype=None, pins=None, param_dtype=None
     # Pipelines need blocks and a forward the stage cut can trace (``cut_problem`` says why not).
     t.allow_pipeline_parallel = len(info.blocks) > 1 and cut_problem is None
     t.schedules = [_planner.ScheduleKind.one_f_one_b, _planner.ScheduleKind.interleaved_1f1b,
-                   _planner.ScheduleKind.zero_bubble_h1]  # zbv when pinned (TrainingConfig.schedules)
-    if compiled:  # the zero-bubble schedules' deferred linears do not trace (compile.check)
-        t.schedules = [k for k in t.schedules if k not in (_planner.ScheduleKind.zero_bubble_h1,
-                                                           _planner.ScheduleKind.zero_bubble_v)]
+                   _planner.ScheduleKind.zero_bubble_h1]  # zbv only when pinned (TrainingConfig.schedules)
+    if compiled:  # the zero-bubble schedule's deferred linears do not trace (compile.check)
+        t.schedules = [k for k in t.schedules if k != _planner.ScheduleKind.zero_bubble_h1]
         t.recompute_modes = [m for m in t.recompute_modes if m != _planner.Recompute.selective]
     return t
 
